@@ -1,0 +1,29 @@
+# Two commands do everything on a fresh Debian 12 machine, as root: `make demo` and `make test`.
+SHELL := /bin/bash
+VENV := .venv
+CLI := $(VENV)/bin/ebpf-proxy
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test lint unit clean-lab clean bench
+
+setup:
+	@scripts/setup.sh
+
+demo: setup
+	$(CLI) lab demo
+
+test: setup
+	$(VENV)/bin/lint-imports
+	scripts/run-tests.sh $(PYTEST_ARGS)
+
+unit: setup
+	$(VENV)/bin/pytest tests/unit -q
+
+bench: setup
+	$(CLI) bench --quick
+
+clean-lab:
+	@if [ -x $(CLI) ]; then $(CLI) lab down --all; else echo "no CLI yet: nothing the lab made"; fi
+
+clean: clean-lab
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,40 @@
+"""The one interface every datapath implements: the agent decides *what*, a datapath decides *how*."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+from ebpf_proxy.model import ChangeSet, NodeConfig, ProxyState
+
+
+@dataclass
+class SyncResult:
+    """What a sync did, for metrics and logs (e.g. {"rules": 412} or {"map_writes": 3})."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+class Datapath(abc.ABC):
+    """Programs the kernel so that packets follow `ProxyState` (see shared SEMANTICS.md)."""
+
+    mode: str = ""
+
+    def __init__(self, node: NodeConfig) -> None:
+        self.node = node
+
+    @abc.abstractmethod
+    def sync(self, state: ProxyState, changes: ChangeSet) -> SyncResult:
+        """Make the kernel match `state`. `changes` says what moved since the last successful sync;
+        with `changes.full` the datapath reconciles everything. Raises on failure (the runner retries)."""
+
+    @abc.abstractmethod
+    def cleanup(self) -> None:
+        """Remove everything this datapath ever installed on this node (idempotent)."""
+
+    def stats(self) -> dict[str, int]:
+        """Kernel state size (rules, map entries) for metrics and the bench."""
+        return {}
+
+    def close(self) -> None:
+        """Stop without removing the datapath (SIGTERM): traffic keeps flowing across restarts."""

@@ -1,0 +1,1 @@
+"""datapath/iptables"""

@@ -1,0 +1,26 @@
+"""Kubernetes service semantics as pure Python (no kubernetes client, no bcc, no netlink)."""
+
+from ebpf_proxy.model.categorize import EndpointSets, categorize
+from ebpf_proxy.model.types import (
+    DEFAULT_AFFINITY_TIMEOUT_SECONDS,
+    ChangeSet,
+    Endpoint,
+    NodeConfig,
+    Protocol,
+    ProxyState,
+    ServicePort,
+    ServicePortName,
+)
+
+__all__ = [
+    "DEFAULT_AFFINITY_TIMEOUT_SECONDS",
+    "ChangeSet",
+    "Endpoint",
+    "EndpointSets",
+    "NodeConfig",
+    "Protocol",
+    "ProxyState",
+    "ServicePort",
+    "ServicePortName",
+    "categorize",
+]

@@ -1,0 +1,147 @@
+"""The proxy's view of Kubernetes: service ports and their endpoints, as plain immutable values.
+
+This is the contract between the control plane (which builds these from API objects) and every
+datapath (which turns them into iptables rules or BPF map entries). It mirrors kube-proxy's
+`ServicePort`/`Endpoint` interfaces, keeps only what a datapath needs, and stays free of the
+`kubernetes` client and of bcc so the semantics can be unit-tested without root.
+"""
+
+from __future__ import annotations
+
+import enum
+import ipaddress
+from dataclasses import dataclass, field
+
+DEFAULT_AFFINITY_TIMEOUT_SECONDS = 10800  # kube's default for sessionAffinity=ClientIP
+
+
+class Protocol(str, enum.Enum):
+    TCP = "TCP"
+    UDP = "UDP"
+    SCTP = "SCTP"
+
+    @property
+    def lower(self) -> str:
+        return self.value.lower()
+
+
+@dataclass(frozen=True, order=True)
+class ServicePortName:
+    """Identifies one port of one service, like kube-proxy's `ServicePortName` (ns/name:port)."""
+
+    namespace: str
+    name: str
+    port: str  # the service port's name ("" for an unnamed single port)
+    protocol: Protocol
+
+    def __str__(self) -> str:
+        port = f":{self.port}" if self.port else ""
+        return f"{self.namespace}/{self.name}{port}"
+
+    @property
+    def service(self) -> str:
+        """namespace/name of the owning Service."""
+        return f"{self.namespace}/{self.name}"
+
+
+@dataclass(frozen=True)
+class ServicePort:
+    """One port of a Service, with every field that changes how a packet is handled."""
+
+    name: ServicePortName
+    cluster_ip: str | None  # None for headless services (kube-proxy does not program those)
+    port: int
+    protocol: Protocol
+    node_port: int = 0
+    external_ips: tuple[str, ...] = ()
+    load_balancer_ips: tuple[str, ...] = ()
+    load_balancer_source_ranges: tuple[str, ...] = ()
+    external_policy_local: bool = False  # only True when externally accessible (as kube-proxy sets it)
+    internal_policy_local: bool = False
+    affinity_timeout_seconds: int = 0  # 0: no session affinity; else ClientIP with this timeout
+    health_check_node_port: int = 0
+
+    @property
+    def externally_accessible(self) -> bool:
+        return bool(self.node_port or self.external_ips or self.load_balancer_ips)
+
+    @property
+    def uses_cluster_endpoints(self) -> bool:
+        # Even with externalTrafficPolicy=Local, cluster endpoints are needed to short-circuit
+        # traffic from pods and from the node itself (SEMANTICS rules 6 and 7).
+        return not self.internal_policy_local or self.externally_accessible
+
+    @property
+    def uses_local_endpoints(self) -> bool:
+        return self.internal_policy_local or (self.external_policy_local and self.externally_accessible)
+
+    @property
+    def session_affinity(self) -> bool:
+        return self.affinity_timeout_seconds > 0
+
+
+@dataclass(frozen=True, order=True)
+class Endpoint:
+    """One backend address:port of a service port, with EndpointSlice conditions already defaulted."""
+
+    ip: str
+    port: int
+    node_name: str | None = None
+    ready: bool = True
+    serving: bool = True
+    terminating: bool = False
+    is_local: bool = False  # node_name == this node; set by the control plane
+
+    @property
+    def addr(self) -> str:
+        return f"{self.ip}:{self.port}"
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """What a datapath needs to know about the node it runs on (kube-proxy's flags and node state)."""
+
+    node_name: str
+    node_ips: tuple[str, ...] = ()  # every LOCAL address usable for NodePorts (after --nodeport-addresses)
+    cluster_cidrs: tuple[str, ...] = ()  # --cluster-cidr; empty: unknown (then masquerade all off-pod)
+    nodeport_addresses: tuple[str, ...] = ()  # CIDRs; empty: all local addresses
+    masquerade_all: bool = False
+    masquerade_bit: int = 14  # mark 0x4000, as kube-proxy
+    localhost_nodeports: bool = True
+
+    def __post_init__(self) -> None:
+        for cidr in (*self.cluster_cidrs, *self.nodeport_addresses):
+            ipaddress.ip_network(cidr, strict=False)  # ValueError names the bad CIDR
+
+    def in_cluster_cidr(self, ip: str) -> bool:
+        addr = ipaddress.ip_address(ip)
+        return any(addr in ipaddress.ip_network(c, strict=False) for c in self.cluster_cidrs)
+
+
+@dataclass(frozen=True)
+class ProxyState:
+    """A whole desired state: every programmable service port and its endpoints."""
+
+    services: dict[ServicePortName, ServicePort] = field(default_factory=dict)
+    endpoints: dict[ServicePortName, tuple[Endpoint, ...]] = field(default_factory=dict)
+
+    def endpoints_of(self, name: ServicePortName) -> tuple[Endpoint, ...]:
+        return self.endpoints.get(name, ())
+
+
+@dataclass(frozen=True)
+class ChangeSet:
+    """What changed since the previous sync, as kube-proxy's change trackers report it.
+
+    `full` asks the datapath to reconcile everything (first sync, periodic resync, after an error);
+    otherwise `services` lists the service ports whose service or endpoints changed (added,
+    updated or deleted: a name absent from the new ProxyState was deleted).
+    `stale_udp_endpoints` are (service port, endpoint IP) pairs whose conntrack entries must go
+    because the endpoint went away; `stale_udp_services` are UDP service ports that went from no
+    endpoints to some, whose old (black-holed) conntrack entries must go too.
+    """
+
+    full: bool = True
+    services: frozenset[ServicePortName] = frozenset()
+    stale_udp_endpoints: frozenset[tuple[ServicePortName, str]] = frozenset()
+    stale_udp_services: frozenset[ServicePortName] = frozenset()
