@@ -1,0 +1,606 @@
+"""The lab's topology file: which nodes, pods and outside clients the lab builds.
+
+A topology is a YAML mapping; only these keys are accepted (a misspelt key is an error,
+not a silently ignored setting)::
+
+    serviceCIDR: 10.96.0.0/12       # optional, default 10.96.0.0/12: ClusterIPs come from here
+    clusterCIDR: 10.244.0.0/16      # optional, default 10.244.0.0/16: every podCIDR lies inside
+    apiServerIP: 192.0.2.1          # optional, default 192.0.2.1: the embedded API server's
+                                    #   address on the underlay, reachable from every node
+    nodes:                          # required, at least one
+      - name: worker1               # required, DNS label; unique
+        ip: 172.20.20.15            # required, the node's InternalIP; unique in the whole file
+        extraIPs: [192.168.99.11]   # optional, more addresses on the node's uplink
+        podCIDR: 10.244.5.0/24      # optional, default: the (index+1)-th free /24 of clusterCIDR
+    pods:                           # optional
+      - name: web-1                 # required, DNS-1123 name up to 63 characters; unique
+        node: worker1               # required, a node above
+        namespace: default          # optional, default "default"
+        ip: 10.244.5.4              # optional: allocated from the node's podCIDR (skipping the
+                                    #   .0 network and .1 gateway addresses and taken ones);
+                                    #   a fixed IP may lie outside the podCIDR
+        labels: {app: web}          # optional, string values
+        listen: [80/tcp, 53/udp]    # optional, default [80/tcp]: what the pod's server serves
+    clients:                        # optional: machines outside the cluster
+      - name: outside               # required, DNS label; unique
+        ip: 203.0.113.5             # required
+        gateway: worker1            # optional, default the first node: the client's default
+                                    #   route, so traffic to externalIPs/LoadBalancer IPs
+                                    #   reaches a node
+    kubeProxyConfiguration: {...}   # optional: a KubeProxyConfiguration handed to every agent
+
+Nodes, pods and clients need not share a subnet: the lab routes every address explicitly
+(see ``ebpf_proxy.lab.netns``). Addresses must be unique across the file, usable unicast
+IPv4 (no loopback, link-local, multicast or reserved), and outside serviceCIDR; node, client
+and API server addresses must also be outside clusterCIDR, which belongs to pods. A fixed pod
+IP may not lie in another node's podCIDR.
+
+Parsing yields frozen dataclasses; every error is a :class:`TopologyError` naming the field at
+fault, e.g. ``nodes[1].ip: '172.20.20.300' is not an IPv4 address``.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import importlib.resources
+import ipaddress
+import os
+import re
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
+
+import yaml
+
+IPv4Address = ipaddress.IPv4Address
+IPv4Network = ipaddress.IPv4Network
+
+DEFAULT_SERVICE_CIDR = "10.96.0.0/12"
+DEFAULT_CLUSTER_CIDR = "10.244.0.0/16"
+DEFAULT_API_SERVER_IP = "192.0.2.1"
+DEFAULT_NAMESPACE = "default"
+DEFAULT_LISTEN = ("80/tcp",)
+DEFAULT_POD_CIDR_PREFIX = 24
+PROTOCOLS = ("tcp", "udp")
+
+_TOP_KEYS = ("serviceCIDR", "clusterCIDR", "apiServerIP", "nodes", "pods", "clients",
+             "kubeProxyConfiguration")
+_NODE_KEYS = ("name", "ip", "extraIPs", "podCIDR")
+_POD_KEYS = ("name", "node", "namespace", "ip", "labels", "listen")
+_CLIENT_KEYS = ("name", "ip", "gateway")
+
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+_LISTEN = re.compile(r"^(\d+)/([A-Za-z]+)$")
+
+
+class TopologyError(ValueError):
+    """An invalid topology; ``field`` is the path of the offending value (``nodes[1].ip``)."""
+
+    def __init__(self, field: str, problem: str, source: str | None = None):
+        self.field = field
+        self.problem = problem
+        self.source = source
+        where = f"{source}: " if source else ""
+        super().__init__(f"{where}{field}: {problem}" if field else f"{where}{problem}")
+
+
+# Addresses and CIDRs are kept as canonical strings ("10.244.1.0/24"): they go straight into
+# JSON, argv and API objects; code that computes with them wraps them in ipaddress itself.
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    name: str
+    ip: str
+    extra_ips: tuple[str, ...] = ()
+    pod_cidr: str = ""
+
+    @property
+    def all_ips(self) -> tuple[str, ...]:
+        return (self.ip, *self.extra_ips)
+
+
+@dataclass(frozen=True)
+class PodSpec:
+    """A pod. ``ip`` is None only in a spec not yet added to a Topology (then allocated)."""
+
+    name: str
+    node: str
+    ip: str | None = None
+    namespace: str = DEFAULT_NAMESPACE
+    labels: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), hash=False)
+    listen: tuple[str, ...] = DEFAULT_LISTEN  # canonical "PORT/tcp" / "PORT/udp"
+
+
+@dataclass(frozen=True)
+class ClientSpec:
+    name: str
+    ip: str
+    gateway: str  # node name
+
+
+@dataclass(frozen=True)
+class Topology:
+    service_cidr: str
+    cluster_cidr: str
+    api_server_ip: str
+    nodes: tuple[NodeSpec, ...]
+    pods: tuple[PodSpec, ...] = ()
+    clients: tuple[ClientSpec, ...] = ()
+    kube_proxy_configuration: Mapping[str, Any] | None = field(default=None, hash=False)
+
+    def node(self, name: str) -> NodeSpec:
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        raise KeyError(f"node {name!r} is not in the topology")
+
+    def pod(self, name: str) -> PodSpec:
+        for pod in self.pods:
+            if pod.name == name:
+                return pod
+        raise KeyError(f"pod {name!r} is not in the topology")
+
+    def client(self, name: str) -> ClientSpec:
+        for client in self.clients:
+            if client.name == name:
+                return client
+        raise KeyError(f"client {name!r} is not in the topology")
+
+    def pods_on(self, node: str) -> tuple[PodSpec, ...]:
+        return tuple(p for p in self.pods if p.node == node)
+
+    def pod_prefixes(self, node: str) -> tuple[str, ...]:
+        """Destinations the rest of the lab routes via ``node``: its podCIDR, plus a /32 for
+        each of its pods whose fixed IP lies outside that podCIDR."""
+        cidr = IPv4Network(self.node(node).pod_cidr)
+        extra = [f"{p.ip}/32" for p in self.pods_on(node) if IPv4Address(p.ip) not in cidr]
+        return (str(cidr), *extra)
+
+    def with_pod(self, pod: PodSpec) -> "Topology":
+        """A copy with ``pod`` added, validated like a file; ``pod.ip`` None allocates one."""
+        data = self.to_dict()
+        entry: dict[str, Any] = {
+            "name": pod.name, "node": pod.node, "namespace": pod.namespace,
+            "labels": dict(pod.labels), "listen": [str(x) for x in pod.listen],
+        }
+        if pod.ip is not None:
+            entry["ip"] = str(pod.ip)
+        data["pods"].append(entry)
+        return parse_topology(data)
+
+    def without_pod(self, name: str) -> "Topology":
+        """A copy without pod ``name``; KeyError if there is no such pod."""
+        self.pod(name)
+        data = self.to_dict()
+        data["pods"] = [p for p in data["pods"] if p["name"] != name]
+        return parse_topology(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The topology as a file would write it, allocated IPs and podCIDRs included, so
+        that ``parse_topology(t.to_dict()) == t`` (and JSON can hold it)."""
+        data: dict[str, Any] = {
+            "serviceCIDR": self.service_cidr,
+            "clusterCIDR": self.cluster_cidr,
+            "apiServerIP": self.api_server_ip,
+            "nodes": [
+                {"name": n.name, "ip": n.ip, "extraIPs": list(n.extra_ips),
+                 "podCIDR": n.pod_cidr}
+                for n in self.nodes
+            ],
+            "pods": [
+                {"name": p.name, "node": p.node, "namespace": p.namespace, "ip": p.ip,
+                 "labels": dict(p.labels), "listen": list(p.listen)}
+                for p in self.pods
+            ],
+            "clients": [
+                {"name": c.name, "ip": c.ip, "gateway": c.gateway} for c in self.clients
+            ],
+        }
+        if self.kube_proxy_configuration is not None:
+            data["kubeProxyConfiguration"] = copy.deepcopy(dict(self.kube_proxy_configuration))
+        return data
+
+
+def with_pod(topology: Topology, pod: PodSpec) -> Topology:
+    """``topology`` plus ``pod`` (its IP allocated if None); see :meth:`Topology.with_pod`."""
+    return topology.with_pod(pod)
+
+
+def without_pod(topology: Topology, name: str) -> Topology:
+    return topology.without_pod(name)
+
+
+def topology_to_dict(topology: Topology) -> dict[str, Any]:
+    return topology.to_dict()
+
+
+def topology_from_dict(data: Any, source: str | None = None) -> Topology:
+    return parse_topology(data, source)
+
+
+def parse_listen(entry: str) -> tuple[int, str]:
+    """``"53/udp"`` -> ``(53, "udp")``; TopologyError if malformed."""
+    return _listen_entry(entry, "listen")
+
+
+def allocate_pod_ip(topology: Topology, node: str) -> str:
+    """The first free address of ``node``'s podCIDR (never .0, .1 or the broadcast address)."""
+    spec = topology.node(node)
+    found = _first_free(IPv4Network(spec.pod_cidr), _taken_ips(topology))
+    if found is None:
+        raise TopologyError(f"nodes[{topology.nodes.index(spec)}].podCIDR",
+                            f"{spec.pod_cidr} of node {node!r} has no free address left")
+    return str(found)
+
+
+def load_topology(path: str | os.PathLike[str] | None = None) -> Topology:
+    """Read and validate a topology file; ``None`` means the packaged default topology."""
+    if path is None:
+        resource = importlib.resources.files("ebpf_proxy.lab") / "default_topology.yaml"
+        return topology_from_yaml(resource.read_text(), source="default topology")
+    source = os.fspath(path)
+    try:
+        with open(source, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise TopologyError("", f"cannot read topology file: {e.strerror}", source) from e
+    return topology_from_yaml(text, source=source)
+
+
+def topology_from_yaml(text: str, source: str | None = None) -> Topology:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise TopologyError("", f"not valid YAML: {where}{problem}", source) from e
+    return parse_topology(data, source=source)
+
+
+def parse_topology(data: Any, source: str | None = None) -> Topology:
+    """Validate a topology given as plain data (the parsed YAML) and build the dataclasses."""
+    try:
+        return _Parser(data).parse()
+    except TopologyError as e:
+        if source is None:
+            raise
+        raise TopologyError(e.field, e.problem, source) from None
+
+
+# --- parsing --------------------------------------------------------------------------------
+
+
+def _taken_ips(topology: Topology) -> set[IPv4Address]:
+    taken = [topology.api_server_ip, *(c.ip for c in topology.clients)]
+    for n in topology.nodes:
+        taken.extend(n.all_ips)
+    taken.extend(p.ip for p in topology.pods if p.ip is not None)
+    return {IPv4Address(x) for x in taken}
+
+
+def _first_free(cidr: IPv4Network, taken: set[IPv4Address]) -> IPv4Address | None:
+    first = int(cidr.network_address) + 2  # skip the network (.0) and gateway (.1) addresses
+    last = int(cidr.broadcast_address) - 1
+    for value in range(first, last + 1):
+        candidate = IPv4Address(value)
+        if candidate not in taken:
+            return candidate
+    return None
+
+
+def _check_keys(obj: Mapping[str, Any], allowed: tuple[str, ...], where: str) -> None:
+    for key in obj:
+        if key not in allowed:
+            lowered = {k.lower(): k for k in allowed}
+            close = difflib.get_close_matches(str(key).lower(), list(lowered), n=1)
+            hint = [lowered[close[0]]] if close else []
+            suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
+            prefix = f"{where}." if where else ""
+            raise TopologyError(
+                f"{prefix}{key}",
+                f"unknown key{suggestion}; allowed keys: {', '.join(allowed)}",
+            )
+
+
+def _mapping(value: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise TopologyError(where, f"expected a mapping, got {_kind(value)}")
+    return value
+
+
+def _list(value: Any, where: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise TopologyError(where, f"expected a list, got {_kind(value)}")
+    return value
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "nothing"
+    return f"{type(value).__name__} {value!r}"
+
+
+def _required(obj: Mapping[str, Any], key: str, where: str) -> Any:
+    if key not in obj or obj[key] is None:
+        raise TopologyError(f"{where}.{key}", "is required")
+    return obj[key]
+
+
+def _name(value: Any, where: str, pattern: re.Pattern[str], what: str) -> str:
+    if not isinstance(value, str):
+        raise TopologyError(where, f"{_kind(value)} is not a string")
+    if len(value) > 63 or not pattern.match(value):
+        raise TopologyError(where, f"{value!r} is not a valid {what}")
+    return value
+
+
+def _ip(value: Any, where: str) -> IPv4Address:
+    if isinstance(value, str):
+        try:
+            ip = IPv4Address(value)
+        except ValueError:
+            raise TopologyError(where, f"{value!r} is not an IPv4 address") from None
+    else:
+        raise TopologyError(where, f"{value!r} is not an IPv4 address")
+    for bad, what in (
+        (ip.is_unspecified, "unspecified"),
+        (ip.is_loopback, "loopback"),
+        (ip.is_link_local, "link-local (the lab uses 169.254.0.0/16 for pod gateways)"),
+        (ip.is_multicast, "multicast"),
+        (ip.is_reserved, "reserved"),
+    ):
+        if bad:
+            raise TopologyError(where, f"{value!r} is a {what} address, not a usable host address")
+    return ip
+
+
+def _cidr(value: Any, where: str) -> IPv4Network:
+    if not isinstance(value, str):
+        raise TopologyError(where, f"{value!r} is not an IPv4 CIDR like 10.244.0.0/16")
+    try:
+        return IPv4Network(value)
+    except ValueError as e:
+        try:
+            loose = IPv4Network(value, strict=False)
+        except ValueError:
+            raise TopologyError(where, f"{value!r} is not an IPv4 CIDR like 10.244.0.0/16") from e
+        raise TopologyError(where, f"{value!r} has host bits set (did you mean {loose}?)") from e
+
+
+def _listen_entry(value: Any, where: str) -> tuple[int, str]:
+    match = _LISTEN.match(value) if isinstance(value, str) else None
+    if not match:
+        raise TopologyError(where, f"{value!r} is not PORT/tcp or PORT/udp")
+    port, proto = int(match.group(1)), match.group(2).lower()
+    if not 1 <= port <= 65535:
+        raise TopologyError(where, f"{value!r}: port {port} is outside 1-65535")
+    if proto not in PROTOCOLS:
+        raise TopologyError(where, f"{value!r}: protocol {proto!r} is not tcp or udp")
+    return port, proto
+
+
+def _labels(value: Any, where: str) -> Mapping[str, str]:
+    labels = _mapping(value, where)
+    out: dict[str, str] = {}
+    for key, val in labels.items():
+        if not isinstance(key, str) or not _label_key_ok(key):
+            raise TopologyError(f"{where}", f"{key!r} is not a valid label key")
+        if not isinstance(val, str):
+            raise TopologyError(f"{where}.{key}",
+                                f"{val!r} is not a string (quote it in YAML: '{val}')")
+        if val and (len(val) > 63 or not _LABEL_NAME.match(val)):
+            raise TopologyError(f"{where}.{key}", f"{val!r} is not a valid label value")
+        out[key] = val
+    return MappingProxyType(out)
+
+
+def _label_key_ok(key: str) -> bool:
+    prefix, _, name = key.rpartition("/")
+    if prefix and (len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix)):
+        return False
+    return 0 < len(name) <= 63 and bool(_LABEL_NAME.match(name))
+
+
+class _Parser:
+    """One validation pass; keeps the owner of every address for collision messages."""
+
+    def __init__(self, data: Any):
+        self.data = data
+        self.owners: dict[IPv4Address, str] = {}
+
+    def claim(self, ip: IPv4Address, where: str) -> None:
+        if ip in self.owners:
+            raise TopologyError(where, f"{ip} is already used by {self.owners[ip]}")
+        self.owners[ip] = where
+
+    def parse(self) -> Topology:
+        top = _mapping(self.data, "topology")
+        _check_keys(top, _TOP_KEYS, "")
+        service = _cidr(top.get("serviceCIDR", DEFAULT_SERVICE_CIDR), "serviceCIDR")
+        cluster = _cidr(top.get("clusterCIDR", DEFAULT_CLUSTER_CIDR), "clusterCIDR")
+        if service.overlaps(cluster):
+            raise TopologyError("serviceCIDR", f"{service} overlaps clusterCIDR {cluster}")
+        self.service, self.cluster = service, cluster
+        api_ip = self.host_ip(top.get("apiServerIP", DEFAULT_API_SERVER_IP), "apiServerIP")
+        self.claim(api_ip, "apiServerIP")
+
+        nodes = self.parse_nodes(top.get("nodes"))
+        clients = self.parse_clients(top.get("clients", []), nodes)
+        pods = self.parse_pods(top.get("pods", []), nodes)
+
+        kpc = top.get("kubeProxyConfiguration")
+        if kpc is not None:
+            kpc = _mapping(kpc, "kubeProxyConfiguration")
+            kind = kpc.get("kind", "KubeProxyConfiguration")
+            if kind != "KubeProxyConfiguration":
+                raise TopologyError("kubeProxyConfiguration.kind",
+                                    f"{kind!r} is not KubeProxyConfiguration")
+            kpc = MappingProxyType(copy.deepcopy(dict(kpc)))
+        return Topology(str(service), str(cluster), str(api_ip), nodes, pods, clients, kpc)
+
+    def host_ip(self, value: Any, where: str) -> IPv4Address:
+        """An address of the underlay (node, client, API server): outside the cluster ranges."""
+        ip = _ip(value, where)
+        if ip in self.service:
+            raise TopologyError(where, f"{ip} lies inside serviceCIDR {self.service}")
+        if ip in self.cluster:
+            raise TopologyError(where, f"{ip} lies inside clusterCIDR {self.cluster}, "
+                                       "which is reserved for pods")
+        return ip
+
+    def parse_nodes(self, raw: Any) -> tuple[NodeSpec, ...]:
+        if raw is None:
+            raise TopologyError("nodes", "is required: a list of at least one node")
+        items = _list(raw, "nodes")
+        if not items:
+            raise TopologyError("nodes", "must list at least one node")
+        names: dict[str, int] = {}
+        partial = []
+        for i, item in enumerate(items):
+            where = f"nodes[{i}]"
+            obj = _mapping(item, where)
+            _check_keys(obj, _NODE_KEYS, where)
+            name = _name(_required(obj, "name", where), f"{where}.name", _DNS_LABEL, "node name")
+            if name in names:
+                raise TopologyError(f"{where}.name",
+                                    f"{name!r} duplicates nodes[{names[name]}].name")
+            names[name] = i
+            ip = self.host_ip(_required(obj, "ip", where), f"{where}.ip")
+            self.claim(ip, f"{where}.ip")
+            extra = []
+            for j, x in enumerate(_list(obj.get("extraIPs", []) or [], f"{where}.extraIPs")):
+                eip = self.host_ip(x, f"{where}.extraIPs[{j}]")
+                self.claim(eip, f"{where}.extraIPs[{j}]")
+                extra.append(eip)
+            cidr = None
+            if obj.get("podCIDR") is not None:
+                cidr = _cidr(obj["podCIDR"], f"{where}.podCIDR")
+                if not cidr.subnet_of(self.cluster):
+                    raise TopologyError(f"{where}.podCIDR",
+                                        f"{cidr} is not inside clusterCIDR {self.cluster}")
+            partial.append((name, ip, tuple(extra), cidr))
+        cidrs = self.assign_pod_cidrs([p[3] for p in partial])
+        return tuple(NodeSpec(n, str(ip), tuple(str(x) for x in extra), str(cidr))
+                     for (n, ip, extra, _), cidr in zip(partial, cidrs))
+
+    def assign_pod_cidrs(self, given: list[IPv4Network | None]) -> list[IPv4Network]:
+        for i, a in enumerate(given):
+            for j in range(i):
+                b = given[j]
+                if a is not None and b is not None and a.overlaps(b):
+                    raise TopologyError(f"nodes[{i}].podCIDR",
+                                        f"{a} overlaps nodes[{j}].podCIDR {b}")
+        out: list[IPv4Network] = []
+        used = [c for c in given if c is not None]
+        for i, cidr in enumerate(given):
+            if cidr is None:
+                cidr = self.default_pod_cidr(i, used)
+                used.append(cidr)
+            out.append(cidr)
+        return out
+
+    def default_pod_cidr(self, index: int, used: list[IPv4Network]) -> IPv4Network:
+        where = f"nodes[{index}].podCIDR"
+        if self.cluster.prefixlen > DEFAULT_POD_CIDR_PREFIX:
+            raise TopologyError(where, f"cannot pick a default: clusterCIDR {self.cluster} is "
+                                       f"smaller than a /{DEFAULT_POD_CIDR_PREFIX}; set podCIDR")
+        count = 1 << (DEFAULT_POD_CIDR_PREFIX - self.cluster.prefixlen)
+        size = 1 << (32 - DEFAULT_POD_CIDR_PREFIX)
+        base = int(self.cluster.network_address)
+        for k in range(index + 1, count):
+            candidate = IPv4Network((base + k * size, DEFAULT_POD_CIDR_PREFIX))
+            if not any(candidate.overlaps(u) for u in used):
+                return candidate
+        raise TopologyError(where, f"cannot pick a default: no free /{DEFAULT_POD_CIDR_PREFIX} "
+                                   f"left in clusterCIDR {self.cluster}; set podCIDR")
+
+    def parse_clients(self, raw: Any, nodes: tuple[NodeSpec, ...]) -> tuple[ClientSpec, ...]:
+        items = _list(raw if raw is not None else [], "clients")
+        node_names = [n.name for n in nodes]
+        names: dict[str, int] = {}
+        out = []
+        for i, item in enumerate(items):
+            where = f"clients[{i}]"
+            obj = _mapping(item, where)
+            _check_keys(obj, _CLIENT_KEYS, where)
+            name = _name(_required(obj, "name", where), f"{where}.name", _DNS_LABEL,
+                         "client name")
+            if name in names:
+                raise TopologyError(f"{where}.name",
+                                    f"{name!r} duplicates clients[{names[name]}].name")
+            names[name] = i
+            ip = self.host_ip(_required(obj, "ip", where), f"{where}.ip")
+            self.claim(ip, f"{where}.ip")
+            gateway = obj.get("gateway", node_names[0])
+            if gateway not in node_names:
+                raise TopologyError(f"{where}.gateway", f"{gateway!r} is not a node "
+                                                        f"(nodes: {', '.join(node_names)})")
+            out.append(ClientSpec(name, str(ip), gateway))
+        return tuple(out)
+
+    def parse_pods(self, raw: Any, nodes: tuple[NodeSpec, ...]) -> tuple[PodSpec, ...]:
+        items = _list(raw if raw is not None else [], "pods")
+        by_name = {n.name: n for n in nodes}
+        names: dict[str, int] = {}
+        partial = []
+        for i, item in enumerate(items):
+            where = f"pods[{i}]"
+            obj = _mapping(item, where)
+            _check_keys(obj, _POD_KEYS, where)
+            name = _name(_required(obj, "name", where), f"{where}.name", _DNS_SUBDOMAIN,
+                         "pod name (lowercase DNS-1123, at most 63 characters)")
+            if name in names:
+                raise TopologyError(f"{where}.name",
+                                    f"{name!r} duplicates pods[{names[name]}].name")
+            names[name] = i
+            node_name = _required(obj, "node", where)
+            if node_name not in by_name:
+                raise TopologyError(f"{where}.node", f"{node_name!r} is not a node "
+                                                     f"(nodes: {', '.join(by_name)})")
+            namespace = _name(obj.get("namespace", DEFAULT_NAMESPACE), f"{where}.namespace",
+                              _DNS_LABEL, "namespace")
+            labels = _labels(obj.get("labels") or {}, f"{where}.labels")
+            listen_raw = obj.get("listen", list(DEFAULT_LISTEN))
+            listen: list[str] = []
+            for j, entry in enumerate(_list(listen_raw, f"{where}.listen")):
+                port, proto = _listen_entry(entry, f"{where}.listen[{j}]")
+                canonical = f"{port}/{proto}"
+                if canonical in listen:
+                    raise TopologyError(f"{where}.listen[{j}]", f"{canonical} is listed twice")
+                listen.append(canonical)
+            ip = None
+            if obj.get("ip") is not None:
+                ip = self.pod_ip(obj["ip"], f"{where}.ip", by_name[node_name], nodes)
+                self.claim(ip, f"{where}.ip")
+            partial.append([name, node_name, ip, namespace, labels, tuple(listen)])
+        for i, entry in enumerate(partial):  # allocate once every fixed address is known
+            if entry[2] is None:
+                node = by_name[entry[1]]
+                ip = _first_free(IPv4Network(node.pod_cidr), set(self.owners))
+                if ip is None:
+                    raise TopologyError(f"pods[{i}].ip", f"podCIDR {node.pod_cidr} of node "
+                                                         f"{node.name!r} has no free address")
+                self.claim(ip, f"pods[{i}].ip")
+                entry[2] = ip
+        return tuple(PodSpec(name, node, str(ip), namespace, labels, listen)
+                     for name, node, ip, namespace, labels, listen in partial)
+
+    def pod_ip(self, value: Any, where: str, node: NodeSpec,
+               nodes: tuple[NodeSpec, ...]) -> IPv4Address:
+        ip = _ip(value, where)
+        if ip in self.service:
+            raise TopologyError(where, f"{ip} lies inside serviceCIDR {self.service}")
+        own = IPv4Network(node.pod_cidr)
+        if ip in (own.network_address, own.broadcast_address):
+            raise TopologyError(where, f"{ip} is the network or broadcast address of "
+                                       f"podCIDR {node.pod_cidr} of node {node.name!r}")
+        for other in nodes:
+            if other is not node and ip in IPv4Network(other.pod_cidr):
+                raise TopologyError(where, f"{ip} lies in podCIDR {other.pod_cidr} of node "
+                                           f"{other.name!r}, but the pod runs on {node.name!r}")
+        return ip
