@@ -1,0 +1,129 @@
+"""Running iptables, iptables-save, iptables-restore and sysctl, optionally inside another netns.
+
+The agent runs inside its node's network namespace, so normally the commands run as they are.
+Tests (and the lab) point a datapath at a namespace of their own with a command prefix such as
+`ip netns exec NS`, so that nothing ever touches the namespace the tests run in.
+The runner is injectable so the sync logic can be unit-tested without root.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from collections.abc import Callable, Sequence
+
+Runner = Callable[[Sequence[str], "str | None"], subprocess.CompletedProcess]
+
+COMMAND_TIMEOUT_SECONDS = 60
+_LINE_RE = re.compile(r"line:? (\d+)")
+_QUOTED_RE = re.compile(r"[`'\"]([^`'\"\s]+)'")
+
+
+def run_command(cmd: Sequence[str], stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        list(cmd), input=stdin, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_SECONDS, check=False
+    )
+
+
+class IptablesError(RuntimeError):
+    """An iptables command failed; the message names the command and carries its stderr."""
+
+    def __init__(self, cmd: Sequence[str], result: subprocess.CompletedProcess) -> None:
+        self.cmd = tuple(cmd)
+        self.returncode = result.returncode
+        self.stderr = (result.stderr or "").strip()
+        super().__init__(f"{' '.join(self.cmd)} exited {self.returncode}: {self.stderr}")
+
+
+class RestoreError(IptablesError):
+    """iptables-restore rejected its input. Carries stderr and the offending input line, so the
+    log says what was wrong; the caller retries with a full sync."""
+
+    def __init__(self, cmd: Sequence[str], result: subprocess.CompletedProcess, text: str) -> None:
+        super().__init__(cmd, result)
+        self.input = text
+        self.line_no: int | None = None
+        self.line: str | None = None
+        match = _LINE_RE.search(self.stderr)
+        lines = text.splitlines()
+        if match and 0 < int(match.group(1)) <= len(lines):
+            self.line_no = int(match.group(1))
+            self.line = lines[self.line_no - 1]
+        if self.line is None or self.line == "COMMIT":
+            # The nft backend checks jump targets only at COMMIT and reports that line; the
+            # message names the culprit, so point at the first rule that mentions it instead.
+            for name in _QUOTED_RE.findall(self.stderr):
+                hit = next((i for i, line in enumerate(lines) if line.startswith("-A ") and name in line.split()), None)
+                if hit is not None:
+                    self.line_no, self.line = hit + 1, lines[hit]
+                    break
+        where = f"; input line {self.line_no}: {self.line}" if self.line is not None else ""
+        self.args = (f"{' '.join(self.cmd)} exited {self.returncode}: {self.stderr}{where}",)
+
+
+class IptablesCommands:
+    """The few iptables operations the datapath needs, each one command line."""
+
+    def __init__(
+        self,
+        *,
+        iptables: Sequence[str] = ("iptables",),
+        iptables_save: Sequence[str] = ("iptables-save",),
+        iptables_restore: Sequence[str] = ("iptables-restore",),
+        prefix: Sequence[str] = (),
+        runner: Runner | None = None,
+    ) -> None:
+        self._iptables = (*prefix, *iptables)
+        self._save = (*prefix, *iptables_save)
+        self._restore = (*prefix, *iptables_restore)
+        self._prefix = tuple(prefix)
+        self._run = runner or run_command
+
+    def _checked(self, cmd: Sequence[str], stdin: str | None = None) -> str:
+        result = self._run(cmd, stdin)
+        if result.returncode != 0:
+            raise IptablesError(cmd, result)
+        return result.stdout or ""
+
+    def save(self, table: str) -> str:
+        return self._checked((*self._save, "-t", table))
+
+    def restore(self, text: str) -> None:
+        """Apply `text` atomically; --noflush keeps every chain the input does not declare."""
+        cmd = (*self._restore, "-w", "--noflush")
+        result = self._run(cmd, text)
+        if result.returncode != 0:
+            raise RestoreError(cmd, result, text)
+
+    def rule_exists(self, table: str, chain: str, args: Sequence[str]) -> bool:
+        result = self._run((*self._iptables, "-w", "-t", table, "-C", chain, *args), None)
+        return result.returncode == 0
+
+    def insert_rule(self, table: str, chain: str, args: Sequence[str]) -> None:
+        self._checked((*self._iptables, "-w", "-t", table, "-I", chain, *args))
+
+    def delete_rule(self, table: str, chain: str, args: Sequence[str]) -> None:
+        self._checked((*self._iptables, "-w", "-t", table, "-D", chain, *args))
+
+    def new_chain(self, table: str, chain: str) -> None:
+        self._checked((*self._iptables, "-w", "-t", table, "-N", chain))
+
+    # Sysctls go through /proc/sys with cat and sh rather than procps' sysctl, which slim images
+    # lack; /proc/sys/net shows the network namespace of the process reading it.
+
+    def sysctl_get(self, key: str) -> str | None:
+        """The value, or None when the key does not exist (e.g. conntrack module not loaded)."""
+        result = self._run((*self._prefix, "cat", _sysctl_path(key)), None)
+        return (result.stdout or "").strip() if result.returncode == 0 else None
+
+    def sysctl_set(self, key: str, value: str) -> None:
+        self._checked((*self._prefix, "sh", "-c", 'printf %s "$1" > "$2"', "sysctl-set", value, _sysctl_path(key)))
+
+
+_SYSCTL_KEY_RE = re.compile(r"[a-z0-9_]+(\.[a-z0-9_]+)+")
+
+
+def _sysctl_path(key: str) -> str:
+    if not _SYSCTL_KEY_RE.fullmatch(key):
+        raise ValueError(f"not a sysctl key: {key!r}")
+    return "/proc/sys/" + key.replace(".", "/")

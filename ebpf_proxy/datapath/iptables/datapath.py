@@ -1,0 +1,230 @@
+"""The iptables datapath: kube-proxy's iptables mode, as the fallback and the reference for eBPF.
+
+A sync renders the desired ruleset (render.py), works out which chains must change
+(ruleset.py) and applies them in one `iptables-restore --noflush` (apply.py), then clears stale
+UDP conntrack entries (conntrack.py).
+
+Partial syncs, as kube-proxy's: the datapath remembers the ruleset it last applied and the
+per-service fragments it was built from. For a partial ChangeSet it re-renders only the listed
+service ports, reassembles, and sends only the chains whose text differs from what the kernel
+already has, plus `-X` for chains that disappeared. Any failure forgets that memory, so the
+next sync is a full one whatever the ChangeSet says: after a failed restore nobody knows what
+the kernel holds. A full sync also (re)ensures the jumps from the built-in chains and collects
+per-service chains left by earlier runs, from iptables-save.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from ebpf_proxy.datapath.base import Datapath, SyncResult
+from ebpf_proxy.datapath.iptables import chains as ch
+from ebpf_proxy.datapath.iptables.apply import IptablesCommands, Runner
+from ebpf_proxy.datapath.iptables.conntrack import ConntrackCleaner, stale_filters
+from ebpf_proxy.datapath.iptables.render import (
+    RenderContext,
+    ServiceRules,
+    assemble,
+    is_large_cluster,
+    render_fragments,
+)
+from ebpf_proxy.datapath.iptables.ruleset import (
+    TABLE_ORDER,
+    RestorePlan,
+    Ruleset,
+    full_plan,
+    parse_save,
+    partial_plan,
+)
+from ebpf_proxy.model import ChangeSet, NodeConfig, ProxyState, ServicePortName
+
+log = logging.getLogger(__name__)
+
+ROUTE_LOCALNET = "net.ipv4.conf.all.route_localnet"
+TCP_BE_LIBERAL = "net.netfilter.nf_conntrack_tcp_be_liberal"
+_MAX_DUPLICATE_JUMPS = 100  # bound on deleting the same jump rule repeatedly in cleanup()
+
+
+class IptablesDatapath(Datapath):
+    """kube-proxy's iptables mode behind the Datapath interface.
+
+    `netns` runs every command (and the conntrack socket) in that named network namespace,
+    through `ip netns exec`; `command_prefix` overrides that prefix for the commands. The
+    command tuples choose the iptables flavour (e.g. `("iptables-legacy-restore",)`).
+    `runner` and `conntrack` are injectable for tests.
+    """
+
+    mode = "iptables"
+
+    def __init__(
+        self,
+        node: NodeConfig,
+        *,
+        iptables_restore: Sequence[str] = ("iptables-restore",),
+        iptables_save: Sequence[str] = ("iptables-save",),
+        iptables: Sequence[str] = ("iptables",),
+        netns: str | None = None,
+        command_prefix: Sequence[str] | None = None,
+        conntrack: ConntrackCleaner | None = None,
+        runner: Runner | None = None,
+    ) -> None:
+        super().__init__(node)
+        RenderContext.for_node(node)  # fail at construction on a config the renderer cannot express
+        if command_prefix is None:
+            command_prefix = ("ip", "netns", "exec", netns) if netns else ()
+        self._cmd = IptablesCommands(
+            iptables=iptables,
+            iptables_save=iptables_save,
+            iptables_restore=iptables_restore,
+            prefix=command_prefix,
+            runner=runner,
+        )
+        self._conntrack = conntrack if conntrack is not None else ConntrackCleaner(netns)
+        self._applied: Ruleset | None = None  # what the kernel holds after our last successful restore
+        self._fragments: dict[ServicePortName, ServiceRules] = {}
+        self._ctx: RenderContext | None = None
+        self._state: ProxyState | None = None
+        self._drop_invalid = True
+
+    # -- sync -----------------------------------------------------------------------------
+
+    def sync(self, state: ProxyState, changes: ChangeSet) -> SyncResult:
+        full = changes.full or self._applied is None
+        try:
+            if full:
+                self._prepare_node()
+            ctx = RenderContext.for_node(
+                self.node, drop_invalid=self._drop_invalid, large_cluster=is_large_cluster(state)
+            )
+            fragments = self._fragments_for(ctx, state, changes, full)
+            ruleset = assemble(ctx, fragments)
+            if full:
+                existing = self._existing()
+                self._ensure_jumps(existing)
+                plan = full_plan(ruleset, {t: set(c) for t, c in existing.items()})
+            else:
+                assert self._applied is not None
+                plan = partial_plan(self._applied, ruleset)
+            if not plan.empty:
+                self._cmd.restore(plan.text(ruleset))
+        except Exception:
+            self._forget()
+            raise
+        self._applied, self._fragments, self._ctx = ruleset, fragments, ctx
+        previous, self._state = self._state, state
+
+        counts = {
+            "full_sync": int(full),
+            "chains_written": plan.count("write"),
+            "chains_deleted": plan.count("delete"),
+            **self.stats(),
+            "conntrack_deleted": 0,
+        }
+        filters = stale_filters(changes, state, previous)
+        if filters:
+            try:
+                counts["conntrack_deleted"] = self._conntrack.delete(filters)
+            except Exception:  # like kube-proxy: logged, the rules are in place regardless
+                log.exception("iptables datapath: clearing %d stale UDP conntrack selectors failed", len(filters))
+                counts["conntrack_errors"] = 1
+        log.debug("iptables sync: %s", counts)
+        return SyncResult(counts=counts)
+
+    def _fragments_for(
+        self, ctx: RenderContext, state: ProxyState, changes: ChangeSet, full: bool
+    ) -> dict[ServicePortName, ServiceRules]:
+        """Re-render everything on a full sync or when node-wide facts changed; else only what changed.
+
+        Service ports that appear in `state` without a fragment are rendered too, and fragments
+        of ports gone from `state` dropped, so an incomplete ChangeSet cannot leave a service out.
+        """
+        if full or ctx != self._ctx:
+            return render_fragments(ctx, state)
+        fragments = {n: f for n, f in self._fragments.items() if n in state.services and n not in changes.services}
+        todo = set(changes.services) | (state.services.keys() - self._fragments.keys())
+        fragments.update(render_fragments(ctx, state, todo))
+        return fragments
+
+    def _prepare_node(self) -> None:
+        """Node settings kube-proxy makes at start: route_localnet for localhost NodePorts, and
+        whether nf_conntrack_tcp_be_liberal spares us the INVALID-drop rule."""
+        liberal = self._cmd.sysctl_get(TCP_BE_LIBERAL)
+        self._drop_invalid = liberal in (None, "0")
+        if RenderContext.for_node(self.node).localhost_nodeports and self._cmd.sysctl_get(ROUTE_LOCALNET) != "1":
+            self._cmd.sysctl_set(ROUTE_LOCALNET, "1")
+
+    def _existing(self) -> dict[str, dict[str, list[str]]]:
+        """table -> chain -> rules, as iptables-save shows them now."""
+        out: dict[str, dict[str, list[str]]] = {}
+        for table in TABLE_ORDER:
+            out[table] = parse_save(self._cmd.save(table)).get(table, {})
+        return out
+
+    def _ensure_jumps(self, existing: dict[str, dict[str, list[str]]]) -> None:
+        """Create our top-level chains if missing, then insert each missing jump at the top of its
+        built-in chain (kube-proxy's EnsureChain/EnsureRule(Prepend)); built-in chains are never flushed."""
+        for table, names in ch.TOP_LEVEL_CHAINS.items():
+            for chain in names:
+                if chain not in existing.get(table, {}):
+                    self._cmd.new_chain(table, chain)
+                    existing.setdefault(table, {})[chain] = []
+        for jump in ch.JUMP_RULES:
+            if not self._cmd.rule_exists(jump.table, jump.chain, jump.rule_args):
+                self._cmd.insert_rule(jump.table, jump.chain, jump.rule_args)
+
+    def _forget(self) -> None:
+        self._applied = None
+        self._fragments = {}
+        self._ctx = None
+
+    # -- cleanup, stats, close ---------------------------------------------------------------
+
+    def cleanup(self) -> None:
+        """Remove every jump and KUBE-* chain this mode installs, in nat and filter (idempotent).
+
+        Like `kube-proxy --cleanup`, plus KUBE-MARK-MASQ and KUBE-FIREWALL: the lab has no kubelet
+        sharing them. A chain still referenced by a rule we do not own is left alone (flushing or
+        deleting it would break, or fail on, that other rule).
+        """
+        for jump in ch.JUMP_RULES:
+            for _ in range(_MAX_DUPLICATE_JUMPS):
+                if not self._cmd.rule_exists(jump.table, jump.chain, jump.rule_args):
+                    break
+                self._cmd.delete_rule(jump.table, jump.chain, jump.rule_args)
+        existing = self._existing()
+        delete: dict[str, tuple[str, ...]] = {}
+        for table in TABLE_ORDER:
+            chains = existing.get(table, {})
+            ours = {c for c in chains if c in ch.TOP_LEVEL_CHAINS[table] or ch.is_service_chain(c)}
+            referenced_by_others = {
+                target
+                for chain, rules in chains.items()
+                if chain not in ours
+                for rule in rules
+                for target in _jump_targets(rule)
+            }
+            delete[table] = tuple(sorted(ours - referenced_by_others))
+            for chain in sorted(ours & referenced_by_others):
+                log.warning("cleanup: %s chain %s is still used by another rule; left in place", table, chain)
+        plan = RestorePlan(delete=delete)
+        if not plan.empty:
+            self._cmd.restore(plan.text(Ruleset(tables={})))
+        self._forget()
+        self._state = None
+
+    def stats(self) -> dict[str, int]:
+        """Rules in the last applied ruleset (what kube-proxy's sync_proxy_rules_iptables_total counts)."""
+        applied = self._applied
+        return {
+            "iptables_rules_nat": applied.rule_count(ch.NAT) if applied else 0,
+            "iptables_rules_filter": applied.rule_count(ch.FILTER) if applied else 0,
+        }
+
+    def close(self) -> None:
+        """Nothing to release: the rules stay, so Services keep working while the agent restarts."""
+
+
+def _jump_targets(rule: str) -> list[str]:
+    tokens = rule.split()
+    return [tokens[i + 1] for i, tok in enumerate(tokens[:-1]) if tok in ("-j", "-g", "--jump", "--goto")]

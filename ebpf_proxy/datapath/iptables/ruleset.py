@@ -1,0 +1,115 @@
+"""A rendered ruleset as data, and the `iptables-restore --noflush` input that moves the kernel to it.
+
+The ruleset is kept per chain (chain -> its "-A" lines) because that is the unit iptables-restore
+can replace atomically without touching anything else: with --noflush, a `:CHAIN - [0:0]` line
+flushes just that chain, and `-X CHAIN` (after the flush) deletes it. Comparing two rulesets chain
+by chain is then what makes a partial sync: only chains whose text changed are sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from ebpf_proxy.datapath.iptables.chains import FILTER, NAT, is_service_chain
+
+# kube-proxy writes the filter table first, then nat; keep that order in every restore input.
+TABLE_ORDER = (FILTER, NAT)
+
+Chains = Mapping[str, tuple[str, ...]]  # chain name -> its rule lines, in order
+
+
+@dataclass(frozen=True)
+class Ruleset:
+    """Every chain this datapath owns, per table, with its complete content."""
+
+    tables: Mapping[str, Chains]
+
+    def chains(self, table: str) -> Chains:
+        return self.tables.get(table, {})
+
+    def rule_count(self, table: str) -> int:
+        return sum(len(rules) for rules in self.chains(table).values())
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    """Which chains to (re)write and which to delete, per table."""
+
+    write: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    delete: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    @property
+    def empty(self) -> bool:
+        return not any(self.write.values()) and not any(self.delete.values())
+
+    def count(self, what: str) -> int:
+        return sum(len(chains) for chains in getattr(self, what).values())
+
+    def text(self, ruleset: Ruleset) -> str:
+        """The iptables-restore input: per table, chain lines (which flush), rules, then deletions.
+
+        Deletions come last so that every chain still referring to a deleted chain has already
+        been flushed and rewritten by the time `-X` runs.
+        """
+        out: list[str] = []
+        for table in TABLE_ORDER:
+            write = self.write.get(table, ())
+            delete = self.delete.get(table, ())
+            if not write and not delete:
+                continue
+            out.append(f"*{table}")
+            out.extend(f":{chain} - [0:0]" for chain in (*write, *delete))
+            for chain in write:
+                out.extend(ruleset.chains(table)[chain])
+            out.extend(f"-X {chain}" for chain in delete)
+            out.append("COMMIT")
+        return "\n".join(out) + "\n" if out else ""
+
+
+def full_plan(new: Ruleset, existing: Mapping[str, Iterable[str]]) -> RestorePlan:
+    """Rewrite every chain of `new`; delete the per-service chains found in the kernel but not in `new`.
+
+    `existing` comes from iptables-save, so chains left by an earlier run (or by a failed sync)
+    are collected too; only per-service chains are deleted, as kube-proxy does, since any other
+    chain might belong to someone else.
+    """
+    write = {table: tuple(new.chains(table)) for table in TABLE_ORDER}
+    delete = {
+        table: tuple(
+            sorted(c for c in existing.get(table, ()) if is_service_chain(c) and c not in new.chains(table))
+        )
+        for table in TABLE_ORDER
+    }
+    return RestorePlan(write=write, delete=delete)
+
+
+def partial_plan(old: Ruleset, new: Ruleset) -> RestorePlan:
+    """Rewrite only the chains whose content differs from `old` (the kernel's state); delete the vanished ones.
+
+    Safe because a chain with unchanged text cannot refer to a deleted chain: `new` has no rule
+    jumping to a chain absent from `new`, so a chain that jumped there changed and is rewritten.
+    """
+    write = {
+        table: tuple(c for c, rules in new.chains(table).items() if old.chains(table).get(c) != rules)
+        for table in TABLE_ORDER
+    }
+    delete = {table: tuple(c for c in old.chains(table) if c not in new.chains(table)) for table in TABLE_ORDER}
+    return RestorePlan(write=write, delete=delete)
+
+
+def parse_save(text: str) -> dict[str, dict[str, list[str]]]:
+    """iptables-save output -> table -> chain -> "-A" lines (chains without rules included)."""
+    tables: dict[str, dict[str, list[str]]] = {}
+    current: dict[str, list[str]] | None = None
+    for line in text.splitlines():
+        if line.startswith("*"):
+            current = tables.setdefault(line[1:].strip(), {})
+        elif current is None:
+            continue
+        elif line.startswith(":"):
+            current.setdefault(line[1:].split()[0], [])
+        elif line.startswith("-A "):
+            chain = line.split()[1]
+            current.setdefault(chain, []).append(line)
+    return tables
