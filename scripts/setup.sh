@@ -2,12 +2,16 @@
 # One set-up for every entry point (make setup/demo/test, CI, the Dockerfile): installs what is
 # missing and nothing else, so a second run takes about a second.
 #   scripts/setup.sh            system packages + .venv with the package, test tools and bcc linked in
-#   scripts/setup.sh --system   system packages only (the image's runtime stage uses this)
+#   scripts/setup.sh --system   system packages only
+#   scripts/setup.sh --runtime  only what the agent needs at run time (the image's final stage):
+#                               bcc links LLVM/clang as libraries, so no compiler packages
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(bpfcc-tools python3-bpfcc libbpfcc clang llvm bpftool libbpf-dev linux-headers-amd64
               iproute2 iptables nftables conntrack ethtool wrk python3-venv python3-dev gcc)
+
+RUNTIME_PACKAGES=(python3 python3-bpfcc libbpfcc bpftool linux-headers-amd64 iproute2 iptables nftables conntrack)
 
 need_root() { [ "$(id -u)" = 0 ] || { echo "setup: must run as root (apt-get, netns, BPF)" >&2; exit 1; }; }
 
@@ -42,7 +46,12 @@ install_venv() {
     fi
 }
 
+case "${1:-}" in
+    --runtime) APT_PACKAGES=("${RUNTIME_PACKAGES[@]}"); install_system_packages; exit 0 ;;
+    --system) install_system_packages; exit 0 ;;
+    "") ;;
+    *) echo "setup: unknown option $1 (--system, --runtime)" >&2; exit 2 ;;
+esac
 install_system_packages
-[ "${1:-}" = "--system" ] && exit 0
 install_venv
 .venv/bin/ebpf-proxy doctor --prepare
