@@ -1,6 +1,7 @@
 """Kubernetes service semantics as pure Python (no kubernetes client, no bcc, no netlink)."""
 
 from ebpf_proxy.model.categorize import EndpointSets, categorize
+from ebpf_proxy.model.tracker import ChangeTracker, NodeState
 from ebpf_proxy.model.types import (
     DEFAULT_AFFINITY_TIMEOUT_SECONDS,
     ChangeSet,
@@ -15,9 +16,11 @@ from ebpf_proxy.model.types import (
 __all__ = [
     "DEFAULT_AFFINITY_TIMEOUT_SECONDS",
     "ChangeSet",
+    "ChangeTracker",
     "Endpoint",
     "EndpointSets",
     "NodeConfig",
+    "NodeState",
     "Protocol",
     "ProxyState",
     "ServicePort",

@@ -1,0 +1,392 @@
+"""The agent: watch → tracker → runner → datapath, plus metrics and health servers.
+
+Lifecycle (`run()`):
+1. resolve the mode (auto → ebpf or iptables, one log line why), open /metrics and /healthz;
+2. list+watch Services, EndpointSlices and this Node (one Reflector thread each);
+3. wait until each collection has been listed once, as kube-proxy waits for its informers: a
+   first sync from half the state would delete rules for services we have not seen yet;
+4. build the NodeConfig (local interface addresses, see nodeconfig.py), create the datapath;
+5. sync through the BoundedFrequencyRunner until stopped;
+6. SIGTERM/SIGINT: stop watching, `close()` the datapath *without* removing it (traffic keeps
+   flowing while the agent restarts), exit 0.
+
+Each step is a method, so tests can drive the agent without threads (fake list/watch, FakeDatapath,
+a fake clock for the runner).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from typing import Any, Callable, Mapping
+
+from ebpf_proxy.agent.config import AgentConfig
+from ebpf_proxy.agent.health import ProxierHealth, ServiceHealthServers, healthz_server
+from ebpf_proxy.agent.httpserve import BackgroundHTTPServer
+from ebpf_proxy.agent.metrics import Metrics, metrics_server
+from ebpf_proxy.agent.nodeconfig import build_node_config, local_ipv4_addresses
+from ebpf_proxy.agent.runner import BoundedFrequencyRunner, MonotonicClock
+from ebpf_proxy.datapath import Datapath, create_datapath, resolve_auto_mode
+from ebpf_proxy.k8s import convert
+from ebpf_proxy.k8s.invalid import Invalid
+from ebpf_proxy.k8s.watch import Backoff, Handler, ListWatch, Reflector
+from ebpf_proxy.model import ChangeTracker, NodeConfig, ProxyState
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+
+
+class _ServiceEvents(Handler):
+    def __init__(self, agent: "Agent") -> None:
+        self.agent = agent
+
+    def on_add(self, obj: dict) -> None:
+        self._apply(obj)
+
+    def on_update(self, old: dict, new: dict) -> None:
+        self._apply(new)
+
+    def on_delete(self, obj: dict) -> None:
+        ref = convert.object_ref(obj)
+        self.agent.metrics.service_changes.inc()
+        if ref and self.agent.tracker.delete_service(ref.namespace, ref.name):
+            self.agent.queue_sync()
+
+    def _apply(self, obj: dict) -> None:
+        ref = convert.object_ref(obj)
+        self.agent.metrics.service_changes.inc()
+        ports = convert.service_ports(obj, self.agent.report_invalid)
+        if ref and self.agent.tracker.update_service(ref.namespace, ref.name, ports):
+            self.agent.queue_sync()
+
+
+class _SliceEvents(Handler):
+    def __init__(self, agent: "Agent") -> None:
+        self.agent = agent
+
+    def on_add(self, obj: dict) -> None:
+        self._apply(obj)
+
+    def on_update(self, old: dict, new: dict) -> None:
+        self._apply(new)
+
+    def on_delete(self, obj: dict) -> None:
+        ref = convert.object_ref(obj)
+        self.agent.metrics.endpoint_changes.inc()
+        if ref and self.agent.tracker.delete_slice(ref.namespace, ref.name):
+            self.agent.queue_sync()
+
+    def _apply(self, obj: dict) -> None:
+        ref = convert.object_ref(obj)
+        self.agent.metrics.endpoint_changes.inc()
+        sl = convert.endpoint_slice(obj, self.agent.node_name, self.agent.report_invalid)
+        if ref is None:
+            return
+        if sl is None:  # nothing usable (invalid, IPv6): whatever an earlier version contributed goes
+            changed = self.agent.tracker.delete_slice(ref.namespace, ref.name)
+        else:
+            changed = self.agent.tracker.update_slice(sl.namespace, sl.name, sl.service, sl.endpoints,
+                                                      sl.trigger_time)
+        if changed:
+            self.agent.queue_sync()
+
+
+class _NodeEvents(Handler):
+    def __init__(self, agent: "Agent") -> None:
+        self.agent = agent
+
+    def on_add(self, obj: dict) -> None:
+        self._apply(obj)
+
+    def on_update(self, old: dict, new: dict) -> None:
+        self._apply(new)
+
+    def on_delete(self, obj: dict) -> None:
+        ref = convert.object_ref(obj)
+        if ref and ref.name == self.agent.node_name:
+            self.agent.tracker.update_node(None)
+            self.agent.health.sync_node(False)  # a deleted node is not eligible for traffic
+
+    def _apply(self, obj: dict) -> None:
+        node = convert.node_info(obj, self.agent.report_invalid)
+        if node is None or node.name != self.agent.node_name:
+            return
+        if self.agent.tracker.update_node(node):
+            self.agent.health.sync_node(node.eligible)
+            self.agent.node_changed()
+
+
+class Agent:
+    """One node's service proxy. `run()` blocks until `stop()` (or a signal) and returns an exit code."""
+
+    def __init__(self, config: AgentConfig, *, collections: Mapping[str, ListWatch] | None = None,
+                 datapath_factory: Callable[..., Datapath] = create_datapath,
+                 local_addresses: Callable[[], list[str]] = local_ipv4_addresses,
+                 metrics: Metrics | None = None, clock: MonotonicClock | None = None,
+                 wall: Callable[[], float] = time.time, serve_http: bool = True,
+                 health_check_server: Callable[..., Any] = BackgroundHTTPServer,
+                 backoff: Callable[[], Backoff] = Backoff) -> None:
+        self.config = config
+        self.node_name = config.node_name
+        self.metrics = metrics or Metrics()
+        self.wall = wall
+        self.tracker = ChangeTracker(start_time=wall())
+        self.health = ProxierHealth(timeout=2 * config.sync_period, clock=wall, on_probe=self._count_probe)
+        self.runner = BoundedFrequencyRunner(self.sync, config.min_sync_period, config.sync_period, clock=clock,
+                                             name="sync")
+        self.mode: str = ""
+        self.node_config: NodeConfig | None = None
+        self.datapath: Datapath | None = None
+        self.service_health: ServiceHealthServers | None = None
+        self.reflectors: list[Reflector] = []
+        self._collections = collections
+        self._datapath_factory = datapath_factory
+        self._local_addresses = local_addresses
+        self._serve_http = serve_http
+        self._health_check_server = health_check_server
+        self._backoff = backoff
+        self._servers: list[BackgroundHTTPServer] = []
+        self._stop = threading.Event()
+        self._runner_thread: threading.Thread | None = None
+        self._sync_lock = threading.Lock()  # guards _syncing/_synced_rv against the /healthz reader
+        self._syncing = False
+        self._synced_rv = ""
+        self.health.synced_resource_version = self.synced_resource_version
+
+    # ---- events from the watches -----------------------------------------------------------------
+
+    def report_invalid(self, problem: Invalid) -> None:
+        self.metrics.invalid_objects.labels(kind=problem.kind, reason=problem.reason).inc()
+
+    def queue_sync(self) -> None:
+        self.health.queued_update()
+        self.metrics.last_queued_timestamp.set(self.wall())
+        self.runner.request()
+
+    def node_changed(self) -> None:
+        """The Node object changed. The NodeConfig is built once, at start: say so if it would differ."""
+        if self.node_config is None:
+            return
+        fresh = self._build_node_config()
+        if fresh != self.node_config:
+            log.warning("this node's addresses changed since the agent started; restart the agent to use them",
+                        extra={"node": self.node_name, "node_ips": ",".join(fresh.node_ips),
+                               "programmed_node_ips": ",".join(self.node_config.node_ips)})
+
+    def _count_probe(self, endpoint: str, status: int) -> None:
+        counter = self.metrics.healthz if endpoint == "healthz" else self.metrics.livez
+        counter.labels(code=str(status)).inc()
+
+    # ---- steps -----------------------------------------------------------------------------------
+
+    def resolve_mode(self) -> str:
+        self.mode = resolve_auto_mode() if self.config.mode == "auto" else self.config.mode
+        return self.mode
+
+    def start_servers(self) -> None:
+        """/metrics and /healthz (if their bind addresses are set). Raises OSError if a port is taken."""
+        if not self._serve_http:
+            return
+        if self.config.metrics_bind_address:
+            self._servers.append(metrics_server(self.config.metrics_bind_address, self.metrics,
+                                                lambda: self.mode).start())
+        if self.config.healthz_bind_address:
+            self._servers.append(healthz_server(self.config.healthz_bind_address, self.health).start())
+
+    def handlers(self) -> dict[str, Handler]:
+        """The watch handlers, by kind: what each Reflector feeds (tests feed them directly)."""
+        return {"Service": _ServiceEvents(self), "EndpointSlice": _SliceEvents(self), "Node": _NodeEvents(self)}
+
+    def start_watches(self) -> None:
+        collections = self._collections
+        if collections is None:
+            from ebpf_proxy.k8s.client import agent_collections, make_api_client
+
+            api = make_api_client(self.config.kubeconfig, self.config.master)
+            collections = agent_collections(api, self.node_name)
+        for kind, handler in self.handlers().items():
+            reflector = Reflector(collections[kind], handler, backoff=self._backoff(), reporter=self.report_invalid)
+            self.reflectors.append(reflector)
+            reflector.start()
+
+    def wait_until_listed(self, poll: float = 0.2) -> bool:
+        """Block until every collection was listed once; False if stopped first."""
+        waiting_since = time.monotonic()
+        logged = False
+        while not self._stop.is_set():
+            if all(r.synced.is_set() for r in self.reflectors):
+                return True
+            if not logged and time.monotonic() - waiting_since > 5:
+                pending = [r.kind for r in self.reflectors if not r.synced.is_set()]
+                log.info("waiting for the first list of %s", ", ".join(pending), extra={"pending": ",".join(pending)})
+                logged = True
+            self._stop.wait(poll)
+        return False
+
+    def _build_node_config(self) -> NodeConfig:
+        try:
+            local = self._local_addresses()
+        except Exception as exc:  # no netlink: fall back to the Node object's addresses
+            log.warning("cannot read local addresses: %s", exc)
+            local = []
+        return build_node_config(self.config, local, self.tracker.node)
+
+    def prepare_datapath(self) -> Datapath:
+        """NodeConfig, datapath and health-check servers. Raises if the datapath cannot be created."""
+        self.node_config = self._build_node_config()
+        log.info("node configuration", extra={
+            "node": self.node_name, "mode": self.mode, "node_ips": ",".join(self.node_config.node_ips),
+            "cluster_cidrs": ",".join(self.node_config.cluster_cidrs),
+            "nodeport_addresses": ",".join(self.node_config.nodeport_addresses) or "all",
+            "masquerade_all": self.node_config.masquerade_all,
+            "localhost_nodeports": self.node_config.localhost_nodeports})
+        self.datapath = self._datapath_factory(self.mode, self.node_config, cgroup_path=self.config.cgroup_path or None,
+                                               bpffs=self.config.bpffs or None)
+        self.metrics.set_datapath(self.mode)
+        hosts = self.node_config.node_ips if self.node_config.nodeport_addresses else ("0.0.0.0",)
+        self.service_health = ServiceHealthServers(hosts=hosts or ("0.0.0.0",), proxy_healthy=self.health.live,
+                                                   server_factory=self._health_check_server)
+        return self.datapath
+
+    def sync(self, full: bool) -> None:
+        """One sync (the runner's function): take from the tracker, program, commit or abort."""
+        if self.datapath is None:
+            raise RuntimeError("sync before prepare_datapath(): no datapath yet")
+        with self._sync_lock:
+            observed_rv = self.observed_resource_version()
+            state, changes = self.tracker.take(full=full)
+            self._syncing = True
+        started = time.monotonic()
+        try:
+            result = self.datapath.sync(state, changes)
+        except Exception:
+            self.tracker.abort()
+            with self._sync_lock:
+                self._syncing = False
+            self.metrics.sync_errors.inc()
+            raise
+        elapsed = time.monotonic() - started
+        triggers = self.tracker.commit()
+        with self._sync_lock:
+            self._syncing = False
+            self._synced_rv = observed_rv
+        now = self.wall()
+        self.metrics.observe_sync(elapsed, changes.full, now)
+        self.metrics.observe_programming(triggers, now)
+        self.health.updated()
+        self._update_stats()
+        self._sync_service_health(state)
+        log.info("synced", extra={
+            "full": changes.full, "services": len(state.services), "changed": len(changes.services),
+            "stale_udp_endpoints": len(changes.stale_udp_endpoints), "duration_ms": round(elapsed * 1000, 1),
+            "counts": result.counts if result is not None else {}})
+
+    def observed_resource_version(self) -> str:
+        """The oldest resourceVersion among the watches: every event up to it was handed to the tracker.
+
+        Numeric on the lab's API server (one counter); on a real cluster resourceVersions are
+        opaque, and this is only reported, never compared.
+        """
+        rvs = [r.resource_version for r in self.reflectors]
+        if not rvs or not all(rv.isdigit() for rv in rvs):
+            return rvs[0] if len(rvs) == 1 else ""
+        return str(min(int(rv) for rv in rvs))
+
+    def synced_resource_version(self) -> str:
+        """Up to which resourceVersion the datapath is programmed (reported on /healthz).
+
+        With no change pending and no sync running, everything the watches delivered is in the
+        kernel, so the watches' own position (advanced by bookmarks) counts.
+        """
+        with self._sync_lock:
+            if not self._synced_rv:
+                return ""
+            if not self._syncing and not self.tracker.pending:
+                return self.observed_resource_version()
+            return self._synced_rv
+
+    def _update_stats(self) -> None:
+        try:
+            self.metrics.set_datapath_stats(self.datapath.stats() if self.datapath else {})
+        except Exception:
+            log.warning("datapath stats failed", exc_info=True)
+
+    def _sync_service_health(self, state: ProxyState) -> None:
+        if self.service_health is None:
+            return
+        ports = {(spn.namespace, spn.name): svc.health_check_node_port
+                 for spn, svc in state.services.items() if svc.health_check_node_port}
+        self.service_health.sync_services(ports)
+        self.service_health.sync_endpoints(local_ready_endpoints(state))
+
+    # ---- the whole run ---------------------------------------------------------------------------
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM/SIGINT stop the agent cleanly (main thread only)."""
+        def handle(signum: int, _frame: Any) -> None:
+            log.info("received %s: stopping (the datapath stays in place)", signal.Signals(signum).name)
+            self.stop()
+        signal.signal(signal.SIGTERM, handle)
+        signal.signal(signal.SIGINT, handle)
+
+    def run(self) -> int:
+        log.info("starting", extra={"node": self.node_name, "mode": self.config.mode})
+        try:
+            self.resolve_mode()
+            self.start_servers()
+            self.start_watches()
+            if not self.wait_until_listed():  # stopped before the API answered
+                self.shutdown()
+                return EXIT_OK
+            self.prepare_datapath()
+        except Exception as exc:
+            log.error("cannot start: %s", exc, extra={"mode": self.mode or self.config.mode})
+            log.debug("start failure", exc_info=True)
+            self.shutdown()
+            return EXIT_FAILED
+        self._runner_thread = threading.Thread(target=self.runner.loop, name="sync-runner", daemon=True)
+        self._runner_thread.start()
+        self._stop.wait()
+        self.shutdown()
+        return EXIT_OK
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.runner.stop()
+
+    def shutdown(self) -> None:
+        """Stop everything we started; keep the datapath's kernel state (close(), not cleanup())."""
+        self._stop.set()
+        self.runner.stop()
+        for reflector in self.reflectors:
+            reflector.stop()
+        if self._runner_thread is not None:
+            self._runner_thread.join(timeout=30)
+        if self.service_health is not None:
+            self.service_health.close()
+        for server in self._servers:
+            server.stop()
+        self._servers.clear()
+        if self.datapath is not None:
+            try:
+                self.datapath.close()
+            except Exception:
+                log.exception("closing the datapath failed")
+        log.info("stopped", extra={"node": self.node_name})
+
+
+def local_ready_endpoints(state: ProxyState) -> dict[tuple[str, str], int]:
+    """(namespace, name) → ready local endpoints over all its ports, as kube-proxy's
+    EndpointsMap.LocalReadyEndpoints counts them for health-check NodePorts."""
+    counts: dict[tuple[str, str], int] = {}
+    for spn, eps in state.endpoints.items():
+        n = sum(1 for ep in eps if ep.is_local and ep.ready)
+        if n:
+            key = (spn.namespace, spn.name)
+            counts[key] = counts.get(key, 0) + n
+    return counts
+

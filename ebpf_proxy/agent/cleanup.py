@@ -1,0 +1,65 @@
+"""Remove everything any datapath mode installed on this node (`ebpf-proxy cleanup`).
+
+An agent that is stopped leaves its datapath in place on purpose (traffic keeps flowing across
+restarts), so uninstalling, or switching from ebpf to iptables, needs an explicit cleanup. It
+tries every mode that leaves kernel state, whatever mode last ran: the operator should not have
+to remember. A mode whose implementation cannot be imported here (no bcc, say) is skipped, not
+failed: it cannot have installed anything from this installation either.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ebpf_proxy.datapath import KERNEL_MODES, Datapath, DatapathUnavailable, create_datapath
+from ebpf_proxy.model import NodeConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CleanupResult:
+    mode: str
+    outcome: str  # "cleaned", "skipped" or "failed"
+    detail: str = ""
+
+    @property
+    def failed(self) -> bool:
+        return self.outcome == "failed"
+
+    def line(self) -> str:
+        return f"{self.mode}: {self.outcome}" + (f" ({self.detail})" if self.detail else "")
+
+
+def cleanup_all(node_name: str, modes: tuple[str, ...] = KERNEL_MODES,
+                factory: Callable[..., Datapath] = create_datapath, **opts: Any) -> list[CleanupResult]:
+    """Run `cleanup()` of each mode's datapath; one result per mode, never raises."""
+    node = NodeConfig(node_name=node_name)
+    results = []
+    for mode in modes:
+        try:
+            datapath = factory(mode, node, **opts)
+        except DatapathUnavailable as exc:
+            results.append(CleanupResult(mode, "skipped", str(exc)))
+            continue
+        except Exception as exc:
+            results.append(CleanupResult(mode, "failed", f"cannot create the datapath: {exc}"))
+            continue
+        try:
+            datapath.cleanup()
+        except Exception as exc:
+            results.append(CleanupResult(mode, "failed", str(exc)))
+        else:
+            results.append(CleanupResult(mode, "cleaned"))
+        finally:
+            try:
+                datapath.close()
+            except Exception:
+                log.debug("closing the %s datapath after cleanup failed", mode, exc_info=True)
+    for result in results:
+        level = logging.ERROR if result.failed else logging.INFO
+        log.log(level, "cleanup %s: %s", result.mode, result.outcome,
+                extra={"mode": result.mode, "outcome": result.outcome, "detail": result.detail})
+    return results

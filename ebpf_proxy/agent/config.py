@@ -1,0 +1,311 @@
+"""The agent's configuration: kube-proxy's flags and KubeProxyConfiguration file, plus ours.
+
+Drop-in means an existing kube-proxy DaemonSet's arguments and ConfigMap keep working: the same
+flag names and meanings (`--hostname-override`, `--cluster-cidr`, `--nodeport-addresses`, ...), the
+same `--config` file (kubeproxy.config.k8s.io/v1alpha1), the same duration syntax ("1s", "500ms",
+"1m30s"). Precedence: built-in defaults < the `--config` file < flags given on the command line.
+
+Every error names what the user wrote: the flag (`--min-sync-period`) or the file's field
+(`iptables.minSyncPeriod`), never an internal attribute name. Nothing here parses argv (the CLI
+does); `load_config` gets the flags the user actually gave, as raw values.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import re
+import socket
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable, Mapping
+
+import yaml
+
+log = logging.getLogger(__name__)
+
+CONFIG_API_VERSION = "kubeproxy.config.k8s.io/v1alpha1"
+CONFIG_KIND = "KubeProxyConfiguration"
+MODES = ("auto", "ebpf", "iptables")
+LOG_FORMATS = ("text", "json")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+PRIMARY = "primary"  # --nodeport-addresses primary: the node's primary IP (from its Node object)
+
+
+class ConfigError(ValueError):
+    """A flag or config-file field with an unusable value; the message starts with its name."""
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    hostname_override: str = ""
+    cluster_cidrs: tuple[str, ...] = ()
+    nodeport_addresses: tuple[str, ...] = ()  # CIDRs, or ("primary",); empty: every local address
+    masquerade_all: bool = False
+    masquerade_bit: int = 14
+    localhost_nodeports: bool = True
+    min_sync_period: float = 1.0
+    sync_period: float = 30.0
+    metrics_bind_address: str = "127.0.0.1:10249"  # "" disables the metrics server
+    healthz_bind_address: str = "0.0.0.0:10256"  # "" disables the healthz server
+    kubeconfig: str = ""
+    master: str = ""
+    mode: str = "auto"
+    cgroup_path: str = ""
+    bpffs: str = "/sys/fs/bpf"
+    log_format: str = "text"
+    log_level: str = "info"
+    sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)  # attr → flag/field name
+
+    @property
+    def node_name(self) -> str:
+        """kube-proxy's rule: the override if given, else the hostname; trimmed and lower-cased."""
+        return (self.hostname_override or socket.gethostname()).strip().lower()
+
+    def source_of(self, attr: str) -> str:
+        """Where a value came from, for error messages ("--sync-period", "iptables.syncPeriod")."""
+        return self.sources.get(attr, _FIELDS[attr].flag)
+
+
+# ---- value parsers: (raw value, name for errors) -> value ------------------------------------------
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
+_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: Any, where: str = "duration") -> float:
+    """A Go/Kubernetes duration ("1s", "500ms", "1m30s", "-2h", "0") in seconds."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool) and text == 0:
+        return 0.0  # YAML `minSyncPeriod: 0`
+    if not isinstance(text, str):
+        raise ConfigError(f"{where}: expected a duration such as \"1s\" or \"1m30s\", got {text!r}")
+    raw = text.strip()
+    sign, body = (-1.0, raw[1:]) if raw.startswith("-") else (1.0, raw.lstrip("+"))
+    if body == "0":
+        return 0.0
+    pos, total = 0, 0.0
+    for match in _DURATION_PART.finditer(body):
+        if match.start() != pos:
+            break
+        total += float(match.group(1)) * _UNITS[match.group(2)]
+        pos = match.end()
+    if not body or pos != len(body):
+        raise ConfigError(f"{where}: {text!r} is not a duration (examples: \"1s\", \"500ms\", \"1m30s\")")
+    return sign * total
+
+
+def _string(value: Any, where: str) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    return value.strip()
+
+
+def _bool(value: Any, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        # Go's strconv.ParseBool, which kube-proxy's `--flag=value` accepts.
+        if value in ("1", "t", "T", "true", "TRUE", "True"):
+            return True
+        if value in ("0", "f", "F", "false", "FALSE", "False"):
+            return False
+    raise ConfigError(f"{where}: expected true or false, got {value!r}")
+
+
+def _cidr(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}: expected a CIDR such as 10.244.0.0/16, got {value!r}")
+    try:
+        return str(ipaddress.ip_network(value.strip(), strict=False))
+    except ValueError:
+        raise ConfigError(f"{where}: {value!r} is not a CIDR (example: 10.244.0.0/16)") from None
+
+
+def _comma_list(value: Any, where: str) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    if isinstance(value, list):
+        return value
+    raise ConfigError(f"{where}: expected a list or a comma-separated string, got {value!r}")
+
+
+def _cidrs(value: Any, where: str) -> tuple[str, ...]:
+    return tuple(_cidr(v, where) for v in _comma_list(value, where))
+
+
+def _nodeport_addresses(value: Any, where: str) -> tuple[str, ...]:
+    items = _comma_list(value, where)
+    if PRIMARY in items:
+        if len(items) != 1:
+            raise ConfigError(f"{where}: {PRIMARY!r} cannot be combined with CIDRs")
+        return (PRIMARY,)
+    return tuple(_cidr(v, where) for v in items)
+
+
+def _masquerade_bit(value: Any, where: str) -> int:
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 31:
+        raise ConfigError(f"{where}: must be an integer within [0, 31], got {value!r}")
+    return value
+
+
+def _bind_address(value: Any, where: str) -> str:
+    text = _string(value, where)
+    if not text:
+        return ""  # disabled, as with kube-proxy
+    host, sep, port = text.rpartition(":")
+    try:
+        if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ValueError
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        raise ConfigError(f"{where}: {text!r} is not IP:port (example: 0.0.0.0:10256)") from None
+    return text
+
+
+def _choice(choices: tuple[str, ...]) -> Callable[[Any, str], str]:
+    def parse(value: Any, where: str) -> str:
+        text = _string(value, where).lower()
+        if text == "warn":
+            text = "warning"
+        if text not in choices:
+            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(choices)}")
+        return text
+    return parse
+
+
+def _mode(value: Any, where: str) -> str:
+    text = _string(value, where)
+    if text == "":
+        return "auto"  # kube-proxy's "" means its default; ours is auto
+    if text not in MODES:
+        raise ConfigError(f"{where}: {text!r} is not supported (use one of {', '.join(MODES)}, or leave it empty)")
+    return text
+
+
+def _duration(value: Any, where: str) -> float:
+    return parse_duration(value, where)
+
+
+@dataclass(frozen=True)
+class _Field:
+    flag: str
+    file_paths: tuple[tuple[str, ...], ...]  # where the file may set it, first match wins
+    parse: Callable[[Any, str], Any]
+
+
+_FIELDS: dict[str, _Field] = {
+    "hostname_override": _Field("--hostname-override", (("hostnameOverride",),), _string),
+    "cluster_cidrs": _Field("--cluster-cidr", (("clusterCIDR",),), _cidrs),
+    "nodeport_addresses": _Field("--nodeport-addresses", (("nodePortAddresses",),), _nodeport_addresses),
+    "masquerade_all": _Field("--masquerade-all", (("iptables", "masqueradeAll"),), _bool),
+    "masquerade_bit": _Field("--iptables-masquerade-bit", (("iptables", "masqueradeBit"),), _masquerade_bit),
+    "localhost_nodeports": _Field("--iptables-localhost-nodeports", (("iptables", "localhostNodePorts"),), _bool),
+    # v1alpha1 keeps the periods under `iptables:`; newer kube-proxy versions also have them top-level.
+    "min_sync_period": _Field("--min-sync-period", (("iptables", "minSyncPeriod"), ("minSyncPeriod",)), _duration),
+    "sync_period": _Field("--sync-period", (("iptables", "syncPeriod"), ("syncPeriod",)), _duration),
+    "metrics_bind_address": _Field("--metrics-bind-address", (("metricsBindAddress",),), _bind_address),
+    "healthz_bind_address": _Field("--healthz-bind-address", (("healthzBindAddress",),), _bind_address),
+    "kubeconfig": _Field("--kubeconfig", (("clientConnection", "kubeconfig"),), _string),
+    "master": _Field("--master", (), _string),
+    "mode": _Field("--mode", (("mode",),), _mode),
+    "cgroup_path": _Field("--cgroup-path", (), _string),
+    "bpffs": _Field("--bpffs", (), _string),
+    "log_format": _Field("--log-format", (), _choice(LOG_FORMATS)),
+    "log_level": _Field("--log-level", (), _choice(LOG_LEVELS)),
+}
+_KNOWN_PATHS = {path for f in _FIELDS.values() for path in f.file_paths}
+
+# KubeProxyConfiguration fields that exist but mean nothing here (other modes, conntrack sysctls
+# we do not touch, client tuning): accepted so that an existing ConfigMap loads, logged at debug.
+_IGNORED_TOP = {
+    "featureGates", "bindAddress", "bindAddressHardFail", "enableProfiling", "showHiddenMetricsForVersion",
+    "ipvs", "nftables", "winkernel", "detectLocal", "oomScoreAdj", "conntrack", "configSyncPeriod",
+    "portRange", "logging", "windowsRunAsService", "udpIdleTimeout",
+}
+_NESTED = {"clientConnection": {"acceptContentTypes", "contentType", "qps", "burst"}, "iptables": set()}
+
+
+def _file_values(path: str) -> dict[str, tuple[Any, str]]:
+    """attr → (raw value, field name) for every field the file sets."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            doc = yaml.safe_load(fh)
+    except OSError as exc:
+        raise ConfigError(f"--config {path}: cannot read: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--config {path}: not valid YAML: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"--config {path}: expected a {CONFIG_KIND} object, got {type(doc).__name__}")
+    if doc.get("apiVersion") != CONFIG_API_VERSION:
+        raise ConfigError(f"apiVersion: expected {CONFIG_API_VERSION!r} in {path}, got {doc.get('apiVersion')!r}")
+    if doc.get("kind") != CONFIG_KIND:
+        raise ConfigError(f"kind: expected {CONFIG_KIND!r} in {path}, got {doc.get('kind')!r}")
+
+    found: dict[tuple[str, ...], Any] = {}
+    for key, value in doc.items():
+        if key in ("apiVersion", "kind"):
+            continue
+        if (key,) in _KNOWN_PATHS:
+            found[(key,)] = value
+        elif key in _NESTED:
+            if not isinstance(value, (dict, type(None))):
+                raise ConfigError(f"{key}: expected an object in {path}, got {value!r}")
+            for sub, subvalue in (value or {}).items():
+                if (key, sub) in _KNOWN_PATHS:
+                    found[(key, sub)] = subvalue
+                elif sub in _NESTED[key]:
+                    log.debug("config: ignoring %s.%s (not used by ebpf-proxy)", key, sub, extra={"field": f"{key}.{sub}"})
+                else:
+                    log.warning("config: unknown field %s.%s ignored", key, sub, extra={"field": f"{key}.{sub}"})
+        elif key == "detectLocalMode":
+            if value not in (None, "", "ClusterCIDR"):
+                log.warning("config: detectLocalMode %r is not supported; using ClusterCIDR", value,
+                            extra={"field": key})
+        elif key in _IGNORED_TOP:
+            log.debug("config: ignoring %s (not used by ebpf-proxy)", key, extra={"field": key})
+        else:
+            log.warning("config: unknown field %s ignored", key, extra={"field": key})
+
+    values: dict[str, tuple[Any, str]] = {}
+    for attr, spec in _FIELDS.items():
+        for file_path in spec.file_paths:
+            if found.get(file_path) is not None:  # null means "not set", as in kube's defaulting
+                values[attr] = (found[file_path], ".".join(file_path))
+                break
+    return values
+
+
+def load_config(flags: Mapping[str, Any], config_file: str | None = None) -> AgentConfig:
+    """Defaults, then the `--config` file, then the flags the user gave (attr → raw value)."""
+    unknown = set(flags) - set(_FIELDS)
+    if unknown:
+        raise ConfigError(f"unknown settings: {', '.join(sorted(unknown))}")
+    raw: dict[str, tuple[Any, str]] = _file_values(config_file) if config_file else {}
+    raw.update({attr: (value, _FIELDS[attr].flag) for attr, value in flags.items()})
+
+    values = {attr: _FIELDS[attr].parse(value, where) for attr, (value, where) in raw.items()}
+    config = replace(AgentConfig(), **values, sources={attr: where for attr, (_, where) in raw.items()})
+    _validate(config)
+    return config
+
+
+def _validate(config: AgentConfig) -> None:
+    if config.sync_period <= 0:
+        raise ConfigError(f"{config.source_of('sync_period')}: must be greater than 0")
+    if config.min_sync_period < 0:
+        raise ConfigError(f"{config.source_of('min_sync_period')}: must be greater than or equal to 0")
+    if config.min_sync_period > config.sync_period:
+        raise ConfigError(f"{config.source_of('sync_period')}: must be greater than or equal to "
+                          f"{config.source_of('min_sync_period')} ({config.min_sync_period:g}s)")
+    if not config.node_name:
+        raise ConfigError(f"{config.source_of('hostname_override')}: the node name is empty")
+
+
+def config_fields() -> list[str]:
+    """Every setting's attribute name (the keys load_config accepts)."""
+    return [f.name for f in fields(AgentConfig) if f.name != "sources"]

@@ -1,0 +1,118 @@
+"""Prometheus metrics, under kube-proxy's names where the meaning is the same.
+
+Dashboards and alerts written for kube-proxy (sync latency, network programming latency, last
+sync timestamp) keep working when ebpf-proxy replaces it. Our own additions are prefixed
+`ebpf_proxy_`. Each Metrics object has its own CollectorRegistry: tests create as many agents as
+they like, and nothing leaks into the process-global default registry.
+
+Served over HTTP on --metrics-bind-address at /metrics (and /proxyMode, as kube-proxy does).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ebpf_proxy.agent.httpserve import BackgroundHTTPServer, Response, split_host_port
+
+log = logging.getLogger(__name__)
+
+
+def _exponential(start: float, factor: float, count: int) -> list[float]:
+    return [start * factor**i for i in range(count)]
+
+
+# kube-proxy's buckets: 1ms doubling (sync) and 0.25s .. 5min (network programming).
+SYNC_BUCKETS = _exponential(0.001, 2, 15)
+PROGRAMMING_BUCKETS = ([0.25, 0.5] + [float(s) for s in range(1, 60)] + [float(s) for s in range(60, 120, 5)]
+                       + [float(s) for s in range(120, 330, 30)])
+
+IPTABLES_STAT_PREFIX = "iptables_rules_"  # IptablesDatapath.stats(): iptables_rules_<table>
+
+
+class Metrics:
+    """Every metric the agent exports, in one registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry or CollectorRegistry()
+        self.sync_duration = Histogram(
+            "kubeproxy_sync_proxy_rules_duration_seconds", "SyncProxyRules latency in seconds",
+            buckets=SYNC_BUCKETS, registry=r)
+        self.sync_full_duration = Histogram(
+            "kubeproxy_sync_full_proxy_rules_duration_seconds", "SyncProxyRules latency in seconds for full resyncs",
+            buckets=SYNC_BUCKETS, registry=r)
+        self.sync_partial_duration = Histogram(
+            "kubeproxy_sync_partial_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds for partial resyncs", buckets=SYNC_BUCKETS, registry=r)
+        self.last_sync_timestamp = Gauge(
+            "kubeproxy_sync_proxy_rules_last_timestamp_seconds", "The last time proxy rules were successfully synced",
+            registry=r)
+        self.last_queued_timestamp = Gauge(
+            "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
+            "The last time a sync of proxy rules was queued", registry=r)
+        self.network_programming = Histogram(
+            "kubeproxy_network_programming_duration_seconds", "In Cluster Network Programming Latency in seconds",
+            buckets=PROGRAMMING_BUCKETS, registry=r)
+        self.iptables_rules = Gauge(
+            "kubeproxy_sync_proxy_rules_iptables_total", "Total number of iptables rules owned by the proxy",
+            ["table"], registry=r)
+        self.datapath_objects = Gauge(
+            "ebpf_proxy_datapath_objects", "Kernel objects the datapath holds (rules, map entries), by kind",
+            ["kind"], registry=r)
+        self.endpoint_changes = Counter(
+            "kubeproxy_sync_proxy_rules_endpoint_changes_total", "Cumulative proxy rules EndpointSlice changes",
+            registry=r)
+        self.service_changes = Counter(
+            "kubeproxy_sync_proxy_rules_service_changes_total", "Cumulative proxy rules Service changes",
+            registry=r)
+        self.healthz = Counter("kubeproxy_proxy_healthz_total", "Cumulative proxy healthz HTTP status", ["code"],
+                               registry=r)
+        self.livez = Counter("kubeproxy_proxy_livez_total", "Cumulative proxy livez HTTP status", ["code"],
+                             registry=r)
+        self.invalid_objects = Counter(
+            "ebpf_proxy_invalid_objects_total", "API objects (or parts of them) skipped as invalid",
+            ["kind", "reason"], registry=r)
+        self.sync_errors = Counter("ebpf_proxy_sync_errors_total", "Datapath syncs that failed", registry=r)
+        self.datapath_info = Gauge("ebpf_proxy_datapath_info", "The datapath in use (value 1)", ["mode"],
+                                   registry=r)
+
+    def observe_sync(self, seconds: float, full: bool, now_wall: float) -> None:
+        self.sync_duration.observe(seconds)
+        (self.sync_full_duration if full else self.sync_partial_duration).observe(seconds)
+        self.last_sync_timestamp.set(now_wall)
+
+    def observe_programming(self, trigger_times: list[float], now_wall: float) -> None:
+        """kube-proxy's network programming latency: from the EndpointSlice change's trigger time
+        (its last-change-trigger-time annotation) to the moment the change was programmed."""
+        for trigger in trigger_times:
+            if now_wall >= trigger:
+                self.network_programming.observe(now_wall - trigger)
+
+    def set_datapath(self, mode: str) -> None:
+        self.datapath_info.clear()
+        self.datapath_info.labels(mode=mode).set(1)
+
+    def set_datapath_stats(self, stats: dict[str, int]) -> None:
+        for kind, value in stats.items():
+            self.datapath_objects.labels(kind=kind).set(value)
+            if kind.startswith(IPTABLES_STAT_PREFIX):
+                self.iptables_rules.labels(table=kind[len(IPTABLES_STAT_PREFIX):]).set(value)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def metrics_server(address: str, metrics: Metrics, mode: Callable[[], str]) -> BackgroundHTTPServer:
+    """/metrics and /proxyMode on `address` (host:port), not started yet."""
+
+    def respond(path: str) -> Response:
+        if path == "/metrics":
+            return 200, CONTENT_TYPE_LATEST, metrics.render(), {}
+        if path == "/proxyMode":
+            return 200, "text/plain; charset=utf-8", mode().encode(), {}
+        return 404, "text/plain; charset=utf-8", b"404 page not found\n", {}
+
+    host, port = split_host_port(address)
+    return BackgroundHTTPServer(host, port, respond, name="metrics-http")

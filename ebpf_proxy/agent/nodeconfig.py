@@ -1,0 +1,78 @@
+"""Which addresses are "this node": the NodeConfig every datapath gets.
+
+kube-proxy's iptables mode matches NodePorts with `-m addrtype --dst-type LOCAL`, i.e. *every*
+address of the node, whatever its Node object lists. So the node IPs come from the node's own
+interfaces (pyroute2), not from the API:
+
+- `node_ips`: every local IPv4 address except loopback, kept only if inside --nodeport-addresses
+  when that flag is set. Loopback is left out on purpose: NodePorts on 127.0.0.0/8 are their own
+  rule (SEMANTICS rule 8) and are expressed by `localhost_nodeports`.
+- `localhost_nodeports`: kube-proxy's --iptables-localhost-nodeports, and only when
+  --nodeport-addresses is unset or includes 127.0.0.1 (as kube-proxy decides).
+- `--nodeport-addresses primary`: the node's primary IP from its Node object (first InternalIP),
+  as /32; if the Node object is unknown, every local address, with a warning.
+- If the interfaces cannot be read (no netlink), the Node object's InternalIP/ExternalIP are the
+  fallback, with a warning.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+from typing import Sequence
+
+from ebpf_proxy.agent.config import PRIMARY, AgentConfig
+from ebpf_proxy.model import NodeConfig, NodeState
+
+log = logging.getLogger(__name__)
+
+_LOCALHOST = ipaddress.ip_address("127.0.0.1")
+
+
+def local_ipv4_addresses() -> list[str]:
+    """Every IPv4 address on this network namespace's interfaces (raises OSError without netlink)."""
+    from pyroute2 import IPRoute  # imported here: only the real agent needs netlink
+
+    with IPRoute() as ipr:
+        addrs = [msg.get("IFA_LOCAL") or msg.get("IFA_ADDRESS") for msg in ipr.get_addr(family=socket.AF_INET)]
+    return list(dict.fromkeys(a for a in addrs if a))
+
+
+def nodeport_cidrs(config: AgentConfig, node: NodeState | None) -> tuple[str, ...]:
+    if config.nodeport_addresses != (PRIMARY,):
+        return config.nodeport_addresses
+    if node is not None and node.primary_ip:
+        return (f"{node.primary_ip}/32",)
+    log.warning("--nodeport-addresses primary: this node's Node object has no InternalIP/ExternalIP yet; "
+                "using every local address", extra={"field": config.source_of("nodeport_addresses")})
+    return ()
+
+
+def build_node_config(config: AgentConfig, local_ips: Sequence[str], node: NodeState | None) -> NodeConfig:
+    cidrs = nodeport_cidrs(config, node)
+    networks = [ipaddress.ip_network(c, strict=False) for c in cidrs]
+    candidates = list(local_ips)
+    if not candidates and node is not None:
+        log.warning("no local addresses read from the interfaces; using the Node object's addresses",
+                    extra={"node": node.name, "addresses": ",".join(node.addresses)})
+        candidates = list(node.addresses)
+    node_ips = []
+    for text in candidates:
+        ip = ipaddress.ip_address(text)
+        if ip.version != 4 or ip.is_loopback:
+            continue
+        if networks and not any(ip in net for net in networks):
+            continue
+        if text not in node_ips:
+            node_ips.append(text)
+    localhost = config.localhost_nodeports and (not networks or any(_LOCALHOST in net for net in networks))
+    return NodeConfig(
+        node_name=config.node_name,
+        node_ips=tuple(node_ips),
+        cluster_cidrs=config.cluster_cidrs,
+        nodeport_addresses=cidrs,
+        masquerade_all=config.masquerade_all,
+        masquerade_bit=config.masquerade_bit,
+        localhost_nodeports=localhost,
+    )

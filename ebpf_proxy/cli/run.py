@@ -1,0 +1,79 @@
+"""`ebpf-proxy run`: the agent, with kube-proxy's flags (and its --config file) plus ours."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from ebpf_proxy.agent.agent import Agent
+from ebpf_proxy.agent.config import LOG_FORMATS, LOG_LEVELS, MODES, ConfigError, load_config
+from ebpf_proxy.agent.logs import setup_logging
+
+EPILOG = """\b
+Examples:
+  # the way a kube-proxy DaemonSet runs it (in-cluster credentials, its ConfigMap):
+  ebpf-proxy run --config /var/lib/kube-proxy/config.conf --hostname-override $(NODE_NAME)
+  # force the iptables datapath, outside a cluster:
+  ebpf-proxy run --mode iptables --kubeconfig ~/.kube/config --cluster-cidr 10.244.0.0/16
+  # eBPF with socket load-balancing for one cgroup, JSON logs:
+  ebpf-proxy run --mode ebpf --cgroup-path /sys/fs/cgroup --log-format json
+
+\b
+Flags override the --config file. Durations as in Kubernetes: 500ms, 1s, 1m30s.
+SIGTERM stops the agent and leaves the datapath in place; `ebpf-proxy cleanup` removes it.
+"""
+
+BOOL = "[=BOOL]"
+
+
+def _bool_flag(*names: str, help: str):  # noqa: A002 (click's name)
+    """A Go-style bool flag: `--flag` or `--flag=false`, so kube-proxy command lines work unchanged."""
+    return click.option(*names, is_flag=False, flag_value="true", default=None, metavar=BOOL, help=help)
+
+
+@click.command(epilog=EPILOG)
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
+              help="A KubeProxyConfiguration file (kubeproxy.config.k8s.io/v1alpha1), e.g. kube-proxy's ConfigMap.")
+@click.option("--hostname-override", default=None, help="This node's name, if not the hostname.")
+@click.option("--cluster-cidr", "cluster_cidrs", default=None,
+              help="The pod network, comma-separated CIDRs; traffic from outside it to a ClusterIP is masqueraded.")
+@click.option("--nodeport-addresses", default=None,
+              help="Comma-separated CIDRs of node addresses that accept NodePorts, or 'primary'; default: all.")
+@_bool_flag("--masquerade-all", help="SNAT all service traffic.")
+@click.option("--iptables-masquerade-bit", "masquerade_bit", default=None, metavar="INT",
+              help="The fwmark bit for traffic to masquerade, 0..31 (default 14).")
+@_bool_flag("--iptables-localhost-nodeports", "localhost_nodeports",
+            help="Accept NodePorts on 127.0.0.1 (default true).")
+@click.option("--min-sync-period", "--iptables-min-sync-period", "min_sync_period", default=None, metavar="DURATION",
+              help="Minimum time between syncs (default 1s).")
+@click.option("--sync-period", "--iptables-sync-period", "sync_period", default=None, metavar="DURATION",
+              help="Maximum time between full resyncs (default 30s).")
+@click.option("--metrics-bind-address", default=None, metavar="IP:PORT",
+              help="Where to serve /metrics (default 127.0.0.1:10249; empty disables).")
+@click.option("--healthz-bind-address", default=None, metavar="IP:PORT",
+              help="Where to serve /healthz and /livez (default 0.0.0.0:10256; empty disables).")
+@click.option("--kubeconfig", default=None, type=click.Path(dir_okay=False), help="Kubeconfig file for the API server.")
+@click.option("--master", default=None, help="API server URL (overrides the kubeconfig's).")
+@click.option("--mode", "--proxy-mode", "mode", default=None, metavar="|".join(MODES),
+              help="Datapath: ebpf, iptables, or auto (ebpf if this machine can, default).")
+@click.option("--cgroup-path", default=None, type=click.Path(file_okay=False),
+              help="cgroup v2 directory whose sockets get eBPF socket load-balancing (ebpf mode).")
+@click.option("--bpffs", default=None, type=click.Path(file_okay=False),
+              help="bpffs mount for pinned maps (default /sys/fs/bpf).")
+@click.option("--log-format", default=None, metavar="|".join(LOG_FORMATS), help="text (default) or json.")
+@click.option("--log-level", default=None, metavar="|".join(LOG_LEVELS), help="debug, info (default), warning, error.")
+def run(config_file: str | None, **flags: str | None) -> None:
+    """Run the service proxy on this node until SIGTERM."""
+    setup_logging(flags.get("log_format") or "text", flags.get("log_level") or "info")
+    try:
+        config = load_config({k: v for k, v in flags.items() if v is not None}, config_file)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    setup_logging(config.log_format, config.log_level)
+    agent = Agent(config)
+    agent.install_signal_handlers()
+    sys.exit(agent.run())
+
+
+COMMANDS = [run]

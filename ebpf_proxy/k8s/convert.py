@@ -1,0 +1,511 @@
+"""API objects (plain dicts, as the API server sent them) → model values, the way kube-proxy reads them.
+
+Why dicts and not the client's generated models: a malformed object must be skipped with a log
+line, not blow up inside a deserializer we do not control. Every accessor here checks the type of
+what it reads, and any problem becomes one `Invalid` report naming namespace/name and the field.
+Nothing in this module raises on API content.
+
+What is skipped, and how much of it, follows kube-proxy (servicechangetracker.go, serviceport.go,
+endpointslicecache.go):
+- Services: ExternalName and headless ones are not proxied; a Service whose fields are broken is
+  dropped whole (a half-programmed service is worse than none); a bad or wrong-family external IP
+  or load-balancer ingress IP drops just that IP, as kube-proxy filters them.
+- EndpointSlices: a port without a number, or an endpoint without a usable address, drops just
+  that port or endpoint (kube-proxy's "ignoring invalid endpoint port"); a slice without the
+  `kubernetes.io/service-name` label or with a broken structure is dropped whole.
+IPv4 only for now: IPv6 cluster IPs, addresses and slices are skipped with a debug/info log, not
+counted as invalid (they are valid, just not ours yet).
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from ebpf_proxy.k8s import invalid as inv
+from ebpf_proxy.k8s.invalid import Invalid, Reporter
+from ebpf_proxy.model import (
+    DEFAULT_AFFINITY_TIMEOUT_SECONDS,
+    Endpoint,
+    NodeState,
+    Protocol,
+    ServicePort,
+    ServicePortName,
+)
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+TRIGGER_TIME_ANNOTATION = "endpoints.kubernetes.io/last-change-trigger-time"
+TO_BE_DELETED_TAINT = "ToBeDeletedByClusterAutoscaler"
+MAX_AFFINITY_TIMEOUT_SECONDS = 86400  # the API server's validation bound
+
+SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer", "ExternalName")
+TRAFFIC_POLICIES = ("Cluster", "Local")
+AFFINITIES = ("None", "ClientIP")
+ADDRESS_TYPES = ("IPv4", "IPv6", "FQDN")
+
+
+class _Reject(Exception):
+    """Internal: unwinds out of a conversion step; always caught in this module."""
+
+    def __init__(self, field: str, reason: str, detail: str) -> None:
+        super().__init__(f"{field}: {detail}")
+        self.field, self.reason, self.detail = field, reason, detail
+
+
+_MISSING = object()
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _get(obj: dict, key: str, path: str, types: type | tuple[type, ...], default: Any = _MISSING) -> Any:
+    """obj[key] checked against `types`; a missing or null key gives `default` (or rejects if none)."""
+    value = obj.get(key)
+    if value is None:
+        if default is _MISSING:
+            raise _Reject(path, inv.MISSING_FIELD, "is missing")
+        return default
+    # bool is an int in Python; a JSON `true` is never a valid port or count.
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise _Reject(path, inv.WRONG_TYPE, f"expected {_type_names(types)}, got {_describe(value)}")
+    if not isinstance(value, types):
+        raise _Reject(path, inv.WRONG_TYPE, f"expected {_type_names(types)}, got {_describe(value)}")
+    return value
+
+
+def _type_names(types: type | tuple[type, ...]) -> str:
+    names = {dict: "object", list: "list", str: "string", int: "integer", bool: "boolean"}
+    seq = types if isinstance(types, tuple) else (types,)
+    return " or ".join(names.get(t, t.__name__) for t in seq)
+
+
+def _port(value: Any, path: str, allow_zero: bool) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _Reject(path, inv.WRONG_TYPE, f"expected integer, got {_describe(value)}")
+    low = 0 if allow_zero else 1
+    if not low <= value <= 65535:
+        raise _Reject(path, inv.PORT_OUT_OF_RANGE, f"{value} is not in {low}..65535")
+    return value
+
+
+def _protocol(value: Any, path: str) -> Protocol:
+    if value is None:
+        return Protocol.TCP  # the API server's default
+    if not isinstance(value, str):
+        raise _Reject(path, inv.WRONG_TYPE, f"expected string, got {_describe(value)}")
+    try:
+        return Protocol(value)
+    except ValueError:
+        raise _Reject(path, inv.UNKNOWN_PROTOCOL, f"{value!r} is not TCP, UDP or SCTP") from None
+
+
+def _ip(value: Any, path: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    if not isinstance(value, str):
+        raise _Reject(path, inv.WRONG_TYPE, f"expected string, got {_describe(value)}")
+    try:
+        return ipaddress.ip_address(value.strip())
+    except ValueError:
+        raise _Reject(path, inv.INVALID_IP, f"{value!r} is not an IP address") from None
+
+
+def _choice(obj: dict, key: str, path: str, choices: tuple[str, ...], default: str) -> str:
+    value = _get(obj, key, path, str, default)
+    if value == "":
+        return default
+    if value not in choices:
+        raise _Reject(path, inv.INVALID_VALUE, f"{value!r} is not one of {', '.join(choices)}")
+    return value
+
+
+@dataclass(frozen=True)
+class ObjectRef:
+    """namespace/name of an API object, read defensively (for keys and log lines)."""
+
+    namespace: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name}" if self.namespace else self.name
+
+
+def object_ref(obj: Any) -> ObjectRef | None:
+    """The object's namespace/name, or None when it has no usable metadata.name."""
+    if not isinstance(obj, dict):
+        return None
+    meta = obj.get("metadata")
+    if not isinstance(meta, dict):
+        return None
+    name, namespace = meta.get("name"), meta.get("namespace", "")
+    if not isinstance(name, str) or not name or not isinstance(namespace, (str, type(None))):
+        return None
+    return ObjectRef(namespace or "", name)
+
+
+def _ref_text(obj: Any) -> str:
+    ref = object_ref(obj)
+    return str(ref) if ref else "?"
+
+
+def _reject(reporter: Reporter | None, kind: str, obj: str, err: _Reject, skipped: str) -> None:
+    inv.report(reporter, Invalid(kind=kind, obj=obj, field=err.field, reason=err.reason, detail=err.detail,
+                                 skipped=skipped))
+
+
+def _require_ref(obj: Any, kind: str, reporter: Reporter | None) -> ObjectRef | None:
+    if not isinstance(obj, dict):
+        inv.report(reporter, Invalid(kind, "?", "", inv.MALFORMED, f"expected an object, got {_describe(obj)}",
+                                     "object"))
+        return None
+    ref = object_ref(obj)
+    if ref is None:
+        inv.report(reporter, Invalid(kind, "?", "metadata.name", inv.MISSING_FIELD,
+                                     "missing or not a string", "object"))
+        return None
+    if kind != "Node" and not ref.namespace:
+        inv.report(reporter, Invalid(kind, str(ref), "metadata.namespace", inv.MISSING_FIELD, "is missing",
+                                     "object"))
+        return None
+    return ref
+
+
+# ---- Services ------------------------------------------------------------------------------------
+
+
+def service_ports(svc: Any, reporter: Reporter | None = None) -> list[ServicePort]:
+    """Every programmable (IPv4) port of a Service; [] when it is not proxied or is invalid."""
+    ref = _require_ref(svc, "Service", reporter)
+    if ref is None:
+        return []
+    try:
+        return _service_ports(svc, ref, reporter)
+    except _Reject as err:
+        _reject(reporter, "Service", str(ref), err, "object")
+        return []
+
+
+def _service_ports(svc: dict, ref: ObjectRef, reporter: Reporter | None) -> list[ServicePort]:
+    spec = _get(svc, "spec", "spec", dict)
+    svc_type = _choice(spec, "type", "spec.type", SERVICE_TYPES, "ClusterIP")
+    if svc_type == "ExternalName":
+        log.debug("skipping ExternalName service", extra={"object": str(ref)})
+        return []
+    cluster_ip = _cluster_ipv4(spec, ref)
+    if cluster_ip is None:
+        return []
+
+    external_ips = _service_ips(_get(spec, "externalIPs", "spec.externalIPs", list, []), "spec.externalIPs",
+                                ref, reporter)
+    status = _get(svc, "status", "status", dict, {})
+    lb = _get(status, "loadBalancer", "status.loadBalancer", dict, {})
+    lb_ips = _ingress_ips(_get(lb, "ingress", "status.loadBalancer.ingress", list, []), ref, reporter)
+    source_ranges = _source_ranges(spec, ref)
+    if source_ranges is None:  # ranges given, none IPv4: no IPv4 source may reach the LB IPs
+        log.info("service has only non-IPv4 loadBalancerSourceRanges: not programming its IPv4 load-balancer IPs",
+                 extra={"object": str(ref), "field": "spec.loadBalancerSourceRanges"})
+        lb_ips, source_ranges = (), ()
+
+    etp = _choice(spec, "externalTrafficPolicy", "spec.externalTrafficPolicy", TRAFFIC_POLICIES, "Cluster")
+    itp = _choice(spec, "internalTrafficPolicy", "spec.internalTrafficPolicy", TRAFFIC_POLICIES, "Cluster")
+    # kube-proxy's apiservice.ExternallyAccessible: NodePort, LoadBalancer, or ClusterIP with externalIPs.
+    externally_accessible = svc_type in ("NodePort", "LoadBalancer") or bool(spec.get("externalIPs"))
+    external_local = etp == "Local" and externally_accessible
+    affinity_timeout = _affinity_timeout(spec)
+
+    health_port = 0
+    if svc_type == "LoadBalancer" and external_local:  # kube-proxy's apiservice.NeedsHealthCheck
+        health_port = _port(spec.get("healthCheckNodePort", 0) or 0, "spec.healthCheckNodePort", allow_zero=True)
+        if health_port == 0:
+            log.error("service needs a health check but has no healthCheckNodePort",
+                      extra={"object": str(ref), "field": "spec.healthCheckNodePort"})
+
+    ports = _get(spec, "ports", "spec.ports", list, [])
+    result: list[ServicePort] = []
+    seen: set[ServicePortName] = set()
+    for i, port in enumerate(ports):
+        path = f"spec.ports[{i}]"
+        if not isinstance(port, dict):
+            raise _Reject(path, inv.WRONG_TYPE, f"expected object, got {_describe(port)}")
+        port_name = _get(port, "name", f"{path}.name", str, "")
+        protocol = _protocol(port.get("protocol"), f"{path}.protocol")
+        number = _port(port.get("port"), f"{path}.port", allow_zero=False)
+        node_port = _port(port.get("nodePort", 0) or 0, f"{path}.nodePort", allow_zero=True)
+        spn = ServicePortName(ref.namespace, ref.name, port_name, protocol)
+        if spn in seen:
+            raise _Reject(f"{path}.name", inv.INVALID_VALUE, f"duplicate port name {port_name!r}/{protocol.value}")
+        seen.add(spn)
+        result.append(ServicePort(
+            name=spn, cluster_ip=cluster_ip, port=number, protocol=protocol, node_port=node_port,
+            external_ips=external_ips, load_balancer_ips=lb_ips, load_balancer_source_ranges=source_ranges,
+            external_policy_local=external_local, internal_policy_local=itp == "Local",
+            affinity_timeout_seconds=affinity_timeout, health_check_node_port=health_port,
+        ))
+    return result
+
+
+def _cluster_ipv4(spec: dict, ref: ObjectRef) -> str | None:
+    """The service's IPv4 cluster IP; None for headless/unallocated or IPv6-only services."""
+    ips = _get(spec, "clusterIPs", "spec.clusterIPs", list, [])
+    paths = [f"spec.clusterIPs[{i}]" for i in range(len(ips))]
+    if not ips:  # clusterIPs is newer (dual-stack); older objects only have clusterIP
+        single = _get(spec, "clusterIP", "spec.clusterIP", str, "")
+        ips, paths = ([single] if single else []), ["spec.clusterIP"]
+    if not ips or ips[0] in ("None", ""):
+        log.debug("skipping service without a cluster IP (headless)", extra={"object": str(ref)})
+        return None
+    parsed = [_ip(ip, path) for ip, path in zip(ips, paths)]
+    for ip in parsed:
+        if ip.version == 4:
+            return str(ip)
+    log.info("skipping IPv6-only service (IPv4 only for now)", extra={"object": str(ref), "field": paths[0]})
+    return None
+
+
+def _service_ips(values: list, path: str, ref: ObjectRef, reporter: Reporter | None) -> tuple[str, ...]:
+    ips: list[str] = []
+    for i, value in enumerate(values):
+        try:
+            ip = _ip(value, f"{path}[{i}]")
+        except _Reject as err:
+            _reject(reporter, "Service", str(ref), err, "ip")
+            continue
+        if ip.version != 4:
+            log.debug("ignoring IPv6 address of service", extra={"object": str(ref), "field": f"{path}[{i}]"})
+        elif str(ip) not in ips:
+            ips.append(str(ip))
+    return tuple(ips)
+
+
+def _ingress_ips(ingress: list, ref: ObjectRef, reporter: Reporter | None) -> tuple[str, ...]:
+    ips: list[str] = []
+    for i, entry in enumerate(ingress):
+        path = f"status.loadBalancer.ingress[{i}]"
+        if not isinstance(entry, dict):
+            _reject(reporter, "Service", str(ref),
+                    _Reject(path, inv.WRONG_TYPE, f"expected object, got {_describe(entry)}"), "ip")
+            continue
+        if entry.get("ip") in (None, ""):
+            continue  # hostname-only ingress: nothing for a proxy to do
+        if entry.get("ipMode") == "Proxy":
+            # The load balancer proxies to the nodes itself; kube-proxy does not capture its IP.
+            continue
+        ips.extend(ip for ip in _service_ips([entry["ip"]], f"{path}.ip", ref, reporter) if ip not in ips)
+    return tuple(ips)
+
+
+def _source_ranges(spec: dict, ref: ObjectRef) -> tuple[str, ...] | None:
+    """IPv4 source ranges; None when ranges are set but none is IPv4 (then nothing IPv4 is admitted).
+
+    An unparsable range rejects the whole Service: dropping it would widen who can reach the
+    load balancer, which is the opposite of what the user asked for."""
+    values = _get(spec, "loadBalancerSourceRanges", "spec.loadBalancerSourceRanges", list, [])
+    ranges: list[str] = []
+    for i, value in enumerate(values):
+        path = f"spec.loadBalancerSourceRanges[{i}]"
+        if not isinstance(value, str):
+            raise _Reject(path, inv.WRONG_TYPE, f"expected string, got {_describe(value)}")
+        try:
+            net = ipaddress.ip_network(value.strip(), strict=False)
+        except ValueError:
+            raise _Reject(path, inv.INVALID_CIDR, f"{value!r} is not a CIDR") from None
+        if net.version == 4 and str(net) not in ranges:
+            ranges.append(str(net))
+    if values and not ranges:
+        return None
+    return tuple(ranges)
+
+
+def _affinity_timeout(spec: dict) -> int:
+    affinity = _choice(spec, "sessionAffinity", "spec.sessionAffinity", AFFINITIES, "None")
+    if affinity != "ClientIP":
+        return 0
+    config = _get(spec, "sessionAffinityConfig", "spec.sessionAffinityConfig", dict, {})
+    client_ip = _get(config, "clientIP", "spec.sessionAffinityConfig.clientIP", dict, {})
+    path = "spec.sessionAffinityConfig.clientIP.timeoutSeconds"
+    timeout = _get(client_ip, "timeoutSeconds", path, int, DEFAULT_AFFINITY_TIMEOUT_SECONDS)
+    if not 0 < timeout <= MAX_AFFINITY_TIMEOUT_SECONDS:
+        raise _Reject(path, inv.INVALID_VALUE, f"{timeout} is not in 1..{MAX_AFFINITY_TIMEOUT_SECONDS}")
+    return timeout
+
+
+# ---- EndpointSlices ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SliceEndpoints:
+    """One EndpointSlice, reduced to what the proxy uses: endpoints per service port."""
+
+    namespace: str
+    name: str  # the slice's own name
+    service: str  # the owning Service's name (label kubernetes.io/service-name)
+    endpoints: dict[ServicePortName, tuple[Endpoint, ...]]
+    trigger_time: float | None = None  # epoch seconds of the change that caused this slice version
+
+    @property
+    def service_key(self) -> str:
+        return f"{self.namespace}/{self.service}"
+
+
+def endpoint_slice(obj: Any, node_name: str, reporter: Reporter | None = None) -> SliceEndpoints | None:
+    """The slice's IPv4 endpoints by service port; None when the slice contributes nothing.
+
+    `node_name` is this node: endpoints whose nodeName matches are local (eTP/iTP=Local)."""
+    ref = _require_ref(obj, "EndpointSlice", reporter)
+    if ref is None:
+        return None
+    try:
+        return _endpoint_slice(obj, ref, node_name, reporter)
+    except _Reject as err:
+        _reject(reporter, "EndpointSlice", str(ref), err, "object")
+        return None
+
+
+def _endpoint_slice(obj: dict, ref: ObjectRef, node_name: str, reporter: Reporter | None) -> SliceEndpoints | None:
+    meta = obj["metadata"]
+    labels = _get(meta, "labels", "metadata.labels", dict, {})
+    service = labels.get(SERVICE_NAME_LABEL)
+    if not isinstance(service, str) or not service:
+        raise _Reject(f"metadata.labels[{SERVICE_NAME_LABEL}]", inv.MISSING_FIELD, "missing: no owning service")
+    address_type = _get(obj, "addressType", "addressType", str)
+    if address_type not in ADDRESS_TYPES:
+        raise _Reject("addressType", inv.INVALID_VALUE, f"{address_type!r} is not one of {', '.join(ADDRESS_TYPES)}")
+    if address_type != "IPv4":
+        log.debug("ignoring non-IPv4 endpoint slice", extra={"object": str(ref), "field": "addressType"})
+        return None
+
+    ports = _slice_ports(_get(obj, "ports", "ports", list, []), ref, reporter)
+    endpoints = _slice_endpoints(_get(obj, "endpoints", "endpoints", list, []), ref, node_name, reporter)
+    by_port: dict[ServicePortName, tuple[Endpoint, ...]] = {}
+    for port_name, protocol, number in ports:
+        spn = ServicePortName(ref.namespace, service, port_name, protocol)
+        by_port[spn] = tuple(
+            Endpoint(ip=ip, port=number, node_name=node, ready=ready, serving=serving, terminating=terminating,
+                     is_local=local)
+            for ip, node, ready, serving, terminating, local in endpoints
+        )
+    annotations = _get(meta, "annotations", "metadata.annotations", dict, {})
+    return SliceEndpoints(namespace=ref.namespace, name=ref.name, service=service, endpoints=by_port,
+                          trigger_time=_trigger_time(annotations.get(TRIGGER_TIME_ANNOTATION), ref))
+
+
+def _slice_ports(ports: list, ref: ObjectRef, reporter: Reporter | None) -> list[tuple[str, Protocol, int]]:
+    result: list[tuple[str, Protocol, int]] = []
+    seen: set[tuple[str, Protocol]] = set()
+    for i, port in enumerate(ports):
+        path = f"ports[{i}]"
+        try:
+            if not isinstance(port, dict):
+                raise _Reject(path, inv.WRONG_TYPE, f"expected object, got {_describe(port)}")
+            name = _get(port, "name", f"{path}.name", str, "")
+            protocol = _protocol(port.get("protocol"), f"{path}.protocol")
+            number = _port(port.get("port"), f"{path}.port", allow_zero=False)
+            if (name, protocol) in seen:
+                raise _Reject(f"{path}.name", inv.INVALID_VALUE, f"duplicate port name {name!r}/{protocol.value}")
+        except _Reject as err:
+            _reject(reporter, "EndpointSlice", str(ref), err, "port")
+            continue
+        seen.add((name, protocol))
+        result.append((name, protocol, number))
+    return result
+
+
+def _slice_endpoints(endpoints: list, ref: ObjectRef, node_name: str, reporter: Reporter | None) -> list[tuple]:
+    result = []
+    for i, ep in enumerate(endpoints):
+        path = f"endpoints[{i}]"
+        try:
+            result.append(_slice_endpoint(ep, path, node_name))
+        except _Reject as err:
+            _reject(reporter, "EndpointSlice", str(ref), err, "endpoint")
+    return result
+
+
+def _slice_endpoint(ep: Any, path: str, node_name: str) -> tuple:
+    if not isinstance(ep, dict):
+        raise _Reject(path, inv.WRONG_TYPE, f"expected object, got {_describe(ep)}")
+    addresses = _get(ep, "addresses", f"{path}.addresses", list)
+    if not addresses:
+        raise _Reject(f"{path}.addresses", inv.MISSING_FIELD, "is empty")
+    ip = _ip(addresses[0], f"{path}.addresses[0]")  # kube-proxy uses the first address only
+    if ip.version != 4:
+        raise _Reject(f"{path}.addresses[0]", inv.WRONG_FAMILY, f"{addresses[0]!r} is not IPv4 in an IPv4 slice")
+    conditions = _get(ep, "conditions", f"{path}.conditions", dict, {})
+    # EndpointSlice defaulting: ready nil → true; serving nil → ready; terminating nil → false.
+    ready = _get(conditions, "ready", f"{path}.conditions.ready", bool, True)
+    serving = _get(conditions, "serving", f"{path}.conditions.serving", bool, ready)
+    terminating = _get(conditions, "terminating", f"{path}.conditions.terminating", bool, False)
+    node = _get(ep, "nodeName", f"{path}.nodeName", str, None) or None
+    return str(ip), node, ready, serving, terminating, node is not None and node == node_name
+
+
+def _trigger_time(value: Any, ref: ObjectRef) -> float | None:
+    if value is None:
+        return None
+    try:
+        if not isinstance(value, str):
+            raise ValueError(value)
+        stamp = datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+        if stamp.tzinfo is None:
+            stamp = stamp.replace(tzinfo=datetime.timezone.utc)
+        return stamp.timestamp()
+    except ValueError:
+        log.warning("ignoring unparsable change-trigger time %r", value,
+                    extra={"object": str(ref), "field": f"metadata.annotations[{TRIGGER_TIME_ANNOTATION}]"})
+        return None
+
+
+def slice_service_key(obj: Any) -> str | None:
+    """namespace/service of a slice (for deletes, where the rest of the object does not matter)."""
+    ref = object_ref(obj)
+    labels = obj.get("metadata", {}).get("labels") if ref else None
+    service = labels.get(SERVICE_NAME_LABEL) if isinstance(labels, dict) else None
+    if ref is None or not isinstance(service, str) or not service:
+        return None
+    return f"{ref.namespace}/{service}"
+
+
+# ---- Nodes ---------------------------------------------------------------------------------------
+
+
+def node_info(obj: Any, reporter: Reporter | None = None) -> NodeState | None:
+    """The Node's IPv4 addresses and whether it is eligible for traffic; None if malformed."""
+    ref = _require_ref(obj, "Node", reporter)
+    if ref is None:
+        return None
+    try:
+        return _node_info(obj, ref, reporter)
+    except _Reject as err:
+        _reject(reporter, "Node", str(ref), err, "object")
+        return None
+
+
+def _node_info(obj: dict, ref: ObjectRef, reporter: Reporter | None) -> NodeState:
+    status = _get(obj, "status", "status", dict, {})
+    internal: list[str] = []
+    external: list[str] = []
+    for i, entry in enumerate(_get(status, "addresses", "status.addresses", list, [])):
+        path = f"status.addresses[{i}]"
+        if not isinstance(entry, dict) or entry.get("type") not in ("InternalIP", "ExternalIP"):
+            continue  # Hostname, InternalDNS, ...: not addresses we can match packets on
+        try:
+            ip = _ip(entry.get("address"), f"{path}.address")
+        except _Reject as err:
+            _reject(reporter, "Node", str(ref), err, "ip")
+            continue
+        if ip.version == 4:
+            (internal if entry["type"] == "InternalIP" else external).append(str(ip))
+    addresses = tuple(dict.fromkeys(internal + external))
+    primary = internal[0] if internal else (external[0] if external else None)
+
+    eligible = obj["metadata"].get("deletionTimestamp") is None
+    spec = _get(obj, "spec", "spec", dict, {})
+    for taint in _get(spec, "taints", "spec.taints", list, []):
+        if isinstance(taint, dict) and taint.get("key") == TO_BE_DELETED_TAINT:
+            eligible = False
+    return NodeState(name=ref.name, addresses=addresses, primary_ip=primary, eligible=eligible)

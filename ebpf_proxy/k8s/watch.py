@@ -1,0 +1,304 @@
+"""List-then-watch one collection and keep handlers in step with it (client-go's Reflector, small).
+
+Protocol, as the API server defines it:
+1. LIST the collection; the list's `metadata.resourceVersion` (RV) is where the watch starts.
+2. WATCH from that RV with `allowWatchBookmarks`: ADDED/MODIFIED/DELETED carry objects (and their
+   RV), BOOKMARK carries only a newer RV, so a reconnect does not replay or miss anything.
+3. The server ends watches on its own (timeout): re-watch from the last RV, at once.
+4. If the RV is too old (compacted), the server answers 410 Gone, either as the watch request's
+   HTTP status or as an ERROR event with code 410: LIST again and deliver the *difference* between
+   the new list and the cache (objects missing from the new list are deleted).
+5. Any other failure: reconnect after a capped exponential backoff with jitter, from the last RV.
+
+Why not `kubernetes.watch.Watch().stream`: it deserializes into generated models (a malformed
+object raises inside the client) and retries one 410 by itself from a stale RV. Here the raw event
+stream is read as dicts and every case above is handled in one place.
+
+A failed LIST never changes the cache: an API outage must not look like "every service was deleted".
+
+Tests drive `Reflector` with any object that has `kind`, `list()` and `watch(rv)` (see `ListWatch`),
+a fake `wait` (no sleeping) and a fake clock.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from typing import Any, Callable, Iterable, Protocol
+
+from ebpf_proxy.k8s import invalid as inv
+from ebpf_proxy.k8s.convert import object_ref
+from ebpf_proxy.k8s.invalid import Invalid, Reporter
+
+log = logging.getLogger(__name__)
+
+GONE = 410
+# client-go treats a watch that ends within a second without a single event as an error (a server
+# or proxy that closes at once would otherwise make us spin).
+SHORT_WATCH_SECONDS = 1.0
+
+
+class ListWatch(Protocol):
+    """One collection of the API: what the Reflector needs from the API client."""
+
+    kind: str
+
+    def list(self) -> tuple[list[Any], str]:
+        """All objects and the list's resourceVersion. Raises on any failure (HTTP status in `.status`)."""
+
+    def watch(self, resource_version: str) -> Iterable[Any]:
+        """Raw watch events ({"type": ..., "object": {...}}) from `resource_version` on. May have
+        `interrupt()` (called from another thread to stop a blocked read) and `close()`."""
+
+
+class Handler:
+    """Receives the collection's changes as plain dicts. Override what you need."""
+
+    def on_add(self, obj: dict) -> None:
+        """A new object."""
+
+    def on_update(self, old: dict, new: dict) -> None:
+        """An object changed (its resourceVersion moved)."""
+
+    def on_delete(self, obj: dict) -> None:
+        """An object is gone (last known state)."""
+
+
+class Backoff:
+    """Capped exponential backoff with jitter, like client-go's (0.8s doubling up to 30s)."""
+
+    def __init__(self, initial: float = 0.8, cap: float = 30.0, factor: float = 2.0, jitter: float = 0.5,
+                 rng: Callable[[], float] = random.random) -> None:
+        self.initial, self.cap, self.factor, self.jitter, self._rng = initial, cap, factor, jitter, rng
+        self._attempt = 0
+
+    def next(self) -> float:
+        """The next delay: the base doubles up to `cap`; jitter spreads it ±jitter/2 so that many
+        agents reconnecting to a restarted API server do not arrive in lockstep."""
+        base = min(self.cap, self.initial * self.factor ** self._attempt)
+        self._attempt += 1
+        return base * (1 + self.jitter * (self._rng() - 0.5))
+
+    def reset(self) -> None:
+        self._attempt = 0
+
+
+def _status(exc: BaseException) -> int | None:
+    status = getattr(exc, "status", None)
+    return status if isinstance(status, int) else None
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line for a log: the client's ApiException renders headers and body over many lines."""
+    status = _status(exc)
+    if status is not None:
+        reason = getattr(exc, "reason", None) or type(exc).__name__
+        return f"HTTP {status} {reason}"
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _rv(obj: Any) -> str | None:
+    meta = obj.get("metadata") if isinstance(obj, dict) else None
+    rv = meta.get("resourceVersion") if isinstance(meta, dict) else None
+    return rv if isinstance(rv, str) and rv else None
+
+
+class Reflector:
+    """Keeps `handler` in step with one collection until `stop()`; see the module docstring."""
+
+    def __init__(self, lw: ListWatch, handler: Handler, *, backoff: Backoff | None = None,
+                 clock: Callable[[], float] = time.monotonic, wait: Callable[[float], bool] | None = None,
+                 reporter: Reporter | None = None) -> None:
+        self.lw = lw
+        self.kind = lw.kind
+        self.handler = handler
+        self.backoff = backoff or Backoff()
+        self.clock = clock
+        self._stop = threading.Event()
+        self._wait = wait or self._stop.wait
+        self.reporter = reporter
+        self.synced = threading.Event()  # set once the first LIST has been delivered
+        self.resource_version = ""
+        self.cache: dict[str, dict] = {}
+        self.lists = 0  # successful LISTs (1 + relists), for tests and logs
+        self._stream: Any = None
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> threading.Thread:
+        self._thread = threading.Thread(target=self.run, name=f"watch-{self.kind}", daemon=True)
+        self._thread.start()
+        return self._thread
+
+    def stop(self, timeout: float | None = 5.0) -> None:
+        """Stop watching: wakes a backoff wait and interrupts a blocked read."""
+        self._stop.set()
+        stream = self._stream
+        if stream is not None and hasattr(stream, "interrupt"):
+            try:
+                stream.interrupt()
+            except Exception:  # best effort: the thread also checks the stop flag between events
+                log.debug("interrupting the %s watch failed", self.kind, exc_info=True)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def _sleep(self, reason: str) -> bool:
+        """Back off; True if stopped meanwhile."""
+        delay = self.backoff.next()
+        log.warning("%s: retrying in %.1fs", reason, delay, extra={"kind": self.kind, "delay_s": round(delay, 3)})
+        return bool(self._wait(delay)) or self._stop.is_set()
+
+    # ---- the loop --------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        need_list = True
+        list_gone_retried = False
+        while not self._stop.is_set():
+            if need_list:
+                try:
+                    items, rv = self.lw.list()
+                except Exception as exc:
+                    # 410 on a LIST (an expired continue token): start over at once, but only once.
+                    if _status(exc) == GONE and not list_gone_retried:
+                        list_gone_retried = True
+                        continue
+                    if self._sleep(f"{self.kind} list failed: {describe_error(exc)}"):
+                        break
+                    continue
+                list_gone_retried = False
+                self._replace(items)
+                self.resource_version = rv if isinstance(rv, str) else ""
+                self.lists += 1
+                self.backoff.reset()
+                self.synced.set()
+                log.info("%s listed", self.kind,
+                         extra={"kind": self.kind, "objects": len(self.cache), "resource_version": self.resource_version})
+                need_list = False
+                if self._stop.is_set():
+                    break
+            outcome = self._watch_once()
+            if outcome == "relist":
+                need_list = True
+            elif outcome == "error":
+                if self._sleep(f"{self.kind} watch failed"):
+                    break
+        log.info("%s watch stopped", self.kind, extra={"kind": self.kind})
+
+    def _watch_once(self) -> str:
+        """One watch connection. Returns "relist", "rewatch" (ended normally) or "error"."""
+        started = self.clock()
+        events = 0
+        try:
+            self._stream = self.lw.watch(self.resource_version)
+            for event in self._stream:
+                if self._stop.is_set():
+                    return "rewatch"
+                events += 1
+                outcome = self._handle_event(event)
+                if outcome is not None:
+                    return outcome
+        except Exception as exc:
+            if self._stop.is_set():
+                return "rewatch"
+            if _status(exc) == GONE:
+                log.info("%s watch: resourceVersion %s is gone (410): relisting", self.kind, self.resource_version,
+                         extra={"kind": self.kind, "resource_version": self.resource_version})
+                return "relist"
+            log.warning("%s watch error: %s", self.kind, describe_error(exc), extra={"kind": self.kind})
+            return "error"
+        finally:
+            stream, self._stream = self._stream, None
+            if stream is not None and hasattr(stream, "close"):
+                try:
+                    stream.close()
+                except Exception:
+                    log.debug("closing the %s watch failed", self.kind, exc_info=True)
+        if events == 0 and self.clock() - started < SHORT_WATCH_SECONDS and not self._stop.is_set():
+            log.warning("%s watch closed at once without events", self.kind, extra={"kind": self.kind})
+            return "error"
+        return "rewatch"
+
+    def _handle_event(self, event: Any) -> str | None:
+        if not isinstance(event, dict):
+            self._invalid("?", "", inv.MALFORMED, f"watch event is not an object: {event!r:.80}")
+            return None
+        etype, obj = event.get("type"), event.get("object")
+        if etype == "ERROR":
+            code = obj.get("code") if isinstance(obj, dict) else None
+            message = obj.get("message") if isinstance(obj, dict) else obj
+            if code == GONE:
+                log.info("%s watch: %s (410): relisting", self.kind, message,
+                         extra={"kind": self.kind, "resource_version": self.resource_version})
+                return "relist"
+            log.warning("%s watch: error event %s: %s", self.kind, code, message,
+                        extra={"kind": self.kind, "code": code})
+            return "error"
+        if etype == "BOOKMARK":
+            rv = _rv(obj)
+            if rv:
+                self.resource_version = rv
+            return None
+        if etype not in ("ADDED", "MODIFIED", "DELETED"):
+            self._invalid("?", "type", inv.INVALID_VALUE, f"unknown watch event type {etype!r}")
+            return None
+        ref = object_ref(obj)
+        rv = _rv(obj)
+        if ref is None:
+            if rv:
+                self.resource_version = rv
+            self._invalid("?", "object.metadata.name", inv.MALFORMED, f"{etype} event without a usable object")
+            return None
+        key = str(ref)
+        old = self.cache.get(key)
+        if etype == "DELETED":
+            if old is not None:
+                del self.cache[key]
+                self._call(self.handler.on_delete, obj)
+        else:
+            self.cache[key] = obj
+            if old is None:
+                self._call(self.handler.on_add, obj)
+            else:
+                self._call(self.handler.on_update, old, obj)
+        # Only after the handler: "resource_version" then means "everything up to here was handed on",
+        # which the agent's synced-resourceVersion report relies on.
+        if rv:
+            self.resource_version = rv
+        return None
+
+    def _replace(self, items: list[Any]) -> None:
+        """A (re)list: deliver the difference between the new list and the cache."""
+        new: dict[str, dict] = {}
+        for i, item in enumerate(items if isinstance(items, list) else []):
+            ref = object_ref(item)
+            if ref is None:
+                self._invalid("?", f"items[{i}].metadata.name", inv.MALFORMED, "listed object without a usable name")
+                continue
+            new[str(ref)] = item
+        old, self.cache = self.cache, new
+        for key in sorted(old.keys() - new.keys()):
+            self._call(self.handler.on_delete, old[key])
+        for key, obj in new.items():
+            if key not in old:
+                self._call(self.handler.on_add, obj)
+            elif _rv(old[key]) != _rv(obj) or (_rv(obj) is None and old[key] != obj):
+                self._call(self.handler.on_update, old[key], obj)
+
+    def _call(self, fn: Callable[..., None], *args: dict) -> None:
+        try:
+            fn(*args)
+        except Exception:  # a handler bug must not stop the watch (the agent never crashes on API content)
+            ref = object_ref(args[-1])
+            log.exception("%s handler failed", self.kind, extra={"kind": self.kind, "object": str(ref) if ref else "?"})
+
+    def _invalid(self, obj: str, field: str, reason: str, detail: str) -> None:
+        inv.report(self.reporter, Invalid(kind=self.kind, obj=obj, field=field, reason=reason, detail=detail,
+                                          skipped="event"))

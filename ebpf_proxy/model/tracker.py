@@ -1,0 +1,277 @@
+"""What to program, and what changed since it was last programmed (kube-proxy's change trackers).
+
+kube-proxy keeps a ServiceChangeTracker and an EndpointsChangeTracker that accumulate "previous →
+current" pairs between syncs. This tracker keeps the same promise with a simpler mechanism:
+
+- it holds the *current* service ports and endpoints (per Service, endpoints merged across all of
+  its EndpointSlices, like kube-proxy's EndpointSliceCache),
+- the state as of the last *successful* sync,
+- and the set of Services touched since then.
+
+`take()` diffs only the touched Services against the last-synced state, so the ChangeSet is exact
+(an update that reverts a previous one yields no change) and nothing is lost when a sync fails:
+`abort()` puts the touched Services back, `commit()` advances the last-synced state. Because the
+diff is against what was really programmed, a change that arrives while a sync is running is
+simply still "touched" at the next `take()`.
+
+Pure Python and thread-safe: the watch threads feed it, the runner thread takes from it.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+from ebpf_proxy.model.types import ChangeSet, Endpoint, Protocol, ProxyState, ServicePort, ServicePortName
+
+EndpointsByPort = Mapping[ServicePortName, tuple[Endpoint, ...]]
+
+
+@dataclass(frozen=True)
+class NodeState:
+    """This node as the API server describes it (from its Node object).
+
+    The agent prefers the addresses it reads from the node's own interfaces (iptables' addrtype
+    LOCAL means *every* local address, which the Node object does not list); these are the fallback,
+    and `primary_ip` is what `--nodeport-addresses primary` means.
+    """
+
+    name: str
+    addresses: tuple[str, ...] = ()  # IPv4 InternalIPs, then ExternalIPs
+    primary_ip: str | None = None  # first IPv4 InternalIP, else first IPv4 ExternalIP
+    eligible: bool = True  # False while the node is being deleted: /healthz then answers 503
+
+
+@dataclass(frozen=True)
+class _Slice:
+    service_key: str
+    endpoints: dict[ServicePortName, tuple[Endpoint, ...]]
+    trigger_time: float | None
+
+
+class ChangeTracker:
+    """Accumulates Service/EndpointSlice changes; `take()` / `commit()` / `abort()` around each sync."""
+
+    def __init__(self, start_time: float = 0.0) -> None:
+        # Change-trigger times older than the tracker are history from before we started: kube-proxy
+        # ignores them too, otherwise the first sync would report hours of "programming latency".
+        self._start_time = start_time
+        self._lock = threading.Lock()
+        self._services: dict[str, dict[ServicePortName, ServicePort]] = {}
+        self._slices: dict[tuple[str, str], _Slice] = {}
+        self._slices_by_service: dict[str, set[tuple[str, str]]] = {}
+        self._endpoints: dict[str, dict[ServicePortName, tuple[Endpoint, ...]]] = {}
+        self._flat_services: dict[ServicePortName, ServicePort] = {}
+        self._flat_endpoints: dict[ServicePortName, tuple[Endpoint, ...]] = {}
+
+        self._synced_services: dict[str, dict[ServicePortName, ServicePort]] = {}
+        self._synced_endpoints: dict[str, dict[ServicePortName, tuple[Endpoint, ...]]] = {}
+        self._synced_once = False
+
+        self._dirty: set[str] = set()
+        self._triggers: dict[str, list[float]] = {}
+        self._in_flight: dict[str, tuple[dict, dict]] | None = None
+        self._in_flight_triggers: dict[str, list[float]] = {}
+        self._node: NodeState | None = None
+
+    # ---- feeding ---------------------------------------------------------------------------------
+
+    def update_service(self, namespace: str, name: str, ports: Iterable[ServicePort]) -> bool:
+        """The Service's current programmable ports ([] = not proxied). Returns whether anything changed."""
+        key = f"{namespace}/{name}"
+        new = {p.name: p for p in ports}
+        with self._lock:
+            old = self._services.get(key, {})
+            if new == old:
+                return False
+            for spn in old:
+                self._flat_services.pop(spn, None)
+            self._flat_services.update(new)
+            if new:
+                self._services[key] = new
+            else:
+                self._services.pop(key, None)
+            self._dirty.add(key)
+            return True
+
+    def delete_service(self, namespace: str, name: str) -> bool:
+        return self.update_service(namespace, name, ())
+
+    def update_slice(self, namespace: str, slice_name: str, service: str, endpoints: EndpointsByPort,
+                     trigger_time: float | None = None) -> bool:
+        """One EndpointSlice's endpoints by service port. Returns whether the service's endpoints changed."""
+        slice_key = (namespace, slice_name)
+        service_key = f"{namespace}/{service}"
+        new = _Slice(service_key, {spn: tuple(eps) for spn, eps in endpoints.items()}, trigger_time)
+        with self._lock:
+            old = self._slices.get(slice_key)
+            self._slices[slice_key] = new
+            self._slices_by_service.setdefault(service_key, set()).add(slice_key)
+            changed = False
+            if old is not None and old.service_key != service_key:  # label moved: leave the old service
+                self._slices_by_service[old.service_key].discard(slice_key)
+                changed |= self._remerge(old.service_key)
+            changed |= self._remerge(service_key)
+            if changed and trigger_time is not None and trigger_time >= self._start_time:
+                self._triggers.setdefault(service_key, []).append(trigger_time)
+            return changed
+
+    def delete_slice(self, namespace: str, slice_name: str) -> bool:
+        with self._lock:
+            old = self._slices.pop((namespace, slice_name), None)
+            if old is None:
+                return False
+            self._slices_by_service[old.service_key].discard((namespace, slice_name))
+            return self._remerge(old.service_key)
+
+    def update_node(self, node: NodeState | None) -> bool:
+        """This node's state (None: the Node object is gone). Node state does not dirty services."""
+        with self._lock:
+            changed = node != self._node
+            self._node = node
+            return changed
+
+    @property
+    def node(self) -> NodeState | None:
+        with self._lock:
+            return self._node
+
+    def _remerge(self, service_key: str) -> bool:
+        """Recompute one service's endpoints from all its slices; mark it dirty if they changed."""
+        merged = _merge(self._slices[k] for k in sorted(self._slices_by_service.get(service_key, ())))
+        if not self._slices_by_service.get(service_key):
+            self._slices_by_service.pop(service_key, None)
+        old = self._endpoints.get(service_key, {})
+        if merged == old:
+            return False
+        for spn in old:
+            self._flat_endpoints.pop(spn, None)
+        self._flat_endpoints.update(merged)
+        if merged:
+            self._endpoints[service_key] = merged
+        else:
+            self._endpoints.pop(service_key, None)
+        self._dirty.add(service_key)
+        return True
+
+    # ---- syncing ---------------------------------------------------------------------------------
+
+    @property
+    def pending(self) -> bool:
+        """Whether something changed since the last take()."""
+        with self._lock:
+            return bool(self._dirty)
+
+    def take(self, full: bool = False) -> tuple[ProxyState, ChangeSet]:
+        """The whole desired state and what changed since the last committed sync.
+
+        The first take (before any commit) is always full. Must be followed by commit() or abort();
+        a take() without either implicitly aborts the previous one."""
+        with self._lock:
+            if self._in_flight is not None:
+                self._abort_locked()
+            keys, self._dirty = self._dirty, set()
+            changed: set[ServicePortName] = set()
+            stale_endpoints: set[tuple[ServicePortName, str]] = set()
+            stale_services: set[ServicePortName] = set()
+            in_flight: dict[str, tuple[dict, dict]] = {}
+            triggers: dict[str, list[float]] = {}
+            for key in keys:
+                new_svc, new_eps = self._services.get(key, {}), self._endpoints.get(key, {})
+                old_svc, old_eps = self._synced_services.get(key, {}), self._synced_endpoints.get(key, {})
+                in_flight[key] = (new_svc, new_eps)
+                key_changed = _changed_ports(old_svc, new_svc, old_eps, new_eps)
+                changed |= key_changed
+                _detect_stale_udp(old_eps, new_eps, stale_endpoints, stale_services)
+                if key_changed and key in self._triggers:
+                    triggers[key] = self._triggers.pop(key)
+                else:
+                    self._triggers.pop(key, None)
+            self._in_flight, self._in_flight_triggers = in_flight, triggers
+
+            services = dict(self._flat_services)
+            endpoints = {spn: eps for spn, eps in self._flat_endpoints.items() if spn in services}
+            changes = ChangeSet(
+                full=full or not self._synced_once,
+                services=frozenset(changed),
+                stale_udp_endpoints=frozenset(stale_endpoints),
+                stale_udp_services=frozenset(stale_services),
+            )
+            return ProxyState(services=services, endpoints=endpoints), changes
+
+    def commit(self) -> list[float]:
+        """The last take() was programmed. Returns its change-trigger times (epoch seconds) for the
+        network-programming-latency metric."""
+        with self._lock:
+            if self._in_flight is None:
+                return []
+            for key, (svc, eps) in self._in_flight.items():
+                _store(self._synced_services, key, svc)
+                _store(self._synced_endpoints, key, eps)
+            self._synced_once = True
+            triggers = sorted(t for times in self._in_flight_triggers.values() for t in times)
+            self._in_flight, self._in_flight_triggers = None, {}
+            return triggers
+
+    def abort(self) -> None:
+        """The last take() failed: its changes count as pending again."""
+        with self._lock:
+            self._abort_locked()
+
+    def _abort_locked(self) -> None:
+        if self._in_flight is None:
+            return
+        self._dirty |= set(self._in_flight)
+        for key, times in self._in_flight_triggers.items():
+            self._triggers[key] = times + self._triggers.get(key, [])
+        self._in_flight, self._in_flight_triggers = None, {}
+
+
+def _store(target: dict, key: str, value: dict) -> None:
+    if value:
+        target[key] = value
+    else:
+        target.pop(key, None)
+
+
+def _merge(slices: Iterable[_Slice]) -> dict[ServicePortName, tuple[Endpoint, ...]]:
+    """Endpoints of one service across its slices (iterated in name order), deduplicated by ip:port.
+
+    The same endpoint may transiently appear in two slices; the first one wins, except that a
+    local copy is preferred (kube-proxy's EndpointSliceCache does the same)."""
+    by_port: dict[ServicePortName, dict[str, Endpoint]] = {}
+    for sl in slices:
+        for spn, eps in sl.endpoints.items():
+            seen = by_port.setdefault(spn, {})
+            for ep in eps:
+                if ep.addr not in seen or (ep.is_local and not seen[ep.addr].is_local):
+                    seen[ep.addr] = ep
+    return {spn: tuple(sorted(eps.values())) for spn, eps in by_port.items() if eps}
+
+
+def _changed_ports(old_svc: Mapping, new_svc: Mapping, old_eps: Mapping, new_eps: Mapping) -> set[ServicePortName]:
+    """Service ports (existing before or after) whose service or endpoints differ."""
+    return {
+        spn for spn in old_svc.keys() | new_svc.keys()
+        if old_svc.get(spn) != new_svc.get(spn) or old_eps.get(spn, ()) != new_eps.get(spn, ())
+    }
+
+
+def _detect_stale_udp(old_eps: Mapping, new_eps: Mapping, stale_endpoints: set, stale_services: set) -> None:
+    """kube-proxy's detectStaleConntrackEntries, on one service's endpoints.
+
+    - a serving UDP endpoint that is gone (or stopped serving) may have conntrack entries that would
+      keep sending traffic to it;
+    - a UDP service port that goes from no serving endpoint to some may have entries created while
+      it had none (black-holed), which must go so that new packets reach the new endpoints."""
+    for spn in old_eps.keys() | new_eps.keys():
+        if spn.protocol is not Protocol.UDP:
+            continue
+        old, new = old_eps.get(spn, ()), new_eps.get(spn, ())
+        still_serving = {ep.addr for ep in new if ep.serving}
+        for ep in old:
+            if ep.serving and ep.addr not in still_serving:
+                stale_endpoints.add((spn, ep.ip))
+        if any(ep.serving for ep in new) and not any(ep.serving for ep in old):
+            stale_services.add(spn)

@@ -1,0 +1,517 @@
+"""The agent end to end with FakeDatapath: watch events → tracker → runner → datapath, metrics, health.
+
+Most tests drive the agent step by step (handlers fed with canned objects, the runner with a fake
+clock); one runs the real threads (Reflectors over canned list/watch streams) and stops it the way
+SIGTERM does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+import time
+import urllib.request
+
+import pytest
+from click.testing import CliRunner
+
+from ebpf_proxy.agent import cleanup as agent_cleanup
+from ebpf_proxy.agent.agent import EXIT_FAILED, EXIT_OK, Agent
+from ebpf_proxy.agent.config import load_config
+from ebpf_proxy.agent.metrics import Metrics, metrics_server
+from ebpf_proxy.cli import main
+from ebpf_proxy.datapath import DatapathUnavailable, create_datapath, resolve_auto_mode
+from ebpf_proxy.datapath.fake import FakeDatapath
+from ebpf_proxy.model import NodeConfig, Protocol, ServicePortName
+from tests.unit.kobjects import endpoint, endpoint_slice, node, port, service
+
+NODE = "n1"
+WEB = ServicePortName("default", "web", "http", Protocol.TCP)
+DNS = ServicePortName("default", "web", "dns", Protocol.UDP)
+START = 1714557600.0
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 50.0
+
+    def now(self) -> float:
+        return self.t
+
+
+class Wall:
+    def __init__(self) -> None:
+        self.t = START
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class RecordingDatapath(FakeDatapath):
+    """FakeDatapath that also records close() and can be told to fail the next syncs."""
+
+    created: list["RecordingDatapath"] = []
+
+    def __init__(self, node, **opts) -> None:
+        super().__init__(node)
+        self.opts = opts
+        self.closed = 0
+        RecordingDatapath.created.append(self)
+
+    def close(self) -> None:
+        self.closed += 1
+
+    def fail_next(self, times: int) -> None:
+        self._fail_times = times
+
+    def stats(self) -> dict[str, int]:
+        return {"iptables_rules_nat": 10 * len(self.last_state.services) if self.last_state else 0}
+
+
+class FakeHealthServer:
+    opened: list["FakeHealthServer"] = []
+
+    def __init__(self, host, port, respond, name=""):
+        self.host, self.port, self.respond, self.stopped = host, port, respond, False
+        FakeHealthServer.opened.append(self)
+
+    def start(self):
+        return self
+
+    def stop(self):
+        self.stopped = True
+
+
+def web_service(**spec) -> dict:
+    return service("web", ports=[port("http", 80, "TCP"), port("dns", 53, "UDP")], **spec)
+
+
+def web_slice(*eps, rv="1", trigger=None) -> dict:
+    return endpoint_slice("web-a", endpoints=list(eps), rv=rv, trigger=trigger,
+                          ports=[{"name": "http", "port": 8080, "protocol": "TCP"},
+                                 {"name": "dns", "port": 5353, "protocol": "UDP"}])
+
+
+@pytest.fixture
+def agent_parts():
+    RecordingDatapath.created = []
+    FakeHealthServer.opened = []
+    clock, wall = FakeClock(), Wall()
+
+    def make(flags=None, **kw):
+        config = load_config({"hostname_override": NODE, "mode": "iptables", "cluster_cidrs": "10.244.0.0/16",
+                              "min_sync_period": "1s", "sync_period": "30s", **(flags or {})})
+        kw.setdefault("datapath_factory", lambda mode, node, **opts: RecordingDatapath(node, mode=mode, **opts))
+        return Agent(config, local_addresses=lambda: ["127.0.0.1", "192.168.1.10", "10.244.1.1"],
+                     clock=clock, wall=wall, serve_http=False, health_check_server=FakeHealthServer, **kw)
+
+    return make, clock, wall
+
+
+def listed(agent: Agent, services=(), slices=(), nodes=()) -> None:
+    """What the initial lists deliver: every object as an add."""
+    handlers = agent.handlers()
+    for kind, objs in (("Node", nodes), ("Service", services), ("EndpointSlice", slices)):
+        for obj in objs:
+            handlers[kind].on_add(obj)
+
+
+def metric(agent: Agent, name: str, **labels) -> float | None:
+    return agent.metrics.registry.get_sample_value(name, labels)
+
+
+def test_first_sync_programs_the_listed_state(agent_parts):
+    make, clock, wall = agent_parts
+    agent = make()
+    agent.resolve_mode()
+    listed(agent, services=[web_service(), service("broken", cluster_ip="not-an-ip")],
+           slices=[web_slice(endpoint("10.244.1.5", NODE), endpoint("10.244.2.6", "n2"))], nodes=[node(NODE)])
+    dp = agent.prepare_datapath()
+    assert dp.opts == {"mode": "iptables", "cgroup_path": None, "bpffs": "/sys/fs/bpf"}
+    assert agent.node_config == NodeConfig(node_name=NODE, node_ips=("192.168.1.10", "10.244.1.1"),
+                                           cluster_cidrs=("10.244.0.0/16",))
+    assert agent.runner.run_if_due()
+    ((state, changes),) = dp.syncs
+    assert changes.full and changes.services == {WEB, DNS}
+    assert [(e.ip, e.port, e.is_local) for e in state.endpoints_of(WEB)] == [("10.244.1.5", 8080, True),
+                                                                              ("10.244.2.6", 8080, False)]
+    assert metric(agent, "ebpf_proxy_datapath_info", mode="iptables") == 1
+    assert metric(agent, "ebpf_proxy_invalid_objects_total", kind="Service", reason="invalid_ip") == 1
+    assert metric(agent, "kubeproxy_sync_proxy_rules_service_changes_total") == 2
+    assert metric(agent, "kubeproxy_sync_proxy_rules_endpoint_changes_total") == 1
+    assert metric(agent, "kubeproxy_sync_proxy_rules_last_timestamp_seconds") == START
+    assert metric(agent, "kubeproxy_sync_proxy_rules_iptables_total", table="nat") == 20
+    assert metric(agent, "kubeproxy_sync_full_proxy_rules_duration_seconds_count") == 1
+    assert agent.health.healthz()[0] == 200
+
+
+def test_changes_are_synced_partially_and_bounded_in_frequency(agent_parts):
+    make, clock, wall = agent_parts
+    agent = make()
+    agent.resolve_mode()
+    old = web_slice(endpoint("10.244.1.5", NODE), endpoint("10.244.2.6", "n2"))
+    listed(agent, services=[web_service()], slices=[old], nodes=[node(NODE)])
+    dp = agent.prepare_datapath()
+    agent.runner.run_if_due()
+
+    handlers = agent.handlers()
+    new = web_slice(endpoint("10.244.1.5", NODE), rv="2")
+    handlers["EndpointSlice"].on_update(old, new)  # 10.244.2.6 gone
+    assert agent.health.healthz()[0] == 200  # queued, not late
+    clock.t += 0.5
+    assert not agent.runner.run_if_due()  # --min-sync-period 1s
+    clock.t += 0.5
+    assert agent.runner.run_if_due()
+    state, changes = dp.syncs[-1]
+    assert not changes.full and changes.services == {WEB, DNS}
+    assert changes.stale_udp_endpoints == {(DNS, "10.244.2.6")}
+    assert [e.ip for e in state.endpoints_of(WEB)] == ["10.244.1.5"]
+
+    handlers["Service"].on_delete(web_service())
+    clock.t += 1
+    agent.runner.run_if_due()
+    state, changes = dp.syncs[-1]
+    assert state.services == {} and changes.services == {WEB, DNS}
+
+
+def test_failed_sync_is_retried_full_with_the_same_changes(agent_parts):
+    make, clock, wall = agent_parts
+    agent = make()
+    agent.resolve_mode()
+    listed(agent, services=[web_service()], slices=[web_slice(endpoint("10.244.1.5", NODE))], nodes=[node(NODE)])
+    dp = agent.prepare_datapath()
+    agent.runner.run_if_due()
+    wall.t += 100
+    agent.handlers()["Service"].on_add(service("api", cluster_ip="10.96.0.11"))
+    dp.fail_next(1)
+    clock.t += 1
+    agent.runner.run_if_due()
+    assert metric(agent, "ebpf_proxy_sync_errors_total") == 1
+    assert len(dp.syncs) == 1
+    clock.t += 60  # after the retry backoff
+    agent.runner.run_if_due()
+    state, changes = dp.syncs[-1]
+    assert changes.full
+    assert ServicePortName("default", "api", "http", Protocol.TCP) in changes.services
+    assert metric(agent, "kubeproxy_sync_proxy_rules_last_timestamp_seconds") == START + 100
+
+
+def test_health_check_node_port_follows_local_endpoints(agent_parts):
+    make, clock, wall = agent_parts
+    agent = make()
+    agent.resolve_mode()
+    lb = service("web", svc_type="LoadBalancer", ports=[port("http", 80, "TCP", node_port=30080)],
+                 externalTrafficPolicy="Local", healthCheckNodePort=32000)
+    sl = web_slice(endpoint("10.244.1.5", NODE), endpoint("10.244.1.6", NODE), endpoint("10.244.2.6", "n2"))
+    listed(agent, services=[lb], slices=[sl], nodes=[node(NODE)])
+    agent.prepare_datapath()
+    agent.runner.run_if_due()
+    (server,) = FakeHealthServer.opened
+    assert (server.host, server.port) == ("0.0.0.0", 32000)
+    status, _, raw, _ = server.respond("/")
+    assert status == 200 and json.loads(raw)["localEndpoints"] == 2
+
+    agent.handlers()["EndpointSlice"].on_update(sl, web_slice(endpoint("10.244.2.6", "n2"), rv="2"))
+    clock.t += 1
+    agent.runner.run_if_due()
+    status, _, raw, _ = server.respond("/")
+    assert status == 503 and json.loads(raw)["localEndpoints"] == 0
+
+    agent.handlers()["Service"].on_delete(lb)
+    clock.t += 1
+    agent.runner.run_if_due()
+    assert server.stopped
+
+
+def test_network_programming_latency_from_the_trigger_time(agent_parts):
+    make, clock, wall = agent_parts
+    agent = make()
+    agent.resolve_mode()
+    listed(agent, services=[web_service()], slices=[web_slice(endpoint("10.244.1.5", NODE))], nodes=[node(NODE)])
+    agent.prepare_datapath()
+    agent.runner.run_if_due()
+    wall.t = START + 10
+    agent.handlers()["EndpointSlice"].on_add(
+        web_slice(endpoint("10.244.1.7", NODE), rv="3", trigger="2024-05-01T10:00:07Z"))
+    clock.t += 1
+    agent.runner.run_if_due()
+    assert metric(agent, "kubeproxy_network_programming_duration_seconds_count") == 1
+    assert metric(agent, "kubeproxy_network_programming_duration_seconds_sum") == pytest.approx(3.0)
+
+
+def test_nodeport_addresses_primary_uses_the_node_object(agent_parts):
+    make, clock, wall = agent_parts
+    agent = make({"nodeport_addresses": "primary"})
+    listed(agent, nodes=[node(NODE, internal="192.168.1.10"), node("someone-else", internal="192.168.1.99")])
+    agent.resolve_mode()
+    agent.prepare_datapath()
+    assert agent.node_config.node_ips == ("192.168.1.10",)
+    assert agent.node_config.nodeport_addresses == ("192.168.1.10/32",)
+    assert not agent.node_config.localhost_nodeports
+    assert agent.service_health.hosts == ("192.168.1.10",)
+
+
+def test_node_object_addresses_are_the_fallback_without_netlink(agent_parts):
+    make, clock, wall = agent_parts
+
+    def no_netlink():
+        raise OSError("netlink not available")
+
+    config = load_config({"hostname_override": NODE, "mode": "iptables"})
+    agent = Agent(config, local_addresses=no_netlink, datapath_factory=lambda m, n, **o: RecordingDatapath(n),
+                  clock=clock, wall=wall, serve_http=False)
+    listed(agent, nodes=[node(NODE, internal="192.168.1.10", external="203.0.113.10")])
+    agent.resolve_mode()
+    agent.prepare_datapath()
+    assert agent.node_config.node_ips == ("192.168.1.10", "203.0.113.10")
+
+
+def test_node_being_deleted_makes_healthz_fail(agent_parts):
+    make, clock, wall = agent_parts
+    agent = make()
+    agent.resolve_mode()
+    listed(agent, nodes=[node(NODE)])
+    agent.prepare_datapath()
+    agent.runner.run_if_due()
+    assert agent.health.healthz()[0] == 200
+    agent.handlers()["Node"].on_update(node(NODE), node(NODE, rv="2", deletionTimestamp="2024-05-01T10:00:00Z"))
+    assert agent.health.healthz()[0] == 503
+
+
+def test_node_address_change_after_start_is_logged(agent_parts, caplog):
+    make, clock, wall = agent_parts
+    agent = make({"nodeport_addresses": "primary"})
+    listed(agent, nodes=[node(NODE, internal="192.168.1.10")])
+    agent.resolve_mode()
+    agent.prepare_datapath()
+    with caplog.at_level(logging.WARNING):
+        agent.handlers()["Node"].on_update(node(NODE), node(NODE, internal="10.244.1.1", rv="2"))
+    assert any("restart the agent" in r.getMessage() for r in caplog.records)
+
+
+# ---- the whole run, with threads ------------------------------------------------------------------
+
+
+class CannedListWatch:
+    """A collection that lists `items`, streams `events`, then blocks like an idle watch until interrupted."""
+
+    def __init__(self, kind: str, items: list, events: list) -> None:
+        self.kind = kind
+        self.items, self.events = items, events
+        self.interrupted = threading.Event()
+
+    def list(self):
+        return list(self.items), "100"
+
+    def watch(self, rv):
+        lw = self
+
+        class Stream:
+            def __iter__(self):
+                yield from lw.events
+                lw.events = []
+                lw.interrupted.wait()
+                raise ConnectionResetError("watch interrupted")
+
+            def interrupt(self):
+                lw.interrupted.set()
+
+        return Stream()
+
+
+def wait_for(predicate, what: str, limit: float = 20.0) -> None:
+    """Poll until `predicate()`; the limit only bounds a broken run, no timing is asserted."""
+    deadline = time.monotonic() + limit
+    while not predicate():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.01)
+
+
+def run_in_thread(agent: Agent):
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("code", agent.run()), daemon=True)
+    thread.start()
+    return thread, result
+
+
+def canned_collections():
+    return {
+        "Service": CannedListWatch("Service", [web_service()], [
+            {"type": "ADDED", "object": service("api", cluster_ip="10.96.0.11", rv="101")}]),
+        "EndpointSlice": CannedListWatch("EndpointSlice", [web_slice(endpoint("10.244.1.5", NODE))], [
+            {"type": "ADDED", "object": endpoint_slice("api-x", service_name="api", rv="102",
+                                                       endpoints=[endpoint("10.244.2.9", "n2")])},
+            {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "150"}}}]),
+        "Node": CannedListWatch("Node", [node(NODE)], []),
+    }
+
+
+def threaded_agent():
+    RecordingDatapath.created = []
+    config = load_config({"hostname_override": NODE, "mode": "iptables", "min_sync_period": "0s",
+                          "sync_period": "1h", "metrics_bind_address": "127.0.0.1:0",
+                          "healthz_bind_address": "127.0.0.1:0"})
+    return Agent(config, collections=canned_collections(), local_addresses=lambda: ["192.168.1.10"],
+                 datapath_factory=lambda mode, n, **o: RecordingDatapath(n))
+
+
+def test_run_until_stopped_leaves_the_datapath_in_place():
+    agent = threaded_agent()
+    thread, result = run_in_thread(agent)
+    api = ServicePortName("default", "api", "http", Protocol.TCP)
+    wait_for(lambda: RecordingDatapath.created and RecordingDatapath.created[0].last_state
+             and api in RecordingDatapath.created[0].last_state.endpoints, "the watched service to be synced")
+    (dp,) = RecordingDatapath.created
+    assert [e.ip for e in dp.last_state.endpoints_of(api)] == ["10.244.2.9"]
+    assert dp.syncs[0][1].full
+    metrics_port = agent._servers[0].port
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    assert "kubeproxy_sync_proxy_rules_duration_seconds_bucket" in text
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/proxyMode", timeout=10) as resp:
+        assert resp.read() == b"iptables"
+    with urllib.request.urlopen(f"http://127.0.0.1:{agent._servers[1].port}/healthz", timeout=10) as resp:
+        assert resp.status == 200
+
+    agent.stop()
+    thread.join(timeout=30)
+    assert not thread.is_alive() and result["code"] == EXIT_OK
+    assert dp.closed == 1 and dp.cleanups == 0  # traffic keeps flowing across restarts
+    assert all(r.stopped for r in agent.reflectors)
+
+
+def test_sigterm_stops_the_agent():
+    agent = threaded_agent()
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        agent.install_signal_handlers()
+        thread, result = run_in_thread(agent)
+        wait_for(lambda: RecordingDatapath.created and RecordingDatapath.created[0].syncs, "the first sync")
+        signal.raise_signal(signal.SIGTERM)
+        thread.join(timeout=30)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    assert result["code"] == EXIT_OK and RecordingDatapath.created[0].closed == 1
+
+
+def test_run_fails_when_the_datapath_cannot_be_created():
+    def unavailable(mode, node, **opts):
+        raise DatapathUnavailable("mode ebpf: not here")
+
+    config = load_config({"hostname_override": NODE, "mode": "ebpf", "metrics_bind_address": "",
+                          "healthz_bind_address": ""})
+    agent = Agent(config, collections=canned_collections(), datapath_factory=unavailable,
+                  local_addresses=lambda: ["192.168.1.10"])
+    assert agent.run() == EXIT_FAILED
+    assert all(r.stopped for r in agent.reflectors)
+
+
+# ---- the datapath registry and cleanup ------------------------------------------------------------
+
+
+def test_create_datapath_passes_only_the_options_the_mode_takes(caplog):
+    dp = create_datapath("fake", NodeConfig(node_name=NODE), fail_times=2, bpffs="/sys/fs/bpf", cgroup_path=None)
+    assert isinstance(dp, FakeDatapath) and dp._fail_times == 2
+    with pytest.raises(ValueError, match="^mode: 'ipvs'"):
+        create_datapath("ipvs", NodeConfig(node_name=NODE))
+
+
+def test_create_iptables_datapath_from_the_registry():
+    from ebpf_proxy.datapath.iptables import IptablesDatapath
+
+    dp = create_datapath("iptables", NodeConfig(node_name=NODE), cgroup_path="/sys/fs/cgroup", bpffs="/x")
+    assert isinstance(dp, IptablesDatapath)
+
+
+def test_auto_mode_falls_back_to_iptables_with_the_reason(monkeypatch, caplog):
+    from ebpf_proxy.datapath.ebpf import toolchain
+
+    class Report:
+        ok = False
+        missing = ["bcc", "root"]
+
+    monkeypatch.setattr(toolchain, "probe", lambda prepare=False: Report())
+    with caplog.at_level(logging.INFO, logger="ebpf_proxy.datapath"):
+        assert resolve_auto_mode() == "iptables"
+    (line,) = [r for r in caplog.records if r.name == "ebpf_proxy.datapath"]
+    assert line.getMessage() == "mode auto: using iptables because the eBPF toolchain probe found missing: bcc, root"
+
+
+def test_auto_mode_picks_ebpf_when_the_probe_passes_and_the_datapath_exists(monkeypatch):
+    from ebpf_proxy import datapath
+    from ebpf_proxy.datapath.ebpf import toolchain
+
+    class Report:
+        ok = True
+
+    monkeypatch.setattr(toolchain, "probe", lambda prepare=False: Report())
+    monkeypatch.setattr(datapath, "datapath_class", lambda mode: FakeDatapath)
+    assert resolve_auto_mode() == "ebpf"
+    monkeypatch.setattr(datapath, "datapath_class",
+                        lambda mode: (_ for _ in ()).throw(DatapathUnavailable("mode ebpf: not written yet")))
+    assert resolve_auto_mode() == "iptables"
+
+
+def test_cleanup_reports_each_mode():
+    cleaned = []
+
+    class Cleans(FakeDatapath):
+        def cleanup(self):
+            cleaned.append(self.mode_name)
+
+    def factory(mode, node, **opts):
+        if mode == "ebpf":
+            raise DatapathUnavailable("mode ebpf: no bcc")
+        if mode == "broken":
+            dp = Cleans(node)
+            dp.cleanup = lambda: (_ for _ in ()).throw(RuntimeError("iptables-restore: exit 4"))
+            return dp
+        dp = Cleans(node)
+        dp.mode_name = mode
+        return dp
+
+    results = agent_cleanup.cleanup_all(NODE, modes=("ebpf", "iptables", "broken"), factory=factory)
+    assert [(r.mode, r.outcome) for r in results] == [("ebpf", "skipped"), ("iptables", "cleaned"),
+                                                       ("broken", "failed")]
+    assert cleaned == ["iptables"]
+    assert results[2].line() == "broken: failed (iptables-restore: exit 4)"
+
+
+@pytest.mark.parametrize("outcomes,code", [(["cleaned", "skipped"], 0), (["cleaned", "failed"], 1)])
+def test_cleanup_command_exit_status(monkeypatch, outcomes, code):
+    results = [agent_cleanup.CleanupResult(m, o) for m, o in zip(("iptables", "ebpf"), outcomes)]
+    seen = {}
+
+    def fake_cleanup_all(node_name, **opts):
+        seen.update(opts, node=node_name)
+        return results
+
+    monkeypatch.setattr("ebpf_proxy.cli.cleanup.cleanup_all", fake_cleanup_all)
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        result = CliRunner().invoke(main, ["cleanup", "--hostname-override", "N1", "--bpffs", "/tmp/bpffs"])
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    assert result.exit_code == code
+    assert "iptables: cleaned" in result.output
+    assert seen == {"node": "n1", "cgroup_path": None, "bpffs": "/tmp/bpffs"}
+
+
+def test_metrics_server_serves_kube_proxy_names():
+    metrics = Metrics()
+    metrics.observe_sync(0.02, full=True, now_wall=START)
+    metrics.set_datapath_stats({"iptables_rules_filter": 4, "map_entries": 7})
+    server = metrics_server("127.0.0.1:0", metrics, lambda: "ebpf").start()
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+    finally:
+        server.stop()
+    assert 'kubeproxy_sync_proxy_rules_iptables_total{table="filter"} 4.0' in text
+    assert 'ebpf_proxy_datapath_objects{kind="map_entries"} 7.0' in text
+    assert "kubeproxy_sync_proxy_rules_last_timestamp_seconds 1.7145576e+09" in text

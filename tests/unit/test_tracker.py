@@ -1,0 +1,237 @@
+"""model/tracker.py: desired state + what changed since the last *successful* sync."""
+
+from __future__ import annotations
+
+from ebpf_proxy.model import ChangeTracker, Endpoint, NodeState, Protocol, ServicePort, ServicePortName
+
+HTTP = ServicePortName("default", "web", "http", Protocol.TCP)
+DNS = ServicePortName("default", "web", "dns", Protocol.UDP)
+OTHER = ServicePortName("default", "api", "", Protocol.TCP)
+
+
+def sp(name: ServicePortName, port: int = 80, **kw) -> ServicePort:
+    return ServicePort(name=name, cluster_ip="10.96.0.10", port=port, protocol=name.protocol, **kw)
+
+
+def ep(ip: str, port: int = 8080, local: bool = False, ready: bool = True, serving: bool | None = None) -> Endpoint:
+    return Endpoint(ip=ip, port=port, node_name="n1" if local else "n2", ready=ready,
+                    serving=ready if serving is None else serving, is_local=local)
+
+
+def tracker_with_web() -> ChangeTracker:
+    t = ChangeTracker()
+    t.update_service("default", "web", [sp(HTTP), sp(DNS, 53)])
+    t.update_slice("default", "web-a", "web", {HTTP: (ep("10.0.0.1"),), DNS: (ep("10.0.0.1", 53),)})
+    return t
+
+
+def synced(t: ChangeTracker) -> ChangeTracker:
+    t.take()
+    t.commit()
+    return t
+
+
+def test_first_take_is_full_and_has_the_whole_state():
+    t = tracker_with_web()
+    state, changes = t.take()
+    assert changes.full
+    assert changes.services == {HTTP, DNS}
+    assert set(state.services) == {HTTP, DNS}
+    assert state.endpoints_of(HTTP) == (ep("10.0.0.1"),)
+    # UDP port went from nothing to a serving endpoint: old black-holed conntrack entries must go
+    assert changes.stale_udp_services == {DNS}
+
+
+def test_nothing_changed_after_commit():
+    t = synced(tracker_with_web())
+    assert not t.pending
+    state, changes = t.take(full=False)
+    assert not changes.full and changes.services == frozenset()
+    assert set(state.services) == {HTTP, DNS}  # the full state is always there
+
+
+def test_full_flag_is_passed_through():
+    t = synced(tracker_with_web())
+    assert t.take(full=True)[1].full
+
+
+def test_endpoint_change_lists_only_that_service_port():
+    t = synced(tracker_with_web())
+    t.update_slice("default", "web-a", "web", {HTTP: (ep("10.0.0.1"), ep("10.0.0.2")), DNS: (ep("10.0.0.1", 53),)})
+    state, changes = t.take()
+    assert changes.services == {HTTP}
+    assert [e.ip for e in state.endpoints_of(HTTP)] == ["10.0.0.1", "10.0.0.2"]
+    assert changes.stale_udp_endpoints == frozenset() and changes.stale_udp_services == frozenset()
+
+
+def test_removed_udp_endpoint_is_stale_tcp_is_not():
+    t = tracker_with_web()
+    t.update_slice("default", "web-a", "web", {HTTP: (ep("10.0.0.1"), ep("10.0.0.2")),
+                                                DNS: (ep("10.0.0.1", 53), ep("10.0.0.2", 53))})
+    synced(t)
+    t.update_slice("default", "web-a", "web", {HTTP: (ep("10.0.0.1"),), DNS: (ep("10.0.0.1", 53),)})
+    _, changes = t.take()
+    assert changes.services == {HTTP, DNS}
+    assert changes.stale_udp_endpoints == {(DNS, "10.0.0.2")}
+
+
+def test_udp_endpoint_that_stops_serving_is_stale():
+    t = synced(tracker_with_web())
+    t.update_slice("default", "web-a", "web", {HTTP: (ep("10.0.0.1"),), DNS: (ep("10.0.0.1", 53, ready=False),)})
+    _, changes = t.take()
+    assert changes.stale_udp_endpoints == {(DNS, "10.0.0.1")}
+
+
+def test_udp_service_going_from_no_endpoints_to_some():
+    t = ChangeTracker()
+    t.update_service("default", "web", [sp(DNS, 53)])
+    t.update_slice("default", "web-a", "web", {DNS: (ep("10.0.0.1", 53, ready=False),)})
+    synced(t)
+    t.update_slice("default", "web-a", "web", {DNS: (ep("10.0.0.1", 53),)})
+    _, changes = t.take()
+    assert changes.stale_udp_services == {DNS}
+    assert changes.stale_udp_endpoints == frozenset()
+
+
+def test_change_then_revert_before_a_sync_is_no_change():
+    t = synced(tracker_with_web())
+    t.update_service("default", "web", [sp(HTTP, 81), sp(DNS, 53)])
+    t.update_service("default", "web", [sp(HTTP), sp(DNS, 53)])
+    assert t.take()[1].services == frozenset()
+
+
+def test_failed_sync_keeps_the_changes_for_the_next_take():
+    t = synced(tracker_with_web())
+    t.update_slice("default", "web-a", "web", {HTTP: (ep("10.0.0.1"),)})  # DNS endpoint gone
+    _, first = t.take()
+    t.abort()
+    assert t.pending
+    _, second = t.take(full=True)
+    assert second.full
+    assert second.services == first.services == {DNS}
+    assert second.stale_udp_endpoints == first.stale_udp_endpoints == {(DNS, "10.0.0.1")}
+    t.commit()
+    assert t.take()[1].services == frozenset()
+
+
+def test_take_without_commit_or_abort_counts_as_failed():
+    t = synced(tracker_with_web())
+    t.delete_service("default", "web")
+    t.take()
+    _, again = t.take()
+    assert again.services == {HTTP, DNS}
+
+
+def test_change_during_a_sync_is_reported_by_the_next_take():
+    t = synced(tracker_with_web())
+    t.update_service("default", "web", [sp(HTTP, 81), sp(DNS, 53)])
+    t.take()
+    t.update_service("default", "web", [sp(HTTP, 82), sp(DNS, 53)])  # arrives while syncing
+    t.commit()
+    state, changes = t.take()
+    assert changes.services == {HTTP}
+    assert state.services[HTTP].port == 82
+
+
+def test_deleted_service_is_listed_and_absent_from_the_state():
+    t = synced(tracker_with_web())
+    assert t.delete_service("default", "web")
+    state, changes = t.take()
+    assert changes.services == {HTTP, DNS}
+    assert state.services == {} and state.endpoints == {}
+    assert not t.delete_service("default", "web")  # already gone: no change
+
+
+def test_endpoints_wait_for_their_service():
+    t = ChangeTracker()
+    t.update_slice("default", "api-a", "api", {OTHER: (ep("10.0.0.9"),)})
+    state, changes = t.take()
+    assert state.endpoints == {} and changes.services == frozenset()
+    t.commit()
+    t.update_service("default", "api", [sp(OTHER)])
+    state, changes = t.take()
+    assert changes.services == {OTHER}
+    assert state.endpoints_of(OTHER) == (ep("10.0.0.9"),)
+
+
+def test_slices_of_one_service_are_merged_and_deduplicated_preferring_local():
+    t = ChangeTracker()
+    t.update_service("default", "web", [sp(HTTP)])
+    t.update_slice("default", "web-a", "web", {HTTP: (ep("10.0.0.1"), ep("10.0.0.2"))})
+    t.update_slice("default", "web-b", "web", {HTTP: (ep("10.0.0.2", local=True), ep("10.0.0.3"))})
+    state, _ = t.take()
+    assert state.endpoints_of(HTTP) == (ep("10.0.0.1"), ep("10.0.0.2", local=True), ep("10.0.0.3"))
+
+
+def test_deleting_one_slice_keeps_the_others():
+    t = ChangeTracker()
+    t.update_service("default", "web", [sp(DNS, 53)])
+    t.update_slice("default", "web-a", "web", {DNS: (ep("10.0.0.1", 53),)})
+    t.update_slice("default", "web-b", "web", {DNS: (ep("10.0.0.2", 53),)})
+    synced(t)
+    assert t.delete_slice("default", "web-a")
+    state, changes = t.take()
+    assert [e.ip for e in state.endpoints_of(DNS)] == ["10.0.0.2"]
+    assert changes.stale_udp_endpoints == {(DNS, "10.0.0.1")}
+    assert not t.delete_slice("default", "unknown")
+
+
+def test_slice_moving_to_another_service_leaves_the_first():
+    t = ChangeTracker()
+    t.update_service("default", "web", [sp(HTTP)])
+    t.update_service("default", "api", [sp(OTHER)])
+    t.update_slice("default", "s", "web", {HTTP: (ep("10.0.0.1"),)})
+    synced(t)
+    t.update_slice("default", "s", "api", {OTHER: (ep("10.0.0.1"),)})
+    state, changes = t.take()
+    assert changes.services == {HTTP, OTHER}
+    assert state.endpoints_of(HTTP) == () and state.endpoints_of(OTHER) == (ep("10.0.0.1"),)
+
+
+def test_identical_update_is_not_a_change():
+    t = synced(tracker_with_web())
+    assert not t.update_service("default", "web", [sp(HTTP), sp(DNS, 53)])
+    assert not t.update_slice("default", "web-a", "web", {HTTP: (ep("10.0.0.1"),), DNS: (ep("10.0.0.1", 53),)})
+    assert not t.pending
+
+
+def test_trigger_times_come_back_on_commit_and_survive_a_failed_sync():
+    t = ChangeTracker(start_time=1000.0)
+    t.update_service("default", "web", [sp(HTTP)])
+    t.update_slice("default", "web-a", "web", {HTTP: (ep("10.0.0.1"),)}, trigger_time=999.0)  # before start
+    synced(t)
+    t.update_slice("default", "web-a", "web", {HTTP: (ep("10.0.0.2"),)}, trigger_time=1010.0)
+    t.update_slice("default", "web-a", "web", {HTTP: (ep("10.0.0.3"),)}, trigger_time=1011.0)
+    t.update_slice("default", "web-a", "web", {HTTP: (ep("10.0.0.3"),)}, trigger_time=1012.0)  # no change
+    t.take()
+    t.abort()
+    t.take()
+    assert t.commit() == [1010.0, 1011.0]
+    t.take()
+    assert t.commit() == []
+
+
+def test_first_commit_ignores_trigger_times_from_before_the_tracker():
+    t = ChangeTracker(start_time=1000.0)
+    t.update_service("default", "web", [sp(HTTP)])
+    t.update_slice("default", "web-a", "web", {HTTP: (ep("10.0.0.1"),)}, trigger_time=999.0)
+    t.take()
+    assert t.commit() == []
+
+
+def test_node_state_is_tracked_without_dirtying_services():
+    t = synced(tracker_with_web())
+    node = NodeState(name="n1", addresses=("192.168.1.10",), primary_ip="192.168.1.10")
+    assert t.update_node(node)
+    assert not t.update_node(node)
+    assert t.node == node
+    assert not t.pending
+    assert t.update_node(None) and t.node is None
+
+
+def test_state_is_a_snapshot():
+    t = synced(tracker_with_web())
+    state, _ = t.take()
+    t.commit()
+    t.delete_service("default", "web")
+    assert set(state.services) == {HTTP, DNS}
