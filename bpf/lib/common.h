@@ -1,0 +1,248 @@
+/* Every map key/value struct and every constant of the datapath, defined once.
+ *
+ * The Python side mirrors these in ebpf_proxy/datapath/ebpf/structs.py; tests/bpf compares the
+ * two (offsets and sizes against bcc's Key/Leaf types, constants against this file), so a change
+ * here without the mirror fails the tests instead of corrupting maps.
+ *
+ * Byte order lives in the types: __be32/__be16 fields hold network order exactly as they appear
+ * in packets; only the Python map module converts. Plain __u16/__u32 fields are host order.
+ * Every struct is padded explicitly so that C, bcc's ctypes and our ctypes agree byte for byte.
+ */
+#ifndef EPX_COMMON_H
+#define EPX_COMMON_H
+
+#include <uapi/linux/bpf.h>
+#include <uapi/linux/if_ether.h>
+#include <uapi/linux/in.h>
+#include <uapi/linux/ip.h>
+#include <uapi/linux/icmp.h>
+#include <uapi/linux/tcp.h>
+#include <uapi/linux/udp.h>
+#include <uapi/linux/pkt_cls.h>
+
+#ifndef __always_inline
+#define __always_inline inline __attribute__((always_inline))
+#endif
+#ifndef offsetof
+#define offsetof(type, member) __builtin_offsetof(type, member)
+#endif
+
+/* Byte order, for constants only: packet fields stay in network order (__be*) throughout. */
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define epx_htons(x) ((__be16)__builtin_bswap16(x))
+#define epx_htonl(x) ((__be32)__builtin_bswap32(x))
+#else
+#define epx_htons(x) ((__be16)(x))
+#define epx_htonl(x) ((__be32)(x))
+#endif
+#define epx_ntohs(x) epx_htons(x)
+#define epx_ntohl(x) epx_htonl(x)
+
+/* ---- verdict and drop reasons: one per-CPU counter each (stats map index) ----
+ * Every packet a program looks at is counted under exactly one reason. Helpers return 0
+ * (EPX_CONTINUE) when a step does not apply, a reason when it decided. Names are mirrored by
+ * structs.Reason (same names without the EPX_ prefix); keep the values dense. */
+enum epx_reason {
+	EPX_CONTINUE = 0,                /* not a verdict: "not mine, go on" between helpers; never counted */
+	EPX_PASS_NOT_IPV4 = 1,           /* not IPv4 (ARP, IPv6, ...): untouched */
+	EPX_PASS_NOT_L4 = 2,             /* IPv4 but neither TCP nor UDP (ICMP, SCTP, ...): untouched */
+	EPX_PASS_NO_SERVICE = 3,         /* no connection, no service frontend: untouched */
+	EPX_PASS_FRAG_UNKNOWN = 4,       /* later fragment whose first fragment was not seen here: untouched */
+	EPX_FWD_NEW = 5,                 /* new connection: backend chosen, DNAT */
+	EPX_FWD_ESTABLISHED = 6,         /* connection table hit: DNAT to the same backend */
+	EPX_SNAT = 7,                    /* masquerade on the way to the backend */
+	EPX_REV_SNAT = 8,                /* reply of a masqueraded connection: client restored as destination */
+	EPX_REV_DNAT = 9,                /* reply: frontend restored as source */
+	EPX_REJECT = 10,                 /* no usable endpoint: ICMP port unreachable sent back (kube-proxy REJECT) */
+	EPX_DROP_MALFORMED_IP = 11,      /* bad version/IHL/total length, truncated IP header */
+	EPX_DROP_MALFORMED_L4 = 12,      /* truncated TCP/UDP header, bad TCP data offset */
+	EPX_DROP_NO_LOCAL_EXTERNAL = 13, /* externalTrafficPolicy=Local, from outside, no local endpoint */
+	EPX_DROP_NO_LOCAL_INTERNAL = 14, /* internalTrafficPolicy=Local, no local endpoint */
+	EPX_DROP_SOURCE_RANGE = 15,      /* loadBalancerSourceRanges does not admit the client */
+	EPX_DROP_NO_BACKEND = 16,        /* slot or backend entry missing (maps mid-update) */
+	EPX_DROP_CT_FAILED = 17,         /* connection table update failed (kernel error: LRU maps do not fill up) */
+	EPX_DROP_SNAT_NO_ADDR = 18,      /* masquerade needed but no masquerade address configured */
+	EPX_DROP_SNAT_NO_PORT = 19,      /* no free masquerade port for this backend */
+	EPX_DROP_NAT_FAILED = 20,        /* a rewrite or checksum helper failed */
+	EPX_DROP_REJECT_FAILED = 21,     /* the ICMP reject could not be built */
+	EPX_SOCK_FWD = 22,               /* socket LB: connect/sendmsg rewritten to a backend */
+	EPX_SOCK_REV = 23,               /* socket LB: recvmsg source restored to the frontend */
+	EPX_SOCK_REJECT = 24,            /* socket LB: no usable endpoint, call fails with ECONNREFUSED */
+	EPX_REASON_MAX = 25,
+};
+#define EPX_DROP_FIRST EPX_DROP_MALFORMED_IP
+#define EPX_DROP_LAST EPX_DROP_REJECT_FAILED
+
+/* ---- packet facts ---- */
+#define EPX_MAX_IP_HLEN 60
+#define EPX_ICMP_QUOTE_MAX (EPX_MAX_IP_HLEN + 8) /* quoted IP header + first 8 L4 bytes */
+
+/* Where a packet comes from, as kube-proxy's rules distinguish it. */
+#define EPX_ORIGIN_POD 0      /* source inside --cluster-cidr */
+#define EPX_ORIGIN_NODE 1     /* source is one of this node's addresses */
+#define EPX_ORIGIN_EXTERNAL 2 /* anything else */
+#define EPX_ORIGIN_LOCALHOST 3 /* a node process to 127.0.0.0/8:<nodePort> (socket LB only) */
+
+/* ---- services: frontend -> service ---- */
+struct lb4_key {
+	__be32 addr;  /* clusterIP, externalIP or LB IP; 0 = any node address (a NodePort) */
+	__be16 port;  /* service port, or the nodePort */
+	__u8 proto;   /* IPPROTO_TCP / IPPROTO_UDP */
+	__u8 pad;
+};
+
+/* lb4_service.flags */
+#define LB4_F_EXTERNAL 0x01      /* nodePort/externalIP/LB frontend: externalTrafficPolicy applies */
+#define LB4_F_ETP_LOCAL 0x02     /* externalTrafficPolicy=Local */
+#define LB4_F_ITP_LOCAL 0x04     /* internalTrafficPolicy=Local */
+#define LB4_F_SOURCE_RANGES 0x08 /* LB frontend with loadBalancerSourceRanges: consult src_ranges */
+#define LB4_F_HAS_ENDPOINTS 0x10 /* a usable endpoint exists anywhere (else REJECT) */
+
+struct lb4_service {
+	__u32 id;               /* service-port id: keys slots, affinity and source ranges */
+	__u16 count;            /* cluster slots 0..count-1 (Cluster traffic policy) */
+	__u16 local_count;      /* local slots 0..local_count-1 (this node's endpoints) */
+	__u32 affinity_timeout; /* seconds; 0 = no session affinity */
+	__u32 flags;            /* LB4_F_* */
+};
+
+/* ---- backend slots: (service, scope, slot) -> backend id ---- */
+#define LB4_SCOPE_CLUSTER 0
+#define LB4_SCOPE_LOCAL 1
+
+struct lb4_slot_key {
+	__u32 svc_id;
+	__u16 slot;
+	__u8 scope; /* LB4_SCOPE_*: cluster and local slots are separate ranges */
+	__u8 pad;
+};
+
+/* lb4_backend.flags: which endpoint sets of its service the backend belongs to */
+#define LB4_BE_IN_CLUSTER 0x01
+#define LB4_BE_IN_LOCAL 0x02
+
+/* backends: id -> address. Ids are per (service port, endpoint) and never reused. */
+struct lb4_backend {
+	__be32 addr;
+	__be16 port;
+	__u8 flags; /* LB4_BE_* */
+	__u8 pad;
+};
+
+/* ---- session affinity (sessionAffinity=ClientIP) ---- */
+struct lb4_affinity_key {
+	__u32 svc_id;
+	__be32 client;
+};
+
+struct lb4_affinity {
+	__u64 last_used; /* bpf_ktime_get_ns() of the last new connection that used it */
+	__u32 backend_id;
+	__u32 pad;
+};
+
+/* ---- LPM keys: cluster CIDRs, and loadBalancerSourceRanges per service ---- */
+struct lpm4_key {
+	__u32 prefixlen;
+	__be32 addr;
+};
+
+struct lb4_range_key {
+	__u32 prefixlen; /* 32 (the service id) + the CIDR's prefix length */
+	__u32 svc_id;
+	__be32 addr;
+};
+
+/* ---- connection table ----
+ * One LRU map holds four kinds of entries, told apart by ct4_key.kind:
+ *   CT4_SVC       client -> frontend         nat = backend            (ingress, forward DNAT)
+ *   CT4_REV_DNAT  backend -> client          nat = frontend           (egress, reply source restore)
+ *   CT4_SNAT      client -> backend          nat = masquerade addr    (egress, forward SNAT)
+ *   CT4_REV_SNAT  backend -> masq addr:port  nat = client             (ingress, reply destination restore)
+ * Only the CT4_SVC entry carries the lifetime; the other three carry the frontend (svc_addr,
+ * svc_port) so that they can find their owner and are honoured only while it is alive. */
+#define CT4_SVC 0
+#define CT4_REV_DNAT 1
+#define CT4_SNAT 2
+#define CT4_REV_SNAT 3
+
+struct ct4_key {
+	__be32 saddr;
+	__be32 daddr;
+	__be16 sport;
+	__be16 dport;
+	__u8 proto;
+	__u8 kind; /* CT4_* */
+	__u16 pad;
+};
+
+/* ct4_entry.flags */
+#define CT4_F_MASQ 0x01       /* connection is masqueraded (SNAT entries exist) */
+#define CT4_F_SEEN_REPLY 0x02 /* a reply went back: established timeouts apply */
+#define CT4_F_CLOSING 0x04    /* TCP FIN or RST seen: closing timeout applies */
+
+struct ct4_entry {
+	__u64 expires;    /* CT4_SVC: bpf_ktime_get_ns() deadline */
+	__be32 nat_addr;  /* see the table above */
+	__be32 svc_addr;  /* frontend of the owning connection */
+	__be16 nat_port;
+	__be16 svc_port;
+	__u32 backend_id; /* CT4_SVC: chosen backend */
+	__be32 snat_addr; /* CT4_SVC with CT4_F_MASQ: the source the backend sees */
+	__be16 snat_port;
+	__u8 flags;       /* CT4_F_* */
+	__u8 pad;
+};
+
+/* ---- IPv4 fragments: ports of a datagram, learnt from its first fragment ---- */
+struct frag4_key {
+	__be32 saddr;
+	__be32 daddr;
+	__be16 id;
+	__u8 proto;
+	__u8 pad;
+};
+
+struct frag4_ports {
+	__be16 sport;
+	__be16 dport;
+};
+
+/* ---- socket LB: what a UDP socket's recvmsg must show as the peer ---- */
+struct sock4_rev_key {
+	__u64 cookie;   /* socket cookie */
+	__be32 addr;    /* backend */
+	__be16 port;
+	__u16 pad;
+};
+
+struct sock4_rev {
+	__be32 addr;    /* frontend */
+	__be16 port;
+	__u16 pad;
+};
+
+/* ---- node configuration: a single-entry array ---- */
+#define CFG_F_MASQ_ALL 0x01            /* --masquerade-all */
+#define CFG_F_LOCALHOST_NODEPORTS 0x02 /* socket LB: NodePorts answer on 127.0.0.0/8 too */
+
+struct lb4_config {
+	__be32 snat_addr;        /* masquerade source: this node's primary address */
+	__u16 snat_port_min;     /* masquerade port range (host order), outside ip_local_port_range */
+	__u16 snat_port_max;
+	__u32 flags;             /* CFG_F_* */
+	__u32 tcp_syn_timeout;   /* seconds, until the first reply */
+	__u32 tcp_est_timeout;   /* seconds, after a reply */
+	__u32 tcp_close_timeout; /* seconds, after FIN or RST */
+	__u32 udp_timeout;       /* seconds, until the first reply */
+	__u32 udp_stream_timeout;/* seconds, after a reply */
+	__u64 host_netns_cookie; /* socket LB acts only in this netns (0: every netns) */
+};
+
+/* ---- per-CPU counters ---- */
+struct epx_stat {
+	__u64 packets;
+	__u64 bytes;
+};
+
+#endif /* EPX_COMMON_H */

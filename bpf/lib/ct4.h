@@ -1,0 +1,165 @@
+/* Connection tracking: what kube-proxy gets from the kernel's conntrack, kept in epx_ct4.
+ *
+ * A connection is its CT4_SVC entry (client -> frontend): chosen backend, masquerade, state and
+ * lifetime. Its translation halves (CT4_REV_DNAT, CT4_SNAT, CT4_REV_SNAT, see common.h) are
+ * honoured only while that owner is alive and still points at them, so a half left behind by
+ * LRU eviction or expiry can never rewrite an unrelated flow.
+ *
+ * Lifetimes follow nf_conntrack's shape (seconds from epx_config): TCP before the first reply,
+ * established, and after FIN/RST; UDP before and after the first reply. Every packet of the
+ * connection, in either direction, pushes the deadline forward.
+ */
+#ifndef EPX_CT4_H
+#define EPX_CT4_H
+
+#include "lib/pkt4.h"
+
+#define EPX_NSEC_PER_SEC 1000000000ULL
+#define CT4_SNAT_TRIES 8 /* random start, then linear probing, like MASQUERADE --random-fully */
+
+static __always_inline struct ct4_key ct4_key_make(__be32 saddr, __be32 daddr, __be16 sport, __be16 dport, __u8 proto,
+						   __u8 kind)
+{
+	struct ct4_key key = {
+		.saddr = saddr, .daddr = daddr, .sport = sport, .dport = dport, .proto = proto, .kind = kind,
+	};
+	return key;
+}
+
+static __always_inline __u64 ct4_lifetime_ns(const struct lb4_config *cfg, __u8 proto, __u8 flags)
+{
+	__u32 secs;
+
+	if (proto == IPPROTO_TCP) {
+		if (flags & CT4_F_CLOSING)
+			secs = cfg->tcp_close_timeout;
+		else if (flags & CT4_F_SEEN_REPLY)
+			secs = cfg->tcp_est_timeout;
+		else
+			secs = cfg->tcp_syn_timeout;
+	} else {
+		secs = (flags & CT4_F_SEEN_REPLY) ? cfg->udp_stream_timeout : cfg->udp_timeout;
+	}
+	return (__u64)secs * EPX_NSEC_PER_SEC;
+}
+
+/* Account one packet of the connection: state flags, then a fresh deadline. */
+static __always_inline void ct4_touch(struct ct4_entry *e, const struct lb4_config *cfg, const struct pkt4 *p, int reply,
+				      __u64 now)
+{
+	__u8 flags = e->flags;
+
+	if (reply)
+		flags |= CT4_F_SEEN_REPLY;
+	if (p->proto == IPPROTO_TCP && (p->tcp_flags & (EPX_TCP_FIN | EPX_TCP_RST)))
+		flags |= CT4_F_CLOSING;
+	if (flags != e->flags)
+		e->flags = flags;
+	e->expires = now + ct4_lifetime_ns(cfg, p->proto, flags);
+}
+
+/* The entry at `key` if it has not expired; an expired CT4_SVC entry is removed. */
+static __always_inline struct ct4_entry *ct4_lookup_svc(struct ct4_key *key, __u64 now)
+{
+	struct ct4_entry *e = epx_lookup(epx_ct4, key);
+
+	if (!e)
+		return NULL;
+	if (e->expires <= now) {
+		epx_delete(epx_ct4, key);
+		return NULL;
+	}
+	return e;
+}
+
+/* The live connection owning a half-entry whose client side is client:cport. */
+static __always_inline struct ct4_entry *ct4_owner(__be32 client, __be16 cport, const struct ct4_entry *half, __u8 proto,
+						    __u64 now)
+{
+	struct ct4_key key = ct4_key_make(client, half->svc_addr, cport, half->svc_port, proto, CT4_SVC);
+
+	return ct4_lookup_svc(&key, now);
+}
+
+/* Pick a masquerade port for (backend, snat addr) and insert the CT4_REV_SNAT entry.
+ * Returns 0 with *port set, or a drop reason. */
+static __always_inline __u32 ct4_snat_alloc(const struct pkt4 *p, const struct lb4_config *cfg, __be32 be_addr,
+					    __be16 be_port, __u64 now, __be16 *port)
+{
+	struct ct4_entry rev = {
+		.nat_addr = p->saddr, .nat_port = p->sport, .svc_addr = p->daddr, .svc_port = p->dport,
+	};
+	struct ct4_key key = ct4_key_make(be_addr, cfg->snat_addr, be_port, 0, p->proto, CT4_REV_SNAT);
+	__u32 min = cfg->snat_port_min, max = cfg->snat_port_max;
+	__u32 range, start;
+
+	if (!cfg->snat_addr)
+		return EPX_DROP_SNAT_NO_ADDR;
+	if (!min || max < min)
+		return EPX_DROP_SNAT_NO_PORT;
+	range = max - min + 1;
+	start = bpf_get_prandom_u32();
+#pragma unroll
+	for (int i = 0; i < CT4_SNAT_TRIES; i++) {
+		struct ct4_entry *old, *owner;
+
+		key.dport = epx_htons((__u16)(min + (start + i) % range));
+		if (epx_insert(epx_ct4, &key, &rev) == 0) {
+			*port = key.dport;
+			return 0;
+		}
+		/* taken: reclaim it if the connection that took it is gone */
+		old = epx_lookup(epx_ct4, &key);
+		if (!old)
+			continue;
+		owner = ct4_owner(old->nat_addr, old->nat_port, old, p->proto, now);
+		if (owner && owner->snat_port == key.dport && owner->nat_addr == be_addr && owner->nat_port == be_port)
+			continue;
+		if (epx_update(epx_ct4, &key, &rev) == 0) {
+			*port = key.dport;
+			return 0;
+		}
+	}
+	return EPX_DROP_SNAT_NO_PORT;
+}
+
+/* Record a new connection of `p` (still addressed to the frontend) to backend be_addr:be_port:
+ * the CT4_SVC entry and its halves. Returns 0 or a drop reason. */
+static __always_inline __u32 ct4_create(const struct pkt4 *p, const struct lb4_config *cfg, __u64 now, __u32 backend_id,
+					__be32 be_addr, __be16 be_port, int masq)
+{
+	struct ct4_entry e = {
+		.nat_addr = be_addr, .nat_port = be_port, .svc_addr = p->daddr, .svc_port = p->dport,
+		.backend_id = backend_id,
+	};
+	struct ct4_entry half = { .nat_addr = p->daddr, .nat_port = p->dport, .svc_addr = p->daddr, .svc_port = p->dport };
+	struct ct4_key key;
+	__u32 reason;
+
+	if (masq) {
+		reason = ct4_snat_alloc(p, cfg, be_addr, be_port, now, &e.snat_port);
+		if (reason)
+			return reason;
+		e.snat_addr = cfg->snat_addr;
+		e.flags = CT4_F_MASQ;
+		/* forward: client -> backend leaves as snat_addr:snat_port -> backend */
+		struct ct4_entry snat = {
+			.nat_addr = e.snat_addr, .nat_port = e.snat_port, .svc_addr = p->daddr, .svc_port = p->dport,
+		};
+		key = ct4_key_make(p->saddr, be_addr, p->sport, be_port, p->proto, CT4_SNAT);
+		if (epx_update(epx_ct4, &key, &snat))
+			return EPX_DROP_CT_FAILED;
+	}
+	/* reply: backend -> client leaves with the frontend as source */
+	key = ct4_key_make(be_addr, p->saddr, be_port, p->sport, p->proto, CT4_REV_DNAT);
+	if (epx_update(epx_ct4, &key, &half))
+		return EPX_DROP_CT_FAILED;
+
+	ct4_touch(&e, cfg, p, 0, now);
+	key = ct4_key_make(p->saddr, p->daddr, p->sport, p->dport, p->proto, CT4_SVC);
+	if (epx_update(epx_ct4, &key, &e))
+		return EPX_DROP_CT_FAILED;
+	return 0;
+}
+
+#endif /* EPX_CT4_H */

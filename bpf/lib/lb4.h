@@ -1,0 +1,184 @@
+/* Service load balancing: kube-proxy's iptables-mode decisions (shared SEMANTICS.md) for IPv4.
+ *
+ * lb4_lookup_service  frontend -> service (exact frontend, else NodePort on a node address)
+ * lb4_origin          pod / node / external, as kube-proxy's rules tell sources apart
+ * lb4_policy          endpoint set (cluster or local), masquerade, or REJECT / DROP
+ * lb4_select_backend  session affinity, else a uniformly random slot
+ * lb4_forward         the ingress path: established connection, or a new one
+ */
+#ifndef EPX_LB4_H
+#define EPX_LB4_H
+
+#include "lib/nat4.h"
+
+struct lb4_choice {
+	__u8 scope; /* LB4_SCOPE_* */
+	__u8 masq;
+};
+
+static __always_inline struct lb4_service *lb4_lookup_service(__be32 daddr, __be16 dport, __u8 proto)
+{
+	struct lb4_key key = { .addr = daddr, .port = dport, .proto = proto };
+	struct lb4_service *svc = epx_lookup(epx_svc, &key);
+
+	if (svc || !epx_lookup(epx_node_addr, &daddr))
+		return svc;
+	key.addr = 0; /* NodePort: any of this node's addresses */
+	return epx_lookup(epx_svc, &key);
+}
+
+static __always_inline __u8 lb4_origin(__be32 saddr)
+{
+	struct lpm4_key key = { .prefixlen = 32, .addr = saddr };
+
+	if (epx_lookup(epx_pod_cidr, &key))
+		return EPX_ORIGIN_POD;
+	if (epx_lookup(epx_node_addr, &saddr))
+		return EPX_ORIGIN_NODE;
+	return EPX_ORIGIN_EXTERNAL;
+}
+
+static __always_inline int lb4_source_admitted(const struct lb4_service *svc, __be32 saddr)
+{
+	struct lb4_range_key key = { .prefixlen = 64, .svc_id = svc->id, .addr = saddr };
+
+	return epx_lookup(epx_src_range, &key) != NULL;
+}
+
+/* kube-proxy's choice for a new connection to `svc` from `saddr`. Returns 0 with `c` filled, or
+ * EPX_REJECT / EPX_DROP_*. Masquerade here is the policy's; hairpin is added by the caller. */
+static __always_inline __u32 lb4_policy(const struct lb4_service *svc, __be32 saddr, __u8 origin, __u32 cfg_flags,
+					struct lb4_choice *c)
+{
+	int masq_all = !!(cfg_flags & CFG_F_MASQ_ALL);
+
+	if (!(svc->flags & LB4_F_HAS_ENDPOINTS))
+		return EPX_REJECT; /* rule 9: no usable endpoint anywhere */
+	if ((svc->flags & LB4_F_SOURCE_RANGES) && !lb4_source_admitted(svc, saddr))
+		return EPX_DROP_SOURCE_RANGE; /* rule 11 */
+
+	if (!(svc->flags & LB4_F_EXTERNAL)) {
+		/* clusterIP: masquerade what does not come from a pod (rules 1, 2) */
+		c->masq = masq_all || origin != EPX_ORIGIN_POD;
+		if (svc->flags & LB4_F_ITP_LOCAL) { /* rule 12 */
+			c->scope = LB4_SCOPE_LOCAL;
+			return svc->local_count ? 0 : EPX_DROP_NO_LOCAL_INTERNAL;
+		}
+		c->scope = LB4_SCOPE_CLUSTER;
+		return svc->count ? 0 : EPX_REJECT;
+	}
+	if (!(svc->flags & LB4_F_ETP_LOCAL)) {
+		/* rule 4: any endpoint, always masqueraded */
+		c->masq = 1;
+		c->scope = LB4_SCOPE_CLUSTER;
+		return svc->count ? 0 : EPX_REJECT;
+	}
+	switch (origin) {
+	case EPX_ORIGIN_POD: /* rules 6, 11: short-circuited to the service, as clusterIP traffic */
+		c->masq = masq_all;
+		c->scope = LB4_SCOPE_CLUSTER;
+		return svc->count ? 0 : EPX_REJECT;
+	case EPX_ORIGIN_NODE: /* rule 7 */
+		c->masq = 1;
+		c->scope = LB4_SCOPE_CLUSTER;
+		return svc->count ? 0 : EPX_REJECT;
+	case EPX_ORIGIN_LOCALHOST: /* rule 8 */
+		c->masq = 1;
+		c->scope = LB4_SCOPE_LOCAL;
+		return svc->local_count ? 0 : EPX_DROP_NO_LOCAL_EXTERNAL;
+	default: /* rule 5: local endpoints only, client IP preserved */
+		c->masq = 0;
+		c->scope = LB4_SCOPE_LOCAL;
+		return svc->local_count ? 0 : EPX_DROP_NO_LOCAL_EXTERNAL;
+	}
+}
+
+/* Choose a backend of `svc` in `scope` for `client` (rules 1, 10, 13). Returns 0 with *backend_id
+ * and *be filled, or EPX_DROP_NO_BACKEND. */
+static __always_inline __u32 lb4_select_backend(const struct lb4_service *svc, __u8 scope, __be32 client, __u64 now,
+						__u32 *backend_id, struct lb4_backend *be)
+{
+	struct lb4_affinity_key akey = { .svc_id = svc->id, .client = client };
+	__u8 member = scope == LB4_SCOPE_LOCAL ? LB4_BE_IN_LOCAL : LB4_BE_IN_CLUSTER;
+	__u16 count = scope == LB4_SCOPE_LOCAL ? svc->local_count : svc->count;
+	struct lb4_slot_key skey = { .svc_id = svc->id, .scope = scope };
+	struct lb4_backend *found = NULL;
+	__u32 *id;
+
+	if (!count)
+		return EPX_DROP_NO_BACKEND;
+	if (svc->affinity_timeout) {
+		struct lb4_affinity *aff = epx_lookup(epx_affinity, &akey);
+
+		/* kube-proxy's `recent --rcheck --seconds`: still ours if used within the timeout and
+		 * still in the endpoint set this traffic may use */
+		if (aff && now - aff->last_used <= (__u64)svc->affinity_timeout * EPX_NSEC_PER_SEC) {
+			found = epx_lookup(epx_backend, &aff->backend_id);
+			if (found && (found->flags & member))
+				*backend_id = aff->backend_id;
+			else
+				found = NULL;
+		}
+	}
+	if (!found) {
+		skey.slot = bpf_get_prandom_u32() % count;
+		id = epx_lookup(epx_slot, &skey);
+		if (!id)
+			return EPX_DROP_NO_BACKEND;
+		*backend_id = *id;
+		found = epx_lookup(epx_backend, id);
+		if (!found)
+			return EPX_DROP_NO_BACKEND;
+	}
+	*be = *found;
+	if (svc->affinity_timeout) {
+		struct lb4_affinity aff = { .last_used = now, .backend_id = *backend_id };
+
+		epx_update(epx_affinity, &akey, &aff);
+	}
+	return 0;
+}
+
+/* Ingress: DNAT a packet of an established connection, or decide and record a new one.
+ * Returns EPX_FWD_ESTABLISHED / EPX_FWD_NEW, EPX_PASS_NO_SERVICE, EPX_REJECT or a drop. */
+static __always_inline __u32 lb4_forward(struct __sk_buff *skb, struct pkt4 *p, const struct lb4_config *cfg, __u64 now)
+{
+	struct ct4_key key = ct4_key_make(p->saddr, p->daddr, p->sport, p->dport, p->proto, CT4_SVC);
+	struct ct4_entry *e = ct4_lookup_svc(&key, now);
+	struct lb4_service *svc;
+	struct lb4_choice c = {};
+	struct lb4_backend be;
+	__u32 backend_id, reason;
+
+	/* a new SYN on a closing connection's tuple is a new connection (port reuse) */
+	if (e && p->proto == IPPROTO_TCP && (e->flags & CT4_F_CLOSING) &&
+	    (p->tcp_flags & (EPX_TCP_SYN | EPX_TCP_ACK)) == EPX_TCP_SYN) {
+		epx_delete(epx_ct4, &key);
+		e = NULL;
+	}
+	if (e) {
+		ct4_touch(e, cfg, p, 0, now);
+		reason = nat4_rewrite(skb, p, NAT4_DST, e->nat_addr, e->nat_port);
+		return reason ? reason : EPX_FWD_ESTABLISHED;
+	}
+
+	svc = lb4_lookup_service(p->daddr, p->dport, p->proto);
+	if (!svc)
+		return EPX_PASS_NO_SERVICE;
+	if (p->frag == EPX_FRAG_LATER)
+		return EPX_PASS_FRAG_UNKNOWN; /* its first fragment made no connection */
+	reason = lb4_policy(svc, p->saddr, lb4_origin(p->saddr), cfg->flags, &c);
+	if (reason)
+		return reason;
+	reason = lb4_select_backend(svc, c.scope, p->saddr, now, &backend_id, &be);
+	if (reason)
+		return reason;
+	/* rule 3, hairpin: a pod that lands on itself is masqueraded */
+	reason = ct4_create(p, cfg, now, backend_id, be.addr, be.port, c.masq || be.addr == p->saddr);
+	if (reason)
+		return reason;
+	reason = nat4_rewrite(skb, p, NAT4_DST, be.addr, be.port);
+	return reason ? reason : EPX_FWD_NEW;
+}
+
+#endif /* EPX_LB4_H */

@@ -1,0 +1,114 @@
+/* Address translation: the in-place rewrite (checksums included), and the three translations
+ * that follow a connection's CT entries (masquerade, and undoing masquerade and DNAT on replies).
+ * Each returns 0 when it does not apply, its EPX_* reason when it translated, or a drop reason. */
+#ifndef EPX_NAT4_H
+#define EPX_NAT4_H
+
+#include "lib/csum.h"
+#include "lib/ct4.h"
+
+#define NAT4_SRC 0
+#define NAT4_DST 1
+
+/* Rewrite one side of `p` to addr:port. Later fragments carry no L4 header: only the address
+ * (and the IP checksum) changes; their L4 checksum was fixed in the first fragment.
+ * Returns 0, or EPX_DROP_NAT_FAILED when a helper failed (the packet may be half-written). */
+static __always_inline __u32 nat4_rewrite(struct __sk_buff *skb, struct pkt4 *p, int side, __be32 addr, __be16 port)
+{
+	__be32 old_addr = side == NAT4_SRC ? p->saddr : p->daddr;
+	__be16 old_port = side == NAT4_SRC ? p->sport : p->dport;
+	__u32 addr_off = ETH_HLEN + (side == NAT4_SRC ? offsetof(struct iphdr, saddr) : offsetof(struct iphdr, daddr));
+	/* the port fields sit at the same offsets in TCP and UDP headers */
+	__u32 port_off = p->l4_off + (side == NAT4_SRC ? offsetof(struct udphdr, source) : offsetof(struct udphdr, dest));
+	__u32 csum_off = p->l4_off + csum_l4_offset(p->proto);
+	__u64 mangled0 = csum_l4_flags(p->proto);
+
+	if (p->frag != EPX_FRAG_LATER) {
+		if (old_addr != addr &&
+		    bpf_l4_csum_replace(skb, csum_off, old_addr, addr, BPF_F_PSEUDO_HDR | mangled0 | sizeof(addr)))
+			return EPX_DROP_NAT_FAILED;
+		if (old_port != port) {
+			if (bpf_l4_csum_replace(skb, csum_off, old_port, port, mangled0 | sizeof(port)))
+				return EPX_DROP_NAT_FAILED;
+			if (bpf_skb_store_bytes(skb, port_off, &port, sizeof(port), 0))
+				return EPX_DROP_NAT_FAILED;
+		}
+	}
+	if (old_addr != addr) {
+		if (bpf_l3_csum_replace(skb, ETH_HLEN + offsetof(struct iphdr, check), old_addr, addr, sizeof(addr)))
+			return EPX_DROP_NAT_FAILED;
+		if (bpf_skb_store_bytes(skb, addr_off, &addr, sizeof(addr), 0))
+			return EPX_DROP_NAT_FAILED;
+	}
+	if (side == NAT4_SRC) {
+		p->saddr = addr;
+		p->sport = port;
+	} else {
+		p->daddr = addr;
+		p->dport = port;
+	}
+	return 0;
+}
+
+/* Egress toward the backend: masquerade a masqueraded connection's forward packets. */
+static __always_inline __u32 nat4_snat(struct __sk_buff *skb, struct pkt4 *p, __u64 now)
+{
+	struct ct4_key key = ct4_key_make(p->saddr, p->daddr, p->sport, p->dport, p->proto, CT4_SNAT);
+	struct ct4_entry *half = epx_lookup(epx_ct4, &key), *owner;
+	__u32 reason;
+
+	if (!half)
+		return 0;
+	owner = ct4_owner(p->saddr, p->sport, half, p->proto, now);
+	if (!owner || !(owner->flags & CT4_F_MASQ) || owner->nat_addr != p->daddr || owner->nat_port != p->dport ||
+	    owner->snat_port != half->nat_port) {
+		epx_delete(epx_ct4, &key); /* left behind by an earlier connection */
+		return 0;
+	}
+	reason = nat4_rewrite(skb, p, NAT4_SRC, half->nat_addr, half->nat_port);
+	return reason ? reason : EPX_SNAT;
+}
+
+/* Ingress from the backend: a reply to a masqueraded connection goes back to the real client. */
+static __always_inline __u32 nat4_rev_snat(struct __sk_buff *skb, struct pkt4 *p, const struct lb4_config *cfg,
+					   __u64 now)
+{
+	struct ct4_key key;
+	struct ct4_entry *half, *owner;
+	__u16 dport = epx_ntohs(p->dport);
+	__u32 reason;
+
+	if (!cfg->snat_addr || p->daddr != cfg->snat_addr || dport < cfg->snat_port_min || dport > cfg->snat_port_max)
+		return 0;
+	key = ct4_key_make(p->saddr, p->daddr, p->sport, p->dport, p->proto, CT4_REV_SNAT);
+	half = epx_lookup(epx_ct4, &key);
+	if (!half)
+		return 0;
+	owner = ct4_owner(half->nat_addr, half->nat_port, half, p->proto, now);
+	if (!owner || owner->snat_port != p->dport || owner->nat_addr != p->saddr || owner->nat_port != p->sport)
+		return 0; /* stale: left for the port allocator to reclaim */
+	reason = nat4_rewrite(skb, p, NAT4_DST, half->nat_addr, half->nat_port);
+	return reason ? reason : EPX_REV_SNAT;
+}
+
+/* Egress toward the client: a reply leaves with the frontend it was sent to as its source. */
+static __always_inline __u32 nat4_rev_dnat(struct __sk_buff *skb, struct pkt4 *p, const struct lb4_config *cfg,
+					   __u64 now)
+{
+	struct ct4_key key = ct4_key_make(p->saddr, p->daddr, p->sport, p->dport, p->proto, CT4_REV_DNAT);
+	struct ct4_entry *half = epx_lookup(epx_ct4, &key), *owner;
+	__u32 reason;
+
+	if (!half)
+		return 0;
+	owner = ct4_owner(p->daddr, p->dport, half, p->proto, now);
+	if (!owner || owner->nat_addr != p->saddr || owner->nat_port != p->sport) {
+		epx_delete(epx_ct4, &key);
+		return 0;
+	}
+	ct4_touch(owner, cfg, p, 1, now);
+	reason = nat4_rewrite(skb, p, NAT4_SRC, half->nat_addr, half->nat_port);
+	return reason ? reason : EPX_REV_DNAT;
+}
+
+#endif /* EPX_NAT4_H */

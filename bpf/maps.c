@@ -1,0 +1,47 @@
+/* Every map of the datapath, declared once, created (or re-opened) pinned under EPX_PIN_DIR.
+ *
+ * The loader compiles this unit first: bcc opens a map that is already pinned instead of
+ * creating it, so the maps (connections included) outlive the agent across restarts. bcc's
+ * table reflection of this file (Key/Leaf ctypes) is what tests/bpf checks structs.py against.
+ * The programs then reach these maps by file descriptor (see lib/maps.h): bcc rewrites
+ * `map.lookup()` only in a program's main file, never in the shared headers.
+ */
+#include "lib/common.h"
+
+#ifndef EPX_PIN_DIR
+#error "compile with -DEPX_PIN_DIR=\"<bpffs directory>\" (the loader passes it)"
+#endif
+#define EPX_PIN(name) EPX_PIN_DIR "/" #name
+
+/* Capacities come from the loader (loader.MAX_ENTRIES), one -DEPX_<MAP>_MAX each, so that it
+ * can tell a pinned map of another size from ours; a missing one fails the compile here. */
+
+/* frontend -> service */
+BPF_TABLE_PINNED("hash", struct lb4_key, struct lb4_service, epx_svc, EPX_SVC_MAX, EPX_PIN(epx_svc));
+/* backend id -> address */
+BPF_TABLE_PINNED("hash", __u32, struct lb4_backend, epx_backend, EPX_BACKEND_MAX, EPX_PIN(epx_backend));
+/* (service id, scope, slot) -> backend id */
+BPF_TABLE_PINNED("hash", struct lb4_slot_key, __u32, epx_slot, EPX_SLOT_MAX, EPX_PIN(epx_slot));
+/* (service id, client) -> backend id, last use */
+BPF_TABLE_PINNED("lru_hash", struct lb4_affinity_key, struct lb4_affinity, epx_affinity, EPX_AFFINITY_MAX,
+		 EPX_PIN(epx_affinity));
+/* (service id, client prefix) -> admitted (loadBalancerSourceRanges) */
+BPF_TABLE_PINNED("lpm_trie", struct lb4_range_key, __u32, epx_src_range, EPX_SRC_RANGE_MAX, EPX_PIN(epx_src_range),
+		 BPF_F_NO_PREALLOC);
+/* this node's addresses (what a NodePort listens on, what "from the node" means) */
+BPF_TABLE_PINNED("hash", __be32, __u32, epx_node_addr, EPX_NODE_ADDR_MAX, EPX_PIN(epx_node_addr));
+/* --cluster-cidr prefixes ("from a pod") */
+BPF_TABLE_PINNED("lpm_trie", struct lpm4_key, __u32, epx_pod_cidr, EPX_POD_CIDR_MAX, EPX_PIN(epx_pod_cidr),
+		 BPF_F_NO_PREALLOC);
+/* connections (see ct4_key in common.h) */
+BPF_TABLE_PINNED("lru_hash", struct ct4_key, struct ct4_entry, epx_ct4, EPX_CT4_MAX, EPX_PIN(epx_ct4));
+/* first-fragment ports, for the later fragments of the same datagram */
+BPF_TABLE_PINNED("lru_hash", struct frag4_key, struct frag4_ports, epx_frag4, EPX_FRAG4_MAX, EPX_PIN(epx_frag4));
+/* socket LB: backend a UDP socket talks to -> frontend its recvmsg must show */
+BPF_TABLE_PINNED("lru_hash", struct sock4_rev_key, struct sock4_rev, epx_sock_rev, EPX_SOCK_REV_MAX,
+		 EPX_PIN(epx_sock_rev));
+/* node configuration, one entry */
+BPF_TABLE_PINNED("array", __u32, struct lb4_config, epx_config, 1, EPX_PIN(epx_config));
+/* per-CPU packet/byte counters by enum epx_reason */
+BPF_TABLE_PINNED("percpu_array", __u32, struct epx_stat, epx_stats, EPX_REASON_MAX, EPX_PIN(epx_stats));
+

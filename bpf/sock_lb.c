@@ -1,0 +1,112 @@
+/* cgroup sock_addr programs: node-originated traffic to services, balanced at the socket.
+ *
+ * A process on the node (host network namespace) that connects or sends to a frontend is
+ * connected or sent to a backend instead, chosen by the same policy as packets (rules 2, 7, 8:
+ * the node is "from the node", 127.0.0.0/8:<nodePort> is the localhost case). No packet carries
+ * the frontend address, so nothing needs translating on the wire; the kernel picks the source
+ * address for the backend's route, which is the masquerade kube-proxy would apply. UDP sockets
+ * that receive get the frontend back as the peer address (recvmsg4), using epx_sock_rev.
+ *
+ * REJECT becomes ECONNREFUSED from connect()/sendmsg() itself (bpf_set_retval), which is what a
+ * TCP client sees after kube-proxy's ICMP port unreachable; policy drops fail with EPERM.
+ */
+#include "lib/common.h"
+#include "lib/maps.h"
+#include "lib/stats.h"
+#include "lib/lb4.h"
+
+#define EPX_ECONNREFUSED 111
+#define EPX_LOOPBACK_NET 0x7f000000
+#define EPX_LOOPBACK_MASK 0xff000000
+
+/* bcc declares this helper as returning 32 bits; the cookie is 64. */
+static __u64 (*epx_get_socket_cookie)(void *ctx) = (void *)BPF_FUNC_get_socket_cookie;
+
+static __always_inline struct lb4_config *sock_config(struct bpf_sock_addr *ctx)
+{
+	__u32 zero = 0;
+	struct lb4_config *cfg = epx_lookup(epx_config, &zero);
+
+	if (!cfg || (cfg->host_netns_cookie && bpf_get_netns_cookie(ctx) != cfg->host_netns_cookie))
+		return NULL; /* pods' own namespaces: their packets take the TC path */
+	return cfg;
+}
+
+/* Rewrite ctx's destination to a backend. Returns 1 (proceed) or 0 (fail the call). */
+static __always_inline int sock4_forward(struct bpf_sock_addr *ctx, int remember)
+{
+	struct lb4_config *cfg = sock_config(ctx);
+	__be32 daddr = ctx->user_ip4;
+	__be16 dport = (__be16)ctx->user_port;
+	__u8 proto = ctx->protocol;
+	__u8 origin = EPX_ORIGIN_NODE;
+	struct lb4_service *svc;
+	struct lb4_choice c = {};
+	struct lb4_backend be;
+	__u32 backend_id, reason;
+
+	if (!cfg || (proto != IPPROTO_TCP && proto != IPPROTO_UDP))
+		return 1;
+	svc = lb4_lookup_service(daddr, dport, proto);
+	if (!svc && (cfg->flags & CFG_F_LOCALHOST_NODEPORTS) &&
+	    (daddr & epx_htonl(EPX_LOOPBACK_MASK)) == epx_htonl(EPX_LOOPBACK_NET)) {
+		struct lb4_key key = { .addr = 0, .port = dport, .proto = proto };
+
+		svc = epx_lookup(epx_svc, &key);
+		origin = EPX_ORIGIN_LOCALHOST;
+	}
+	if (!svc)
+		return 1;
+	/* the node's own address is the source kube-proxy's rules would see */
+	reason = lb4_policy(svc, cfg->snat_addr, origin, cfg->flags, &c);
+	if (!reason)
+		reason = lb4_select_backend(svc, c.scope, cfg->snat_addr, bpf_ktime_get_ns(), &backend_id, &be);
+	if (reason == EPX_REJECT) {
+		stats_count(EPX_SOCK_REJECT, 0);
+		bpf_set_retval(-EPX_ECONNREFUSED);
+		return 0;
+	}
+	if (reason) {
+		stats_count(reason, 0);
+		return 0;
+	}
+	ctx->user_ip4 = be.addr;
+	ctx->user_port = be.port;
+	if (remember && proto == IPPROTO_UDP) {
+		struct sock4_rev_key key = { .cookie = epx_get_socket_cookie(ctx), .addr = be.addr, .port = be.port };
+		struct sock4_rev rev = { .addr = daddr, .port = dport };
+
+		epx_update(epx_sock_rev, &key, &rev);
+	}
+	stats_count(EPX_SOCK_FWD, 0);
+	return 1;
+}
+
+int sock_connect4(struct bpf_sock_addr *ctx)
+{
+	return sock4_forward(ctx, 1);
+}
+
+int sock_sendmsg4(struct bpf_sock_addr *ctx)
+{
+	return sock4_forward(ctx, 1);
+}
+
+/* UDP receive: a datagram from a backend shows the frontend the socket sent to as its source. */
+int sock_recvmsg4(struct bpf_sock_addr *ctx)
+{
+	struct sock4_rev_key key = {
+		.cookie = epx_get_socket_cookie(ctx), .addr = ctx->user_ip4, .port = (__be16)ctx->user_port,
+	};
+	struct sock4_rev *rev;
+
+	if (!sock_config(ctx))
+		return 1;
+	rev = epx_lookup(epx_sock_rev, &key);
+	if (!rev)
+		return 1;
+	ctx->user_ip4 = rev->addr;
+	ctx->user_port = rev->port;
+	stats_count(EPX_SOCK_REV, 0);
+	return 1;
+}

@@ -1,0 +1,87 @@
+/* TC programs of the datapath, attached with clsact on every device a service packet crosses.
+ *
+ * tc_ingress (packets arriving from pods and from outside):
+ *   1. a reply to a masqueraded connection gets its real client back as destination;
+ *   2. a packet of a known connection is DNATed to that connection's backend;
+ *   3. a packet to a service frontend starts a connection (policy, backend, CT entries, DNAT),
+ *      or is rejected with ICMP, or dropped with its reason.
+ * tc_egress (packets leaving toward pods and outside):
+ *   1. forward packets of masqueraded connections get the masquerade source;
+ *   2. replies get the frontend back as source. This is done on egress toward the client, not
+ *      on ingress from the backend, so reverse-path filtering never sees a frontend address
+ *      arriving on a backend-facing device (PLATFORM.md pitfall 2).
+ * Masquerade is split the same way kube-proxy splits it (mark in PREROUTING, MASQUERADE in
+ * POSTROUTING): decided at ingress, applied at egress, after the kernel routed the DNATed packet;
+ * rewriting the source to a node address at ingress would make the kernel drop it as martian.
+ */
+#include "lib/common.h"
+#include "lib/maps.h"
+#include "lib/stats.h"
+#include "lib/lb4.h"
+#include "lib/icmp4.h"
+
+static __always_inline int tc_done(struct __sk_buff *skb, __u32 reason)
+{
+	stats_count(reason, skb->len);
+	return epx_is_drop(reason) ? TC_ACT_SHOT : TC_ACT_OK;
+}
+
+static __always_inline struct lb4_config *tc_config(void)
+{
+	__u32 zero = 0;
+
+	return epx_lookup(epx_config, &zero);
+}
+
+int tc_ingress(struct __sk_buff *skb)
+{
+	struct pkt4 p = {};
+	struct lb4_config *cfg;
+	__u64 now;
+	__u32 reason;
+
+	reason = pkt4_parse_skb(skb, &p);
+	if (reason)
+		return tc_done(skb, reason);
+	cfg = tc_config();
+	if (!cfg)
+		return tc_done(skb, EPX_PASS_NO_SERVICE);
+	now = bpf_ktime_get_ns();
+
+	reason = nat4_rev_snat(skb, &p, cfg, now);
+	if (!reason)
+		reason = lb4_forward(skb, &p, cfg, now);
+	if (reason == EPX_REJECT) {
+		__u32 len = skb->len;
+
+		/* a local pod's packet may be CHECKSUM_PARTIAL (see icmp4.h) */
+		if (icmp4_reject(skb, &p, lb4_origin(p.saddr) == EPX_ORIGIN_POD))
+			return tc_done(skb, EPX_DROP_REJECT_FAILED);
+		stats_count(EPX_REJECT, len);
+		return bpf_redirect(skb->ifindex, 0);
+	}
+	return tc_done(skb, reason);
+}
+
+int tc_egress(struct __sk_buff *skb)
+{
+	struct pkt4 p = {};
+	struct lb4_config *cfg;
+	__u64 now;
+	__u32 reason;
+
+	reason = pkt4_parse_skb(skb, &p);
+	if (reason)
+		return tc_done(skb, reason);
+	cfg = tc_config();
+	if (!cfg)
+		return tc_done(skb, EPX_PASS_NO_SERVICE);
+	now = bpf_ktime_get_ns();
+
+	/* A hairpin connection whose client and backend ports are equal has identical forward and
+	 * reply tuples here; forward (SNAT) wins. Such a flow is not distinguishable by tuple. */
+	reason = nat4_snat(skb, &p, now);
+	if (!reason)
+		reason = nat4_rev_dnat(skb, &p, cfg, now);
+	return tc_done(skb, reason ? reason : EPX_PASS_NO_SERVICE);
+}

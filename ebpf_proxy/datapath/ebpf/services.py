@@ -1,0 +1,215 @@
+"""From the model to map entries: what one service port puts in the maps, and how to get from
+one version of it to the next with as few writes as possible.
+
+The endpoint sets come from model.categorize, the same function the iptables datapath uses, so
+both datapaths choose among the same backends. Ids are allocated here and never reused within a
+process: a service port keeps its id, and a backend id names one (service port, endpoint) for as
+long as it exists, so CT and affinity entries that outlive it can never point at someone else.
+
+Slots are kept stable: a backend keeps its slot while it stays, a leaving backend's slot is
+taken by a newcomer or by the last slot's backend, so one endpoint change costs a few writes,
+not a rewrite of the service. Writes are ordered so that a packet never picks an empty slot:
+slots are written before the count that exposes them grows, and deleted after it shrank.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ebpf_proxy.datapath.ebpf import structs as s
+from ebpf_proxy.datapath.ebpf.maps import IPPROTO, Backend, Frontend, Maps, NodeSettings, Service
+from ebpf_proxy.model import NodeConfig
+from ebpf_proxy.model.categorize import categorize
+from ebpf_proxy.model.types import Endpoint, Protocol, ServicePort, ServicePortName
+
+SUPPORTED = (Protocol.TCP, Protocol.UDP)  # SCTP's CRC32c cannot be updated incrementally in BPF
+
+
+@dataclass(frozen=True)
+class ServiceEntries:
+    """Everything one service port puts in the maps (ids already allocated)."""
+
+    svc_id: int
+    frontends: dict[Frontend, int]  # frontend -> its LB4_F_* flags
+    affinity_timeout: int
+    backends: dict[int, Backend]  # backend id -> backend
+    cluster_slots: tuple[int, ...]  # backend ids by slot
+    local_slots: tuple[int, ...]
+    source_ranges: frozenset[str]
+
+    def service(self, flags: int) -> Service:
+        return Service(self.svc_id, len(self.cluster_slots), len(self.local_slots), self.affinity_timeout, flags)
+
+
+def stable_slots(previous: tuple[int, ...], wanted: Iterable[int]) -> tuple[int, ...]:
+    """Slot order for `wanted` that moves as few of `previous`'s backends as possible."""
+    wanted = set(wanted)
+    newcomers = sorted(wanted.difference(previous))
+    slots: list[int | None] = [b if b in wanted else None for b in previous]
+    for i, b in enumerate(slots):
+        if b is None and newcomers:
+            slots[i] = newcomers.pop(0)
+    slots.extend(newcomers)
+    while None in slots:  # fill the remaining holes from the end
+        last = slots.pop()
+        if last is not None:
+            slots[slots.index(None)] = last
+    return tuple(slots)  # type: ignore[arg-type]
+
+
+def node_settings(node: NodeConfig, host_netns_cookie: int = 0, **overrides) -> NodeSettings:
+    """epx_config for a node: its first node IP is the masquerade address."""
+    return NodeSettings(
+        snat_addr=node.node_ips[0] if node.node_ips else None,
+        masquerade_all=node.masquerade_all,
+        localhost_nodeports=node.localhost_nodeports,
+        host_netns_cookie=host_netns_cookie,
+        **overrides,
+    )
+
+
+def program_node(maps: Maps, node: NodeConfig, settings: NodeSettings) -> None:
+    """Write what the datapath needs to know about the node (settings, addresses, pod CIDRs)."""
+    maps.set_settings(settings)
+    maps.set_node_addrs(ip for ip in node.node_ips if ipaddress.ip_address(ip).version == 4)
+    maps.set_pod_cidrs(c for c in node.cluster_cidrs if ipaddress.ip_network(c, strict=False).version == 4)
+
+
+class ServicePrograms:
+    """Keeps the maps equal to the desired service ports, one service port at a time."""
+
+    def __init__(self, maps: Maps) -> None:
+        self.maps = maps
+        self._svc_ids: dict[ServicePortName, int] = {}
+        self._backend_ids: dict[tuple[ServicePortName, str, int], int] = {}
+        self._next_svc = itertools.count(1)
+        self._next_backend = itertools.count(1)
+        self.current: dict[ServicePortName, ServiceEntries] = {}
+        self._last_frontends: dict[ServicePortName, set[Frontend]] = {}  # kept after deletion
+
+    def entries(self, svc: ServicePort, endpoints: tuple[Endpoint, ...]) -> ServiceEntries | None:
+        """The map entries for `svc`, or None when it is not programmed (headless, SCTP, IPv6)."""
+        if svc.cluster_ip is None or svc.protocol not in SUPPORTED or ipaddress.ip_address(svc.cluster_ip).version != 4:
+            return None
+        name = svc.name
+        if name not in self._svc_ids:
+            self._svc_ids[name] = next(self._next_svc)
+        sets = categorize(svc, endpoints)
+        cluster, local = set(sets.cluster), set(sets.local)
+        backends: dict[int, Backend] = {}
+        ids: dict[Endpoint, int] = {}
+        for ep in sets.all_reachable:
+            key = (name, ep.ip, ep.port)
+            if key not in self._backend_ids:
+                self._backend_ids[key] = next(self._next_backend)
+            ids[ep] = self._backend_ids[key]
+            backends[ids[ep]] = Backend(ep.ip, ep.port, in_cluster=ep in cluster, in_local=ep in local)
+
+        base = (s.LB4_F_HAS_ENDPOINTS if sets.has_any else 0)
+        base |= s.LB4_F_ETP_LOCAL if svc.external_policy_local else 0
+        base |= s.LB4_F_ITP_LOCAL if svc.internal_policy_local else 0
+        proto = IPPROTO[svc.protocol.value]
+        frontends = {Frontend(svc.cluster_ip, svc.port, proto): base}
+        external = base | s.LB4_F_EXTERNAL
+        if svc.node_port:
+            frontends[Frontend(None, svc.node_port, proto)] = external
+        for ip in svc.external_ips:
+            frontends[Frontend(ip, svc.port, proto)] = external
+        ranges = frozenset(svc.load_balancer_source_ranges)
+        for ip in svc.load_balancer_ips:
+            frontends[Frontend(ip, svc.port, proto)] = external | (s.LB4_F_SOURCE_RANGES if ranges else 0)
+        frontends = {fe: f for fe, f in frontends.items() if fe.addr is None or ipaddress.ip_address(fe.addr).version == 4}
+
+        old = self.current.get(name)
+        return ServiceEntries(
+            svc_id=self._svc_ids[name],
+            frontends=frontends,
+            affinity_timeout=svc.affinity_timeout_seconds,
+            backends=backends,
+            cluster_slots=stable_slots(old.cluster_slots if old else (), (ids[ep] for ep in sets.cluster)),
+            local_slots=stable_slots(old.local_slots if old else (), (ids[ep] for ep in sets.local)),
+            source_ranges=ranges if svc.load_balancer_ips else frozenset(),
+        )
+
+    def apply(self, name: ServicePortName, new: ServiceEntries | None) -> int:
+        """Move the maps from what `name` had to `new` (None: delete). Returns the map writes made."""
+        old = self.current.get(name)
+        if old == new:
+            return 0
+        writes = 0
+        m = self.maps
+        old_backends = old.backends if old else {}
+        svc_id = new.svc_id if new else old.svc_id  # type: ignore[union-attr]
+
+        if new:
+            for bid, be in new.backends.items():
+                if old_backends.get(bid) != be:
+                    m.set_backend(bid, be)
+                    writes += 1
+            for scope, slots, before in (
+                (s.LB4_SCOPE_CLUSTER, new.cluster_slots, old.cluster_slots if old else ()),
+                (s.LB4_SCOPE_LOCAL, new.local_slots, old.local_slots if old else ()),
+            ):
+                for slot, bid in enumerate(slots):
+                    if slot >= len(before) or before[slot] != bid:
+                        m.set_slot(svc_id, scope, slot, bid)
+                        writes += 1
+            for cidr in new.source_ranges - (old.source_ranges if old else frozenset()):
+                m.add_source_range(svc_id, cidr)
+                writes += 1
+            old_fe = old.frontends if old else {}
+            same_service = old is not None and old.service(0) == new.service(0)
+            for fe, flags in new.frontends.items():
+                if not same_service or old_fe.get(fe) != flags:
+                    m.set_service(fe, new.service(flags))
+                    writes += 1
+
+        # removals, after nothing new points at what they remove
+        for fe in (old.frontends if old else {}):
+            if not new or fe not in new.frontends:
+                m.delete_service(fe)
+                writes += 1
+        for scope, before, now in (
+            (s.LB4_SCOPE_CLUSTER, old.cluster_slots if old else (), new.cluster_slots if new else ()),
+            (s.LB4_SCOPE_LOCAL, old.local_slots if old else (), new.local_slots if new else ()),
+        ):
+            for slot in range(len(now), len(before)):
+                m.delete_slot(svc_id, scope, slot)
+                writes += 1
+        for cidr in (old.source_ranges if old else frozenset()) - (new.source_ranges if new else frozenset()):
+            m.delete_source_range(svc_id, cidr)
+            writes += 1
+        for bid in old_backends:
+            if not new or bid not in new.backends:
+                m.delete_backend(bid)
+                writes += 1
+
+        if new:
+            self.current[name] = new
+            self._last_frontends[name] = set(new.frontends)
+        else:
+            self.current.pop(name, None)
+        return writes
+
+    def frontends_of(self, name: ServicePortName) -> set[Frontend]:
+        entries = self.current.get(name)
+        return set(entries.frontends) if entries else set()
+
+    def flush_udp_connections(self, name: ServicePortName, endpoint_ip: str | None = None) -> int:
+        """Forget UDP connections to `name` (only those to `endpoint_ip` if given), as kube-proxy
+        clears conntrack for stale UDP endpoints. Deleting a connection's CT4_SVC entry is enough:
+        its translation halves are honoured only while it exists. Returns how many were removed."""
+        frontends = self._last_frontends.get(name, set())
+        udp = IPPROTO["UDP"]
+        removed = 0
+        for conn in self.maps.connections():
+            if conn.kind != s.CT4_SVC or conn.proto != udp:
+                continue
+            if endpoint_ip is not None and conn.nat_addr != endpoint_ip:
+                continue
+            if any(fe.port == conn.dport and fe.proto == udp and fe.addr in (None, conn.daddr) for fe in frontends):
+                removed += self.maps.delete_connection(conn)
+        return removed

@@ -1,0 +1,209 @@
+"""The one Python mirror of bpf/lib/common.h: map key/value structs, reasons and flag constants.
+
+Field names, types and order follow the C structs exactly; tests/bpf/test_structs.py compares
+every struct's offsets and sizes with the ctypes types bcc derives from the compiled C, and every
+constant here with its `#define`/enum in common.h. Fields the C types as __be32/__be16 hold
+network byte order (the raw bytes read as a native integer); only maps.py converts them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+from dataclasses import dataclass
+
+u8, u16, u32, u64 = ctypes.c_ubyte, ctypes.c_ushort, ctypes.c_uint, ctypes.c_ulonglong
+be16, be32 = ctypes.c_ushort, ctypes.c_uint  # same layout; the name records the byte order
+
+
+class Reason(enum.IntEnum):
+    """enum epx_reason: why a program passed, translated or dropped a packet (stats map index)."""
+
+    CONTINUE = 0  # helpers' "not mine, go on"; never counted
+    PASS_NOT_IPV4 = 1
+    PASS_NOT_L4 = 2
+    PASS_NO_SERVICE = 3
+    PASS_FRAG_UNKNOWN = 4
+    FWD_NEW = 5
+    FWD_ESTABLISHED = 6
+    SNAT = 7
+    REV_SNAT = 8
+    REV_DNAT = 9
+    REJECT = 10
+    DROP_MALFORMED_IP = 11
+    DROP_MALFORMED_L4 = 12
+    DROP_NO_LOCAL_EXTERNAL = 13
+    DROP_NO_LOCAL_INTERNAL = 14
+    DROP_SOURCE_RANGE = 15
+    DROP_NO_BACKEND = 16
+    DROP_CT_FAILED = 17
+    DROP_SNAT_NO_ADDR = 18
+    DROP_SNAT_NO_PORT = 19
+    DROP_NAT_FAILED = 20
+    DROP_REJECT_FAILED = 21
+    SOCK_FWD = 22
+    SOCK_REV = 23
+    SOCK_REJECT = 24
+
+    @property
+    def is_drop(self) -> bool:
+        return self.name.startswith("DROP_")
+
+
+REASON_MAX = 25
+
+# Origins (EPX_ORIGIN_*)
+ORIGIN_POD, ORIGIN_NODE, ORIGIN_EXTERNAL, ORIGIN_LOCALHOST = 0, 1, 2, 3
+
+# lb4_service.flags
+LB4_F_EXTERNAL = 0x01
+LB4_F_ETP_LOCAL = 0x02
+LB4_F_ITP_LOCAL = 0x04
+LB4_F_SOURCE_RANGES = 0x08
+LB4_F_HAS_ENDPOINTS = 0x10
+
+# slot scopes and backend membership
+LB4_SCOPE_CLUSTER, LB4_SCOPE_LOCAL = 0, 1
+LB4_BE_IN_CLUSTER, LB4_BE_IN_LOCAL = 0x01, 0x02
+
+# connection table kinds and flags
+CT4_SVC, CT4_REV_DNAT, CT4_SNAT, CT4_REV_SNAT = 0, 1, 2, 3
+CT4_F_MASQ, CT4_F_SEEN_REPLY, CT4_F_CLOSING = 0x01, 0x02, 0x04
+
+# lb4_config.flags
+CFG_F_MASQ_ALL = 0x01
+CFG_F_LOCALHOST_NODEPORTS = 0x02
+
+
+class _Struct(ctypes.Structure):
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name, *_ in self._fields_ if name != "pad")
+        return f"{type(self).__name__}({fields})"
+
+
+class LB4Key(_Struct):
+    _fields_ = [("addr", be32), ("port", be16), ("proto", u8), ("pad", u8)]
+
+
+class LB4Service(_Struct):
+    _fields_ = [
+        ("id", u32),
+        ("count", u16),
+        ("local_count", u16),
+        ("affinity_timeout", u32),
+        ("flags", u32),
+    ]
+
+
+class LB4SlotKey(_Struct):
+    _fields_ = [("svc_id", u32), ("slot", u16), ("scope", u8), ("pad", u8)]
+
+
+class LB4Backend(_Struct):
+    _fields_ = [("addr", be32), ("port", be16), ("flags", u8), ("pad", u8)]
+
+
+class LB4AffinityKey(_Struct):
+    _fields_ = [("svc_id", u32), ("client", be32)]
+
+
+class LB4Affinity(_Struct):
+    _fields_ = [("last_used", u64), ("backend_id", u32), ("pad", u32)]
+
+
+class LPM4Key(_Struct):
+    _fields_ = [("prefixlen", u32), ("addr", be32)]
+
+
+class LB4RangeKey(_Struct):
+    _fields_ = [("prefixlen", u32), ("svc_id", u32), ("addr", be32)]
+
+
+class CT4Key(_Struct):
+    _fields_ = [
+        ("saddr", be32),
+        ("daddr", be32),
+        ("sport", be16),
+        ("dport", be16),
+        ("proto", u8),
+        ("kind", u8),
+        ("pad", u16),
+    ]
+
+
+class CT4Entry(_Struct):
+    _fields_ = [
+        ("expires", u64),
+        ("nat_addr", be32),
+        ("svc_addr", be32),
+        ("nat_port", be16),
+        ("svc_port", be16),
+        ("backend_id", u32),
+        ("snat_addr", be32),
+        ("snat_port", be16),
+        ("flags", u8),
+        ("pad", u8),
+    ]
+
+
+class Frag4Key(_Struct):
+    _fields_ = [("saddr", be32), ("daddr", be32), ("id", be16), ("proto", u8), ("pad", u8)]
+
+
+class Frag4Ports(_Struct):
+    _fields_ = [("sport", be16), ("dport", be16)]
+
+
+class Sock4RevKey(_Struct):
+    _fields_ = [("cookie", u64), ("addr", be32), ("port", be16), ("pad", u16)]
+
+
+class Sock4Rev(_Struct):
+    _fields_ = [("addr", be32), ("port", be16), ("pad", u16)]
+
+
+class LB4Config(_Struct):
+    _fields_ = [
+        ("snat_addr", be32),
+        ("snat_port_min", u16),
+        ("snat_port_max", u16),
+        ("flags", u32),
+        ("tcp_syn_timeout", u32),
+        ("tcp_est_timeout", u32),
+        ("tcp_close_timeout", u32),
+        ("udp_timeout", u32),
+        ("udp_stream_timeout", u32),
+        ("host_netns_cookie", u64),
+    ]
+
+
+class EpxStat(_Struct):
+    _fields_ = [("packets", u64), ("bytes", u64)]
+
+
+@dataclass(frozen=True)
+class MapSpec:
+    """One map of bpf/maps.c: its name (table and pin file) and its key/value mirror."""
+
+    name: str
+    key: type
+    leaf: type
+
+
+MAPS: dict[str, MapSpec] = {
+    spec.name: spec
+    for spec in (
+        MapSpec("epx_svc", LB4Key, LB4Service),
+        MapSpec("epx_backend", u32, LB4Backend),
+        MapSpec("epx_slot", LB4SlotKey, u32),
+        MapSpec("epx_affinity", LB4AffinityKey, LB4Affinity),
+        MapSpec("epx_src_range", LB4RangeKey, u32),
+        MapSpec("epx_node_addr", be32, u32),
+        MapSpec("epx_pod_cidr", LPM4Key, u32),
+        MapSpec("epx_ct4", CT4Key, CT4Entry),
+        MapSpec("epx_frag4", Frag4Key, Frag4Ports),
+        MapSpec("epx_sock_rev", Sock4RevKey, Sock4Rev),
+        MapSpec("epx_config", u32, LB4Config),
+        MapSpec("epx_stats", u32, EpxStat),
+    )
+}

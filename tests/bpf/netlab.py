@@ -1,0 +1,151 @@
+"""A throw-away node for the attach tests: four network namespaces wired with veths.
+
+    pod (10.244.0.7) ──vpod── node ──vbe── backend (10.244.1.31)
+                                │
+                              vout── outside (203.0.113.9)
+
+The node forwards, runs strict reverse-path filtering (PLATFORM.md pitfall 2 must not bite) and
+has TX checksum offload off on its own veths while the pods keep it on, so packets from the pods
+arrive CHECKSUM_PARTIAL and leave the node with checksums computed in software from what the
+programs wrote (pitfall 1: a wrong checksum flag shows as a dead connection). Everything lives in
+namespaces named epxt-bpf-<pid>-*, removed on exit, also when building failed halfway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+PREFIX = f"epxt-bpf-{os.getpid()}-"
+CGROUP_ROOT = Path("/sys/fs/cgroup/unified/ebpf-proxy-test")
+
+NODE_POD_SIDE, POD_IP = "10.244.0.1", "10.244.0.7"
+NODE_BACKEND_SIDE, BACKEND_IP = "10.244.1.1", "10.244.1.31"
+NODE_OUTSIDE_SIDE, OUTSIDE_IP = "203.0.113.1", "203.0.113.9"
+LINKS = {  # role: (node's device, node's address, peer address)
+    "pod": ("vpod", NODE_POD_SIDE, POD_IP),
+    "backend": ("vbe", NODE_BACKEND_SIDE, BACKEND_IP),
+    "outside": ("vout", NODE_OUTSIDE_SIDE, OUTSIDE_IP),
+}
+
+
+def sh(*cmd: str, ns: str | None = None, timeout: float = 10, check: bool = True) -> subprocess.CompletedProcess:
+    full = (["ip", "netns", "exec", ns] if ns else []) + list(cmd)
+    return subprocess.run(full, capture_output=True, text=True, timeout=timeout, check=check)
+
+
+TCP_SERVER = textwrap.dedent("""
+    import socket, sys
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("0.0.0.0", int(sys.argv[1]))); s.listen(16)
+    u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u.bind(("0.0.0.0", int(sys.argv[1])))
+    print("ready", flush=True)
+    import selectors
+    sel = selectors.DefaultSelector(); sel.register(s, selectors.EVENT_READ); sel.register(u, selectors.EVENT_READ)
+    while True:
+        for key, _ in sel.select():
+            if key.fileobj is s:
+                c, peer = s.accept(); c.sendall(f"{peer[0]}:{peer[1]}".encode()); c.close()
+            else:
+                data, peer = u.recvfrom(2048); u.sendto(f"{peer[0]}:{peer[1]}".encode(), peer)
+""")
+
+CLIENT = textwrap.dedent("""
+    import socket, sys
+    proto, host, port, timeout = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+    try:
+        if proto == "tcp":
+            c = socket.create_connection((host, port), timeout=timeout)
+            print("ok", c.recv(100).decode(), "%s:%d" % c.getpeername())
+        else:
+            c = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); c.settimeout(timeout)
+            c.sendto(b"hi", (host, port)); data, peer = c.recvfrom(100)
+            print("ok", data.decode(), "%s:%d" % peer)
+    except OSError as e:
+        print("error", type(e).__name__)
+""")
+
+
+class NetLab:
+    def __init__(self) -> None:
+        self.ns = {role: PREFIX + role for role in ("node", "pod", "backend", "outside")}
+        self._server: subprocess.Popen | None = None
+        self._cgroups: list[Path] = []
+
+    def __enter__(self) -> NetLab:
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _build(self) -> None:
+        for ns in self.ns.values():
+            sh("ip", "netns", "add", ns)
+        node = self.ns["node"]
+        for key in ("all", "default"):
+            sh("sysctl", "-qw", f"net.ipv4.conf.{key}.rp_filter=1", ns=node)
+        sh("sysctl", "-qw", "net.ipv4.ip_forward=1", ns=node)
+        for role, (dev, node_addr, peer_addr) in LINKS.items():
+            peer_ns = self.ns[role]
+            sh("ip", "-n", node, "link", "add", dev, "type", "veth", "peer", "name", "eth0", "netns", peer_ns)
+            sh("ip", "-n", node, "addr", "add", f"{node_addr}/24", "dev", dev)
+            sh("ip", "-n", node, "link", "set", dev, "up")
+            sh("ethtool", "-K", dev, "tx", "off", ns=node)
+            sh("ip", "-n", peer_ns, "addr", "add", f"{peer_addr}/24", "dev", "eth0")
+            sh("ip", "-n", peer_ns, "link", "set", "eth0", "up")
+            sh("ip", "-n", peer_ns, "link", "set", "lo", "up")
+            sh("ip", "-n", peer_ns, "route", "add", "default", "via", node_addr)
+        sh("ip", "-n", node, "link", "set", "lo", "up")
+
+    def ifindex(self, dev: str) -> int:
+        return int(sh("cat", f"/sys/class/net/{dev}/ifindex", ns=self.ns["node"]).stdout)
+
+    def start_server(self, port: int) -> None:
+        """TCP and UDP on the backend: both answer with the peer address they saw."""
+        cmd = ["ip", "netns", "exec", self.ns["backend"], sys.executable, "-c", TCP_SERVER, str(port)]
+        self._server = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        assert self._server.stdout.readline().strip() == "ready"
+
+    def client(
+        self, role: str, proto: str, host: str, port: int, cgroup: Path | None = None, timeout: float = 3
+    ) -> list[str]:
+        """Connect from `role`'s namespace; returns ["ok", seen-by-backend, peer] or ["error", name]."""
+        py = [sys.executable, "-c", CLIENT, proto, host, str(port), str(timeout)]
+        if cgroup is None:
+            return sh(*py, ns=self.ns[role]).stdout.split()
+        # join the cgroup before `ip netns exec`, whose private /sys hides the cgroup mount
+        script = f'echo $$ > {cgroup}/cgroup.procs && exec ip netns exec {self.ns[role]} "$@"'
+        return sh("sh", "-c", script, "sh", *py).stdout.split()
+
+    def netns_cookie(self, role: str) -> int:
+        """The network namespace cookie of `role` (SO_NETNS_COOKIE), as the socket LB compares it."""
+        code = "import socket; print(int.from_bytes(socket.socket().getsockopt(socket.SOL_SOCKET, 71, 8), 'little'))"
+        return int(sh(sys.executable, "-c", code, ns=self.ns[role]).stdout)
+
+    def cgroup(self) -> Path:
+        path = CGROUP_ROOT / f"{PREFIX}sock"
+        path.mkdir(parents=True)
+        self._cgroups.append(path)
+        return path
+
+    def close(self) -> None:
+        if self._server:
+            self._server.kill()
+            self._server.wait()
+            self._server = None
+        for path in self._cgroups:
+            with contextlib.suppress(OSError):
+                path.rmdir()
+        with contextlib.suppress(OSError):
+            CGROUP_ROOT.rmdir()  # only when no other test run uses it
+        for ns in self.ns.values():
+            sh("ip", "netns", "del", ns, check=False)

@@ -1,0 +1,78 @@
+"""Packets in and out of BPF_PROG_TEST_RUN: scapy builders, the run itself, and the checks.
+
+Checksums are checked the strict way: scapy recomputes every checksum of the output packet from
+scratch and it must equal what the program left in it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scapy.layers.inet import ICMP, IP, TCP, UDP
+from scapy.layers.l2 import Ether
+from scapy.packet import Packet, Raw
+
+from ebpf_proxy.datapath.ebpf import structs as s
+from ebpf_proxy.datapath.ebpf import testrun
+from ebpf_proxy.datapath.ebpf.maps import Maps
+
+MAC_PEER = "02:00:00:00:00:0a"
+MAC_NODE = "02:00:00:00:00:0b"
+
+TC_ACT_OK, TC_ACT_SHOT, TC_ACT_REDIRECT = 0, 2, 7
+XDP_DROP, XDP_PASS = 1, 2
+
+
+def tcp(src: str, sport: int, dst: str, dport: int, flags: str = "S", payload: bytes = b"", **ip) -> Packet:
+    pkt = Ether(src=MAC_PEER, dst=MAC_NODE) / IP(src=src, dst=dst, **ip) / TCP(sport=sport, dport=dport, flags=flags)
+    return pkt / Raw(payload) if payload else pkt
+
+
+def udp(src: str, sport: int, dst: str, dport: int, payload: bytes = b"ping", **kw) -> Packet:
+    udp_kw = {k: kw.pop(k) for k in ("chksum",) if k in kw}
+    return Ether(src=MAC_PEER, dst=MAC_NODE) / IP(src=src, dst=dst, **kw) / UDP(sport=sport, dport=dport, **udp_kw) / Raw(payload)
+
+
+@dataclass
+class Outcome:
+    verdict: int
+    raw: bytes
+
+    @property
+    def pkt(self) -> Packet:
+        return Ether(self.raw)
+
+
+def run(datapath, prog: str, pkt: Packet | bytes) -> Outcome:
+    result = testrun.run(datapath.prog_fds[prog], bytes(pkt))
+    return Outcome(result.retval, result.packet)
+
+
+def counted(maps: Maps) -> dict[s.Reason, int]:
+    """Packets counted per reason (only reasons with a count)."""
+    return {reason: packets for reason, (packets, _) in maps.stats().items() if packets}
+
+
+def assert_checksums_valid(pkt: Packet) -> None:
+    """IP checksum always; the L4 one unless the packet is a fragment (it covers the datagram)."""
+    ip = pkt[IP]
+    fresh = IP(bytes(ip))
+    fresh.chksum = None
+    assert IP(bytes(fresh)).chksum == ip.chksum, "IP checksum invalid"
+    if ip.flags.MF or ip.frag:
+        return
+    for layer in (TCP, UDP, ICMP):
+        if layer in ip:
+            if layer is UDP and ip[UDP].chksum == 0:
+                return  # "no checksum" must stay 0
+            fresh = IP(bytes(ip))
+            fresh[layer].chksum = None
+            assert IP(bytes(fresh))[layer].chksum == ip[layer].chksum, f"{layer.__name__} checksum invalid"
+            return
+
+
+def endpoints(pkt: Packet) -> tuple[tuple[str, int], tuple[str, int]]:
+    """((src, sport), (dst, dport)) of a TCP or UDP packet."""
+    ip = pkt[IP]
+    l4 = ip[TCP] if TCP in ip else ip[UDP]
+    return (ip.src, l4.sport), (ip.dst, l4.dport)

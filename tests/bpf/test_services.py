@@ -1,0 +1,152 @@
+"""services.py: model objects to map entries, and endpoint changes as small deltas."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+
+from ebpf_proxy.datapath.ebpf import structs as s
+from ebpf_proxy.datapath.ebpf.maps import Backend, Frontend
+from ebpf_proxy.datapath.ebpf.services import ServicePrograms, program_node, node_settings, stable_slots
+from ebpf_proxy.model import NodeConfig
+from ebpf_proxy.model.types import Endpoint, Protocol, ServicePort, ServicePortName
+from tests.bpf import world as w
+from tests.bpf.packets import TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, counted, endpoints, run, tcp, udp
+
+NAME = ServicePortName("default", "web", "http", Protocol.TCP)
+WEB = ServicePort(
+    name=NAME, cluster_ip=w.VIP, port=80, protocol=Protocol.TCP, node_port=w.NODE_PORT,
+    external_ips=(w.EXTERNAL_IP,), load_balancer_ips=(w.LB_IP,), load_balancer_source_ranges=("203.0.113.0/24",),
+)
+LOCAL = Endpoint(w.LOCAL_EP[0], 8080, node_name="me", is_local=True)
+REMOTE = Endpoint(w.REMOTE_EP[0], 8080, node_name="other")
+REMOTE2 = Endpoint(w.REMOTE_EP2[0], 8080, node_name="other2")
+TERMINATING = Endpoint("10.244.3.3", 8080, node_name="other", ready=False, serving=True, terminating=True)
+NODE = NodeConfig("me", node_ips=(w.NODE_IP, w.NODE_IP2), cluster_cidrs=(w.POD_CIDR,))
+
+
+# ---- pure ----
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_stable_slots_moves_little(seed):
+    rng = random.Random(seed)
+    before = tuple(rng.sample(range(1, 40), rng.randint(0, 12)))
+    wanted = set(rng.sample(range(1, 40), rng.randint(0, 12)))
+    after = stable_slots(before, wanted)
+    assert sorted(after) == sorted(wanted)
+    moved = sum(1 for i, b in enumerate(after) if i < len(before) and before[i] != b)
+    removed = len(set(before) - wanted)
+    assert moved <= removed, "only the slots of leaving backends change hands"
+
+
+def test_entries_follow_categorize_and_frontend_kinds():
+    e = ServicePrograms(maps=None).entries(WEB, (LOCAL, REMOTE, TERMINATING))
+    assert {b.addr for b in e.backends.values()} == {LOCAL.ip, REMOTE.ip}  # terminating: not with ready ones
+    assert len(e.cluster_slots) == 2 and e.local_slots == ()  # eTP=Cluster: no local set
+    has, ext = s.LB4_F_HAS_ENDPOINTS, s.LB4_F_EXTERNAL
+    assert e.frontends == {
+        Frontend(w.VIP, 80): has,
+        Frontend(None, w.NODE_PORT): has | ext,
+        Frontend(w.EXTERNAL_IP, 80): has | ext,
+        Frontend(w.LB_IP, 80): has | ext | s.LB4_F_SOURCE_RANGES,
+    }
+    assert e.source_ranges == {"203.0.113.0/24"}
+
+
+def test_entries_for_local_policies():
+    etp = ServicePrograms(maps=None).entries(replace(WEB, external_policy_local=True), (LOCAL, REMOTE))
+    assert len(etp.cluster_slots) == 2 and len(etp.local_slots) == 1
+    assert etp.backends[etp.local_slots[0]] == Backend(LOCAL.ip, 8080, in_cluster=True, in_local=True)
+    itp = ServicePrograms(maps=None).entries(
+        replace(WEB, node_port=0, external_ips=(), load_balancer_ips=(), internal_policy_local=True), (REMOTE,)
+    )
+    assert itp.cluster_slots == () and itp.local_slots == ()
+    assert itp.frontends == {Frontend(w.VIP, 80): s.LB4_F_HAS_ENDPOINTS | s.LB4_F_ITP_LOCAL}
+
+
+def test_not_programmed():
+    programs = ServicePrograms(maps=None)
+    assert programs.entries(replace(WEB, cluster_ip=None), (REMOTE,)) is None  # headless
+    assert programs.entries(replace(WEB, protocol=Protocol.SCTP), (REMOTE,)) is None
+
+
+# ---- against the maps and the programs ----
+
+
+@pytest.fixture
+def programs(maps):
+    program_node(maps, NODE, node_settings(NODE, snat_port_min=w.SNAT_MIN, snat_port_max=w.SNAT_MAX))
+    return ServicePrograms(maps)
+
+
+def sync(programs, svc, eps):
+    return programs.apply(svc.name, programs.entries(svc, eps))
+
+
+@pytest.mark.bpf
+@pytest.mark.root
+def test_programmed_service_behaves(datapath, maps, programs):
+    sync(programs, replace(WEB, external_policy_local=True), (LOCAL, REMOTE))
+    out = run(datapath, "tc_ingress", tcp(w.OUTSIDE, 40000, w.NODE_IP, w.NODE_PORT))
+    assert out.verdict == TC_ACT_OK and endpoints(out.pkt)[1] == w.LOCAL_EP  # eTP=Local from outside
+    out = run(datapath, "tc_ingress", tcp(w.OUTSIDE2, 40000, w.LB_IP, 80))
+    assert out.verdict == TC_ACT_SHOT  # source range
+    picks = {endpoints(run(datapath, "tc_ingress", tcp(w.POD_CLIENT, 20000 + i, w.VIP, 80)).pkt)[1] for i in range(60)}
+    assert picks == {w.LOCAL_EP, w.REMOTE_EP}
+
+    sync(programs, replace(WEB, external_policy_local=True), (REMOTE,))  # the local endpoint left
+    maps.reset_stats()
+    assert run(datapath, "tc_ingress", tcp(w.OUTSIDE, 40001, w.NODE_IP, w.NODE_PORT)).verdict == TC_ACT_SHOT
+    assert counted(maps) == {s.Reason.DROP_NO_LOCAL_EXTERNAL: 1}
+
+    sync(programs, WEB, ())  # no endpoints at all
+    assert run(datapath, "tc_ingress", tcp(w.POD_CLIENT, 40000, w.VIP, 80)).verdict == TC_ACT_REDIRECT
+
+
+@pytest.mark.bpf
+@pytest.mark.root
+def test_one_endpoint_change_is_a_few_writes(maps, programs):
+    eps = (LOCAL, REMOTE, REMOTE2)
+    assert sync(programs, WEB, eps) > 0
+    assert sync(programs, WEB, eps) == 0, "no change, no write"
+    frontends = len(programs.frontends_of(NAME))
+    added = Endpoint("10.244.4.4", 8080, node_name="other4")
+    # backend + slot + every frontend's count
+    assert sync(programs, WEB, (*eps, added)) == 2 + frontends
+    # the last slot's backend moves into the hole: slot write + frontends + slot delete + backend delete
+    assert sync(programs, WEB, (LOCAL, REMOTE2, added)) == 3 + frontends
+    slots = programs.current[NAME].cluster_slots
+    assert len(slots) == 3 and len(set(slots)) == 3
+    svc_id = programs.current[NAME].svc_id
+    assert [maps.slot(svc_id, s.LB4_SCOPE_CLUSTER, i) for i in range(4)] == [*slots, None]
+
+
+@pytest.mark.bpf
+@pytest.mark.root
+def test_deleting_a_service_leaves_nothing(maps, programs):
+    sync(programs, replace(WEB, external_policy_local=True), (LOCAL, REMOTE, REMOTE2))
+    assert programs.apply(NAME, None) > 0
+    for name in ("epx_svc", "epx_backend", "epx_slot", "epx_src_range"):
+        assert list(maps.keys(name)) == [], name
+
+
+@pytest.mark.bpf
+@pytest.mark.root
+def test_stale_udp_endpoint_connections_are_flushed(datapath, maps, programs):
+    dns = replace(WEB, name=replace(NAME, protocol=Protocol.UDP), protocol=Protocol.UDP, load_balancer_ips=())
+    sync(programs, dns, (REMOTE,))
+    run(datapath, "tc_ingress", udp(w.POD_CLIENT, 5000, w.VIP, 80))
+    run(datapath, "tc_ingress", udp(w.OUTSIDE, 5000, w.NODE_IP, w.NODE_PORT))
+    sync(programs, WEB, (REMOTE,))  # a TCP connection to the same endpoint must survive
+    run(datapath, "tc_ingress", tcp(w.POD_CLIENT, 5000, w.VIP, 80))
+    assert programs.flush_udp_connections(dns.name, endpoint_ip="10.9.9.9") == 0
+    assert programs.flush_udp_connections(dns.name, endpoint_ip=REMOTE.ip) == 2
+    left = [c for c in maps.connections() if c.kind == s.CT4_SVC]
+    assert [c.proto for c in left] == [6]
+    # the replies of the flushed connections are no longer translated
+    maps.reset_stats()
+    run(datapath, "tc_egress", udp(REMOTE.ip, 8080, w.POD_CLIENT, 5000))
+    assert counted(maps) == {s.Reason.PASS_NO_SERVICE: 1}

@@ -1,0 +1,57 @@
+"""structs.py against the C: layouts against bcc's reflection, constants against common.h."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+
+import pytest
+
+from ebpf_proxy.datapath.ebpf import loader, structs
+
+COMMON_H = loader.BPF_SRC_DIR / "lib" / "common.h"
+
+
+def _layout(ctype: type) -> list[tuple[str, int, int]] | int:
+    """(field, offset, size) of a struct, or the size of a scalar."""
+    if not issubclass(ctype, ctypes.Structure):
+        return ctypes.sizeof(ctype)
+    return [(name, getattr(ctype, name).offset, getattr(ctype, name).size) for name, *_ in ctype._fields_]
+
+
+@pytest.mark.bpf
+@pytest.mark.root
+@pytest.mark.parametrize("name", sorted(structs.MAPS))
+def test_map_layout_matches_bcc(datapath, name):
+    spec = structs.MAPS[name]
+    table = datapath.tables[name]
+    leaf = getattr(table, "sLeaf", table.Leaf)  # per-CPU tables: Leaf is the per-CPU array
+    assert ctypes.sizeof(spec.key) == ctypes.sizeof(table.Key)
+    assert ctypes.sizeof(spec.leaf) == ctypes.sizeof(leaf)
+    assert _layout(spec.key) == _layout(table.Key)
+    assert _layout(spec.leaf) == _layout(leaf)
+
+
+def test_mirror_covers_every_map_of_maps_c():
+    declared = re.findall(r"BPF_TABLE_PINNED\(\"\w+\",[^,]+,[^,]+,\s*(\w+),", (loader.BPF_SRC_DIR / "maps.c").read_text())
+    assert sorted(declared) == sorted(structs.MAPS)
+
+
+def test_reasons_match_the_c_enum():
+    text = COMMON_H.read_text()
+    body = text[text.index("enum epx_reason {") : text.index("};", text.index("enum epx_reason {"))]
+    c_reasons = {name: int(value) for name, value in re.findall(r"EPX_(\w+) = (\d+),", body)}
+    assert c_reasons.pop("REASON_MAX") == structs.REASON_MAX == len(structs.Reason)
+    assert c_reasons == {r.name: r.value for r in structs.Reason}
+    drops = [r for r in structs.Reason if r.is_drop]
+    assert (min(drops), max(drops)) == (structs.Reason.DROP_MALFORMED_IP, structs.Reason.DROP_REJECT_FAILED)
+    assert all(r.is_drop for r in structs.Reason if min(drops) <= r <= max(drops))
+
+
+def test_flag_constants_match_common_h():
+    defines = dict(
+        re.findall(r"#define ((?:LB4_F|LB4_SCOPE|LB4_BE|CT4|CFG_F|EPX_ORIGIN)_?\w*)\s+(0x[0-9a-fA-F]+|\d+)\b", COMMON_H.read_text())
+    )
+    assert len(defines) >= 20
+    for name, value in defines.items():
+        assert getattr(structs, name.removeprefix("EPX_")) == int(value, 0), name

@@ -1,0 +1,245 @@
+"""Connections across packets and directions: established DNAT, masquerade and both reverse
+translations (rules 1-5, "What the reverse path must do"), lifetimes, affinity (rule 13),
+scaling (rule 10) and the masquerade port allocator."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import pytest
+
+from ebpf_proxy.datapath.ebpf import structs as s
+from tests.bpf import world as w
+from tests.bpf.packets import (
+    TC_ACT_OK,
+    TC_ACT_SHOT,
+    assert_checksums_valid,
+    counted,
+    endpoints,
+    run,
+    tcp,
+    udp,
+)
+
+pytestmark = [pytest.mark.bpf, pytest.mark.root]
+
+R = s.Reason
+
+
+def step(datapath, maps, prog, pkt, reason):
+    """Run one hop; it must pass, count `reason` once and keep checksums valid."""
+    maps.reset_stats()
+    out = run(datapath, prog, pkt)
+    assert out.verdict == TC_ACT_OK
+    assert counted(maps) == {reason: 1}
+    assert_checksums_valid(out.pkt)
+    return out.pkt
+
+
+def reply_to(pkt, flags="SA", payload=b""):
+    """The peer's answer to `pkt` (addresses and ports swapped)."""
+    (src, sport), (dst, dport) = endpoints(pkt)
+    if pkt.haslayer("TCP"):
+        return tcp(dst, dport, src, sport, flags=flags, payload=payload)
+    return udp(dst, dport, src, sport, payload=payload or b"pong")
+
+
+def test_pod_to_clusterip_round_trip(datapath, maps):
+    """Rule 1: no masquerade; the reply reaches the pod from clusterIP:port."""
+    w.install(maps, w.web())
+    syn = tcp(w.POD_CLIENT, 40000, w.VIP, 80)
+    fwd = step(datapath, maps, "tc_ingress", syn, R.FWD_NEW)
+    backend = endpoints(fwd)[1]
+    fwd = step(datapath, maps, "tc_egress", fwd, R.PASS_NO_SERVICE)  # not masqueraded: untouched
+    assert endpoints(fwd) == ((w.POD_CLIENT, 40000), backend)
+
+    back = step(datapath, maps, "tc_ingress", reply_to(fwd), R.PASS_NO_SERVICE)
+    back = step(datapath, maps, "tc_egress", back, R.REV_DNAT)
+    assert endpoints(back) == ((w.VIP, 80), (w.POD_CLIENT, 40000))
+
+    ack = step(datapath, maps, "tc_ingress", tcp(w.POD_CLIENT, 40000, w.VIP, 80, flags="A", payload=b"GET /"), R.FWD_ESTABLISHED)
+    assert endpoints(ack)[1] == backend
+    svc = next(c for c in maps.connections() if c.kind == s.CT4_SVC)
+    assert svc.flags & s.CT4_F_SEEN_REPLY
+
+
+@pytest.mark.parametrize("proto", [w.TCP, w.UDP])
+def test_nodeport_masquerade_round_trip(datapath, maps, proto):
+    """Rule 4: backend sees node:port; the client gets its answer from nodeIP:nodePort."""
+    w.install(maps, w.web(proto=proto))
+    make = tcp if proto == w.TCP else udp
+    first = make(w.OUTSIDE, 40000, w.NODE_IP, w.NODE_PORT)
+    fwd = step(datapath, maps, "tc_ingress", first, R.FWD_NEW)
+    backend = endpoints(fwd)[1]
+    fwd = step(datapath, maps, "tc_egress", fwd, R.SNAT)
+    (snat_addr, snat_port), dst = endpoints(fwd)
+    assert snat_addr == w.NODE_IP and w.SNAT_MIN <= snat_port <= w.SNAT_MAX and dst == backend
+
+    back = step(datapath, maps, "tc_ingress", reply_to(fwd), R.REV_SNAT)
+    assert endpoints(back) == (backend, (w.OUTSIDE, 40000))
+    back = step(datapath, maps, "tc_egress", back, R.REV_DNAT)
+    assert endpoints(back) == ((w.NODE_IP, w.NODE_PORT), (w.OUTSIDE, 40000))
+
+    # the next forward packet takes the same backend and the same masquerade port
+    again = step(datapath, maps, "tc_ingress", make(w.OUTSIDE, 40000, w.NODE_IP, w.NODE_PORT), R.FWD_ESTABLISHED)
+    again = step(datapath, maps, "tc_egress", again, R.SNAT)
+    assert endpoints(again) == ((w.NODE_IP, snat_port), backend)
+
+
+def test_hairpin_round_trip(datapath, maps):
+    """Rule 3: the pod reaches itself through the service and sees the node as the peer."""
+    w.install(maps, w.web(cluster=(w.LOCAL_EP,)))
+    me = w.LOCAL_EP[0]
+    fwd = step(datapath, maps, "tc_ingress", tcp(me, 40000, w.VIP, 80), R.FWD_NEW)
+    fwd = step(datapath, maps, "tc_egress", fwd, R.SNAT)
+    (snat_addr, snat_port), _ = endpoints(fwd)
+    assert snat_addr == w.NODE_IP
+    back = step(datapath, maps, "tc_ingress", tcp(me, 8080, w.NODE_IP, snat_port, flags="SA"), R.REV_SNAT)
+    back = step(datapath, maps, "tc_egress", back, R.REV_DNAT)
+    assert endpoints(back) == ((w.VIP, 80), (me, 40000))
+
+
+def test_etp_local_keeps_client_ip_on_the_way_back(datapath, maps):
+    """Rule 5: no masquerade, the local endpoint answers the real client directly."""
+    w.install(maps, w.web(flags=s.LB4_F_HAS_ENDPOINTS | s.LB4_F_ETP_LOCAL))
+    fwd = step(datapath, maps, "tc_ingress", tcp(w.OUTSIDE, 40000, w.NODE_IP2, w.NODE_PORT), R.FWD_NEW)
+    assert endpoints(fwd) == ((w.OUTSIDE, 40000), w.LOCAL_EP)
+    step(datapath, maps, "tc_egress", fwd, R.PASS_NO_SERVICE)
+    back = step(datapath, maps, "tc_egress", tcp(*w.LOCAL_EP, w.OUTSIDE, 40000, flags="SA"), R.REV_DNAT)
+    assert endpoints(back) == ((w.NODE_IP2, w.NODE_PORT), (w.OUTSIDE, 40000))
+
+
+def test_established_connection_survives_endpoint_changes(datapath, maps):
+    """Rule 10: new connections use the new endpoint set, established ones keep theirs."""
+    svc = w.web(cluster=(w.REMOTE_EP,), local=())
+    w.install(maps, svc)
+    old = step(datapath, maps, "tc_ingress", tcp(w.POD_CLIENT, 40000, w.VIP, 80), R.FWD_NEW)
+    assert endpoints(old)[1] == w.REMOTE_EP
+
+    maps.delete_backend(svc.backend_id(w.REMOTE_EP))
+    w.install(maps, replace(svc, id=2, cluster=(w.REMOTE_EP2,)))
+    again = step(datapath, maps, "tc_ingress", tcp(w.POD_CLIENT, 40000, w.VIP, 80, flags="A"), R.FWD_ESTABLISHED)
+    assert endpoints(again)[1] == w.REMOTE_EP
+    new = step(datapath, maps, "tc_ingress", tcp(w.POD_CLIENT, 40001, w.VIP, 80), R.FWD_NEW)
+    assert endpoints(new)[1] == w.REMOTE_EP2
+
+
+def _svc_entry(maps, sport):
+    return next(c for c in maps.connections() if c.kind == s.CT4_SVC and c.sport == sport)
+
+
+def test_lifetimes_follow_the_connection_state(datapath, maps):
+    w.install(maps, w.web())
+    run(datapath, "tc_ingress", tcp(w.POD_CLIENT, 40000, w.VIP, 80))
+    now = time.monotonic_ns()  # bpf_ktime_get_ns() is CLOCK_MONOTONIC
+    syn = _svc_entry(maps, 40000)
+    assert abs(syn.expires_ns - now - w.SETTINGS.tcp_syn_timeout * 10**9) < 5 * 10**9
+
+    fwd_backend = (syn.nat_addr, syn.nat_port)
+    run(datapath, "tc_egress", tcp(*fwd_backend, w.POD_CLIENT, 40000, flags="SA"))
+    est = _svc_entry(maps, 40000)
+    assert est.flags & s.CT4_F_SEEN_REPLY
+    assert abs(est.expires_ns - now - w.SETTINGS.tcp_est_timeout * 10**9) < 5 * 10**9
+
+    run(datapath, "tc_ingress", tcp(w.POD_CLIENT, 40000, w.VIP, 80, flags="FA"))
+    closing = _svc_entry(maps, 40000)
+    assert closing.flags & s.CT4_F_CLOSING
+    assert abs(closing.expires_ns - now - w.SETTINGS.tcp_close_timeout * 10**9) < 5 * 10**9
+
+
+def test_syn_on_a_closing_connection_starts_a_new_one(datapath, maps):
+    w.install(maps, w.web())
+    run(datapath, "tc_ingress", tcp(w.POD_CLIENT, 40000, w.VIP, 80))
+    run(datapath, "tc_ingress", tcp(w.POD_CLIENT, 40000, w.VIP, 80, flags="R"))
+    step(datapath, maps, "tc_ingress", tcp(w.POD_CLIENT, 40000, w.VIP, 80), R.FWD_NEW)
+    assert not _svc_entry(maps, 40000).flags & s.CT4_F_CLOSING
+
+
+def test_expired_connection_is_a_new_one(datapath, maps):
+    w.install(maps, w.web(proto=w.UDP))
+    run(datapath, "tc_ingress", udp(w.POD_CLIENT, 5000, w.VIP, 80))
+    maps.set_connection_expiry(_svc_entry(maps, 5000), 1)
+    step(datapath, maps, "tc_ingress", udp(w.POD_CLIENT, 5000, w.VIP, 80), R.FWD_NEW)
+
+
+def test_reply_half_without_its_connection_is_ignored_and_removed(datapath, maps):
+    w.install(maps, w.web(cluster=(w.REMOTE_EP,), local=()))
+    run(datapath, "tc_ingress", tcp(w.POD_CLIENT, 40000, w.VIP, 80))
+    maps.delete_connection(_svc_entry(maps, 40000))
+    reply = tcp(*w.REMOTE_EP, w.POD_CLIENT, 40000, flags="SA")
+    out = step(datapath, maps, "tc_egress", reply, R.PASS_NO_SERVICE)
+    assert bytes(out) == bytes(reply)
+    assert not maps.connections() or all(c.kind != s.CT4_REV_DNAT for c in maps.connections())
+
+
+def test_masquerade_half_of_another_connection_is_not_applied(datapath, maps):
+    """A client talking to a backend directly must not be masqueraded by a stale SNAT entry."""
+    w.install(maps, w.web(cluster=(w.REMOTE_EP,), local=()))
+    run(datapath, "tc_ingress", tcp(w.OUTSIDE, 40000, w.VIP, 80))
+    maps.delete_connection(_svc_entry(maps, 40000))
+    direct = tcp(w.OUTSIDE, 40000, *w.REMOTE_EP)
+    out = step(datapath, maps, "tc_egress", direct, R.PASS_NO_SERVICE)
+    assert bytes(out) == bytes(direct)
+
+
+def test_session_affinity_pins_a_client(datapath, maps):
+    """Rule 13: every new connection of a client goes to its first backend."""
+    svc = w.web(affinity=10800)
+    w.install(maps, svc)
+    picks = {endpoints(run(datapath, "tc_ingress", tcp(w.POD_CLIENT, 30000 + i, w.VIP, 80)).pkt)[1] for i in range(40)}
+    assert len(picks) == 1
+    others = {endpoints(run(datapath, "tc_ingress", tcp("10.244.3.3", 30000 + i, w.VIP, 80)).pkt)[1] for i in range(40)}
+    assert len(others) == 1
+    backend_id, _ = maps.affinity(svc.id, w.POD_CLIENT)
+    assert backend_id == svc.backend_id(picks.pop())
+
+
+def test_session_affinity_expires(datapath, maps):
+    svc = w.web(affinity=60)
+    w.install(maps, svc)
+    pinned = svc.backend_id(w.REMOTE_EP2)
+    maps.set_affinity(svc.id, w.POD_CLIENT, pinned, time.monotonic_ns() - 61 * 10**9)
+    picks = set()
+    for i in range(30):
+        maps.set_affinity(svc.id, w.POD_CLIENT, pinned, time.monotonic_ns() - 61 * 10**9)
+        picks.add(endpoints(run(datapath, "tc_ingress", tcp(w.POD_CLIENT, 30000 + i, w.VIP, 80)).pkt)[1])
+    assert len(picks) > 1, "an expired affinity must not pin the client"
+    maps.set_affinity(svc.id, w.POD_CLIENT, pinned, time.monotonic_ns() - 59 * 10**9)
+    assert endpoints(run(datapath, "tc_ingress", tcp(w.POD_CLIENT, 31000, w.VIP, 80)).pkt)[1] == w.REMOTE_EP2
+
+
+def test_session_affinity_only_within_the_allowed_set(datapath, maps):
+    """eTP=Local from outside: a remembered remote backend is not used."""
+    svc = w.web(affinity=10800, flags=s.LB4_F_HAS_ENDPOINTS | s.LB4_F_ETP_LOCAL)
+    w.install(maps, svc)
+    maps.set_affinity(svc.id, w.OUTSIDE, svc.backend_id(w.REMOTE_EP), time.monotonic_ns())
+    out = run(datapath, "tc_ingress", tcp(w.OUTSIDE, 40000, w.NODE_IP, w.NODE_PORT))
+    assert endpoints(out.pkt)[1] == w.LOCAL_EP
+    assert maps.affinity(svc.id, w.OUTSIDE)[0] == svc.backend_id(w.LOCAL_EP)
+
+
+def test_masquerade_ports_exhausted_then_reclaimed(datapath, maps):
+    one_port = replace(w.SETTINGS, snat_port_min=61000, snat_port_max=61000)
+    maps.set_settings(one_port)
+    w.install(maps, w.web(cluster=(w.REMOTE_EP,), local=()))
+    step(datapath, maps, "tc_ingress", tcp(w.OUTSIDE, 40000, w.NODE_IP, w.NODE_PORT), R.FWD_NEW)
+
+    maps.reset_stats()
+    out = run(datapath, "tc_ingress", tcp(w.OUTSIDE2, 40000, w.NODE_IP, w.NODE_PORT))
+    assert out.verdict == TC_ACT_SHOT
+    assert counted(maps) == {R.DROP_SNAT_NO_PORT: 1}
+
+    maps.set_connection_expiry(_svc_entry(maps, 40000), 1)  # the first connection is over
+    fwd = step(datapath, maps, "tc_ingress", tcp(w.OUTSIDE2, 40000, w.NODE_IP, w.NODE_PORT), R.FWD_NEW)
+    fwd = step(datapath, maps, "tc_egress", fwd, R.SNAT)
+    assert endpoints(fwd)[0] == (w.NODE_IP, 61000)
+
+
+def test_masquerade_ports_differ_per_connection(datapath, maps):
+    w.install(maps, w.web(cluster=(w.REMOTE_EP,), local=()))
+    ports = set()
+    for i in range(50):
+        fwd = run(datapath, "tc_ingress", tcp(w.OUTSIDE, 1000 + i, w.VIP, 80)).pkt
+        ports.add(endpoints(run(datapath, "tc_egress", fwd).pkt)[0][1])
+    assert len(ports) == 50 and all(w.SNAT_MIN <= p <= w.SNAT_MAX for p in ports)
