@@ -1,0 +1,243 @@
+"""`ebpf-proxy lab …`: the mini-cluster of network namespaces that shows service traffic for real."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from ebpf_proxy.lab import state
+from ebpf_proxy.lab.cluster import MODES, Lab, LabError, destroy, destroy_all
+
+LAB_EPILOG = """\b
+Examples:
+  ebpf-proxy lab up                              # default topology: worker1-3, my-nginx on worker1+3
+  ebpf-proxy lab up --mode iptables --topology my-topology.yaml --name t1
+  ebpf-proxy lab apply service.yaml
+  ebpf-proxy lab probe --from outside --to 172.20.20.17:30294 --count 20
+  ebpf-proxy lab exec worker2 -- ip route
+  ebpf-proxy lab scale my-nginx --replicas 3
+  ebpf-proxy lab down --all
+"""
+
+name_option = click.option("--name", default=state.DEFAULT_LAB, show_default=True, envvar="EBPF_PROXY_LAB",
+                           help="Which lab (several can run side by side, each under its own prefix).")
+
+
+def _load(name: str) -> Lab:
+    try:
+        return Lab.load(name)
+    except state.LabNotFound as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _fail(exc: Exception) -> click.ClickException:
+    return click.ClickException(str(exc))
+
+
+@click.group(epilog=LAB_EPILOG)
+def lab() -> None:
+    """Build and drive a lab cluster: nodes, pods and clients as network namespaces."""
+
+
+@lab.command(epilog="\b\nExamples:\n  ebpf-proxy lab up\n  ebpf-proxy lab up --mode iptables --name t1 --topology topo.yaml")
+@name_option
+@click.option("--topology", "topology_path", type=click.Path(exists=True, dir_okay=False),
+              help="Topology YAML (see README); default: the seed-000 cluster.")
+@click.option("--mode", type=click.Choice(MODES), default="none", show_default=True,
+              help="Datapath the per-node agents run (none: no agent).")
+def up(name: str, topology_path: str | None, mode: str) -> None:
+    """Create the lab: underlay, nodes, pods with echo servers, clients, API server, agents."""
+    from ebpf_proxy.lab.topology import TopologyError
+
+    try:
+        lab_ = Lab.up(name, topology_path, mode)
+    except (LabError, TopologyError, ValueError) as exc:
+        raise _fail(exc) from None
+    t = lab_.topology
+    click.echo(f"lab {name} up: {len(t.nodes)} nodes, {len(t.pods)} pods, {len(t.clients)} clients, mode {lab_.mode}")
+    click.echo(f"kubeconfig: {lab_.kubeconfig}")
+
+
+@lab.command(epilog="\b\nExamples:\n  ebpf-proxy lab down\n  ebpf-proxy lab down --all")
+@name_option
+@click.option("--all", "all_", is_flag=True, help="Remove every lab and every leftover of one (even after a crash).")
+@click.option("--quiet", is_flag=True, help="Print nothing.")
+def down(name: str, all_: bool, quiet: bool) -> None:
+    """Remove the lab: namespaces, processes, cgroups, pins, state."""
+    names = destroy_all() if all_ else (destroy(name) or [name])
+    if not quiet:
+        click.echo(f"removed: {', '.join(names) if names else 'nothing to remove'}")
+
+
+@lab.command(epilog="\b\nExamples:\n  ebpf-proxy lab status\n  ebpf-proxy lab status --json")
+@name_option
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def status(name: str, as_json: bool) -> None:
+    """Show the lab's nodes, pods, clients, API server and agents."""
+    info = _load(name).status()
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    api = info["apiserver"]
+    console.print(f"lab [bold]{name}[/] mode [bold]{info['mode']}[/]  api {api.get('url')} "
+                  f"({'up' if api['alive'] else 'DOWN'})  kubeconfig {info['kubeconfig']}")
+    table = Table("kind", "name", "address", "where", "process")
+    for n in info["nodes"]:
+        agent = n["agent"]
+        proc = f"agent {agent.get('mode')} pid {agent.get('pid')}" if agent.get("pid") else "no agent"
+        if agent.get("pid") and not agent["alive"]:
+            proc += " (DEAD)"
+        table.add_row("node", n["name"], ", ".join([n["ip"], *n["extraIPs"]]), n["podCIDR"], proc)
+    for p in info["pods"]:
+        table.add_row("pod", p["name"], p["ip"], p["node"], f"echo {' '.join(p['listen'])}" + ("" if p["alive"] else " (DEAD)"))
+    for c in info["clients"]:
+        table.add_row("client", c["name"], c["ip"], "outside", "")
+    console.print(table)
+
+
+def _read_file(path: str) -> str:
+    return sys.stdin.read() if path == "-" else Path(path).read_text()
+
+
+@lab.command(epilog="\b\nExamples:\n  ebpf-proxy lab apply my-service.yaml\n  cat svc.yaml | ebpf-proxy lab apply -")
+@name_option
+@click.argument("file")
+def apply(name: str, file: str) -> None:
+    """Create or update Services, EndpointSlices and Pods from standard Kubernetes YAML."""
+    try:
+        for line in _load(name).apply_manifests(_read_file(file), file):
+            click.echo(f"{line} applied")
+    except (LabError, ValueError, OSError) as exc:
+        raise _fail(exc) from None
+
+
+@lab.command(epilog="\b\nExamples:\n  ebpf-proxy lab delete my-service.yaml")
+@name_option
+@click.argument("file")
+def delete(name: str, file: str) -> None:
+    """Delete the objects a YAML file names."""
+    try:
+        for line in _load(name).delete_manifests(_read_file(file), file):
+            click.echo(f"{line} deleted")
+    except (LabError, ValueError, OSError) as exc:
+        raise _fail(exc) from None
+
+
+@lab.command(epilog="\b\nExamples:\n  ebpf-proxy lab scale my-nginx --replicas 3")
+@name_option
+@click.argument("app")
+@click.option("--replicas", type=int, required=True, help="How many pods labelled app=APP should run.")
+def scale(name: str, app: str, replicas: int) -> None:
+    """Add or remove pods labelled app=APP (endpoint slices follow, like a Deployment)."""
+    try:
+        pods = _load(name).scale(app, replicas)
+    except LabError as exc:
+        raise _fail(exc) from None
+    click.echo(f"{app}: {len(pods)} replicas: {', '.join(pods)}")
+
+
+@lab.command("exec", context_settings={"ignore_unknown_options": True},
+             epilog="\b\nExamples:\n  ebpf-proxy lab exec worker1 -- iptables-save -t nat\n  ebpf-proxy lab exec outside -- ping -c1 172.20.20.15")
+@name_option
+@click.argument("where")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def exec_(name: str, where: str, command: tuple[str, ...]) -> None:
+    """Run COMMAND inside WHERE (a node, pod or client)."""
+    try:
+        result = _load(name).exec(where, list(command), check=False)
+    except LabError as exc:
+        raise _fail(exc) from None
+    sys.exit(result.returncode)
+
+
+@lab.command(epilog="\b\nExamples:\n  ebpf-proxy lab probe --from my-nginx-1 --to 10.96.0.10:80 --count 10\n"
+             "  ebpf-proxy lab probe --from worker2 --source-ip 127.0.0.1 --to 127.0.0.1:30294 --json\n"
+             "  ebpf-proxy lab probe --from outside --to 172.20.20.16:30294/udp")
+@name_option
+@click.option("--from", "where", required=True, help="Node, pod or client to send from.")
+@click.option("--to", "target", required=True, help="IP:PORT[/tcp|udp]")
+@click.option("--source-ip", help="Which of WHERE's addresses to send from (e.g. a node's extra IP, 127.0.0.1).")
+@click.option("--count", type=click.IntRange(1, 100000), default=1, show_default=True, help="Fresh connections to open.")
+@click.option("--timeout", type=float, default=1.0, show_default=True, help="Seconds before an attempt counts as dropped.")
+@click.option("--json", "as_json", is_flag=True, help="Print exactly one JSON object (stable interface).")
+def probe(name: str, where: str, target: str, source_ip: str | None, count: int, timeout: float, as_json: bool) -> None:
+    """Open COUNT fresh connections and report who answered, on which address, seeing which source."""
+    from ebpf_proxy.lab.probe import ProbeError
+
+    try:
+        report = _load(name).probe(where, target, count=count, source_ip=source_ip, timeout=timeout)
+    except (LabError, ValueError, ProbeError) as exc:
+        raise _fail(exc) from None
+    if as_json:
+        click.echo(json.dumps(report.to_json()))
+        return
+    data = report.to_json()
+    for r in data["results"]:
+        if r["outcome"] == "ok":
+            click.echo(f"ok       pod={r['pod']} backend={r['backend']} source={r['source']}")
+        else:
+            click.echo(r["outcome"])
+    s = data["summary"]
+    click.echo(f"summary: ok={s['ok']} refused={s['refused']} timeout={s['timeout']} by_pod={s['by_pod']}")
+
+
+@lab.command(epilog="\b\nExamples:\n  ebpf-proxy lab mode iptables\n  ebpf-proxy lab mode none")
+@name_option
+@click.argument("mode", type=click.Choice(MODES))
+def mode(name: str, mode: str) -> None:
+    """Switch every node's agent to MODE in place (none stops them)."""
+    try:
+        _load(name).set_mode(mode)
+    except LabError as exc:
+        raise _fail(exc) from None
+    click.echo(f"lab {name}: mode {mode}")
+
+
+@lab.command(epilog="\b\nExamples:\n  ebpf-proxy lab agent worker1 restart")
+@name_option
+@click.argument("node")
+@click.argument("action", type=click.Choice(["start", "stop", "restart"]))
+def agent(name: str, node: str, action: str) -> None:
+    """Start, stop or restart the agent of one node."""
+    try:
+        _load(name).agent_action(node, action)
+    except (LabError, KeyError) as exc:
+        raise _fail(exc) from None
+    click.echo(f"{node}: agent {action} done")
+
+
+@lab.command(epilog="\b\nExamples:\n  ebpf-proxy lab logs worker1 --tail 50")
+@name_option
+@click.argument("node")
+@click.option("--tail", type=int, help="Only the last N lines.")
+def logs(name: str, node: str, tail: int | None) -> None:
+    """Print the agent log of NODE."""
+    try:
+        click.echo(_load(name).logs(node, tail=tail))
+    except (LabError, KeyError) as exc:
+        raise _fail(exc) from None
+
+
+@lab.command(epilog="\b\nExamples:\n  ebpf-proxy lab demo\n  ebpf-proxy lab demo --modes iptables")
+@name_option
+@click.option("--modes", default="auto", show_default=True,
+              help="Comma-separated datapaths to show side by side (none, iptables, ebpf); auto: every one available.")
+@click.option("--keep/--no-keep", default=True, show_default=True, help="Leave the lab up afterwards.")
+def demo(name: str, modes: str, keep: bool) -> None:
+    """Tell the seed-000 story with real packets: ClusterIP, NodePort eTP Cluster/Local, node-local access."""
+    from ebpf_proxy.lab.demo import run_demo
+
+    try:
+        run_demo(name, modes, keep)
+    except LabError as exc:
+        raise _fail(exc) from None
+
+
+COMMANDS = [lab]
