@@ -7,6 +7,7 @@ base keeps bind-address parsing, IPv6, thread handling and shutdown in one place
 from __future__ import annotations
 
 import socket
+import socketserver
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
@@ -49,6 +50,12 @@ class BackgroundHTTPServer(ThreadingHTTPServer):
         super().__init__((host, port), _Handler)
         self.respond = respond
         self._thread = threading.Thread(target=self.serve_forever, name=name, daemon=True)
+
+    def server_bind(self) -> None:
+        # http.server's version resolves the host's FQDN (a reverse DNS lookup) just to fill
+        # server_name: on a node whose resolver is unreachable that blocks start-up for seconds.
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = str(self.server_address[0]), self.server_address[1]
 
     @property
     def port(self) -> int:

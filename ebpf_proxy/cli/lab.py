@@ -46,7 +46,7 @@ def lab() -> None:
 @name_option
 @click.option("--topology", "topology_path", type=click.Path(exists=True, dir_okay=False),
               help="Topology YAML (see README); default: the seed-000 cluster.")
-@click.option("--mode", type=click.Choice(MODES), default="none", show_default=True,
+@click.option("--mode", type=click.Choice(MODES), default="auto", show_default=True,
               help="Datapath the per-node agents run (none: no agent).")
 def up(name: str, topology_path: str | None, mode: str) -> None:
     """Create the lab: underlay, nodes, pods with echo servers, clients, API server, agents."""

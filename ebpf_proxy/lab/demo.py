@@ -51,7 +51,8 @@ def seed000_cases(lab: Lab) -> list[Case]:
     np_w2, np_w3 = f"{ips['worker2']}:{NODE_PORT}", f"{ips['worker3']}:{NODE_PORT}"
     return [
         Case("ClusterIP from a pod", "Cluster", pod_w1, f"{CLUSTER_IP}:80", None,
-             "any pod; source = the client pod's IP (no SNAT)"),
+             "any pod; source = the client pod's IP (no SNAT), except a pod landing on itself "
+             "(hairpin: masqueraded to its node)"),
         Case("NodePort outside→worker3", "Cluster", client, np_w3, None,
              "any pod; source = worker3 (masqueraded)"),
         Case("NodePort outside→worker2", "Cluster", client, np_w2, None,
@@ -66,14 +67,19 @@ def seed000_cases(lab: Lab) -> list[Case]:
 
 
 def describe(report) -> str:
+    """'pod ← source it saw' per answering pod, e.g. 'my-nginx-1 ← 172.20.20.15; my-nginx-2 ← 10.244.5.4'."""
     data = report.to_json()
     s = data["summary"]
     if s["ok"] == 0:
         return "refused" if s["refused"] else "timeout (dropped)"
-    pods = ",".join(sorted(s["by_pod"]))
-    sources = ",".join(sorted({r["source"].rsplit(":", 1)[0] for r in data["results"] if r["source"]}))
-    extra = "" if s["ok"] == len(data["results"]) else f" (+{s['refused']} refused, {s['timeout']} timeout)"
-    return f"{pods} ← src {sources}{extra}"
+    seen: dict[str, set[str]] = {}
+    for r in data["results"]:
+        if r["outcome"] == "ok":
+            seen.setdefault(r["pod"] or "?", set()).add((r["source"] or "?").rsplit(":", 1)[0])
+    text = "; ".join(f"{pod} ← {','.join(sorted(srcs))}" for pod, srcs in sorted(seen.items()))
+    if s["ok"] != len(data["results"]):
+        text += f" (+{s['refused']} refused, {s['timeout']} timeout)"
+    return text
 
 
 def direct_case(lab: Lab):
@@ -119,7 +125,7 @@ def run_demo(name: str = state.DEFAULT_LAB, modes: str = "auto", keep: bool = Tr
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=max(Console().width, 150))
     wanted = available_modes() if modes == "auto" else [m.strip() for m in modes.split(",") if m.strip()]
     lab = Lab.load(name) if state.exists(name) else None
     if lab is None:
