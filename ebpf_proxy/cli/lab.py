@@ -151,7 +151,7 @@ def scale(name: str, app: str, replicas: int) -> None:
 def exec_(name: str, where: str, command: tuple[str, ...]) -> None:
     """Run COMMAND inside WHERE (a node, pod or client)."""
     try:
-        result = _load(name).exec(where, list(command), check=False)
+        result = _load(name).exec(where, list(command), check=False, capture_output=False)
     except LabError as exc:
         raise _fail(exc) from None
     sys.exit(result.returncode)
