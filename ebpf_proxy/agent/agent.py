@@ -40,7 +40,9 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 
 
-class _ServiceEvents(Handler):
+class _Events(Handler):
+    """A watch handler where an add and an update mean the same: "this is the object now"."""
+
     def __init__(self, agent: "Agent") -> None:
         self.agent = agent
 
@@ -50,6 +52,11 @@ class _ServiceEvents(Handler):
     def on_update(self, old: dict, new: dict) -> None:
         self._apply(new)
 
+    def _apply(self, obj: dict) -> None:
+        raise NotImplementedError
+
+
+class _ServiceEvents(_Events):
     def on_delete(self, obj: dict) -> None:
         ref = convert.object_ref(obj)
         self.agent.metrics.service_changes.inc()
@@ -64,16 +71,7 @@ class _ServiceEvents(Handler):
             self.agent.queue_sync()
 
 
-class _SliceEvents(Handler):
-    def __init__(self, agent: "Agent") -> None:
-        self.agent = agent
-
-    def on_add(self, obj: dict) -> None:
-        self._apply(obj)
-
-    def on_update(self, old: dict, new: dict) -> None:
-        self._apply(new)
-
+class _SliceEvents(_Events):
     def on_delete(self, obj: dict) -> None:
         ref = convert.object_ref(obj)
         self.agent.metrics.endpoint_changes.inc()
@@ -95,16 +93,7 @@ class _SliceEvents(Handler):
             self.agent.queue_sync()
 
 
-class _NodeEvents(Handler):
-    def __init__(self, agent: "Agent") -> None:
-        self.agent = agent
-
-    def on_add(self, obj: dict) -> None:
-        self._apply(obj)
-
-    def on_update(self, old: dict, new: dict) -> None:
-        self._apply(new)
-
+class _NodeEvents(_Events):
     def on_delete(self, obj: dict) -> None:
         ref = convert.object_ref(obj)
         if ref and ref.name == self.agent.node_name:

@@ -19,8 +19,9 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import contextlib
 import threading
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 NETNS_RUN_DIR = "/run/netns"
 CLONE_NEWNET = 0x40000000
@@ -39,13 +40,13 @@ def netns_path(name: str) -> str:
     return os.path.join(NETNS_RUN_DIR, name)
 
 
-def _setns_fd(fd: int) -> None:
+def setns_fd(fd: int) -> None:
     if _libc.setns(fd, CLONE_NEWNET) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"setns(CLONE_NEWNET): {os.strerror(err)}")
 
 
-def _open_netns(name: str) -> int:
+def open_netns(name: str) -> int:
     path = netns_path(name)
     try:
         return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -53,11 +54,48 @@ def _open_netns(name: str) -> int:
         raise FileNotFoundError(errno.ENOENT, f"no network namespace named {name!r}", path) from None
 
 
+_SELF_NETNS = "/proc/thread-self/ns/net"
+
+
+def netns_exists(name: str) -> bool:
+    return os.path.exists(netns_path(name))
+
+
+@contextlib.contextmanager
+def in_netns(name: str) -> Iterator[None]:
+    """Run the body with the calling thread inside netns NAME, then switch back.
+
+    Only this thread moves. Sockets created in the body stay bound to that netns afterwards;
+    threads started in the body stay there for good. Never await or yield inside the body.
+    """
+    target = open_netns(name)
+    saved = os.open(_SELF_NETNS, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        setns_fd(target)
+        try:
+            yield
+        finally:
+            try:
+                setns_fd(saved)
+            except OSError as exc:  # pragma: no cover - cannot happen with a valid fd
+                # Half of this process in the wrong namespace is worse than stopping.
+                raise SystemExit(f"cannot return from netns {name!r}: {exc}; aborting") from exc
+    finally:
+        os.close(saved)
+        os.close(target)
+
+
+def call_in_netns(name: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """fn(*args, **kwargs) run by this very thread inside netns NAME."""
+    with in_netns(name):
+        return fn(*args, **kwargs)
+
+
 def enter_netns(name: str) -> None:
     """Move the calling thread (the whole process, if it has one thread) into netns NAME."""
-    fd = _open_netns(name)
+    fd = open_netns(name)
     try:
-        _setns_fd(fd)
+        setns_fd(fd)
     finally:
         os.close(fd)
 
@@ -70,12 +108,12 @@ def run_in_netns(name: str | None, fn: Callable[..., T], *args: Any, **kwargs: A
     """
     if name is None:
         return fn(*args, **kwargs)
-    fd = _open_netns(name)  # opened here so a missing namespace fails in the caller's thread
+    fd = open_netns(name)  # opened here so a missing namespace fails in the caller's thread
     outcome: dict[str, Any] = {}
 
     def body() -> None:
         try:
-            _setns_fd(fd)
+            setns_fd(fd)
             outcome["value"] = fn(*args, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller verbatim
             outcome["error"] = exc

@@ -16,8 +16,6 @@ it and learn which ephemeral ports were chosen.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
 import json
 import logging
 import os
@@ -25,44 +23,14 @@ import signal
 import socket
 import sys
 import threading
-from typing import Iterator
 
 import click
 
+from ebpf_proxy.lab._setns import in_netns
 from ebpf_proxy.apiserver import ApiServer, Store, bind_socket, parse_host_port
 from ebpf_proxy.lab.slicecontroller import EndpointSliceController
 
 log = logging.getLogger("ebpf_proxy.lab.apiserver_main")
-
-CLONE_NEWNET = 0x40000000
-NETNS_DIR = "/run/netns"
-
-
-def _setns(fd: int, what: str) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.setns(fd, CLONE_NEWNET) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"setns({what}) failed: {os.strerror(err)}")
-
-
-@contextlib.contextmanager
-def in_netns(name: str) -> Iterator[None]:
-    """Run the body with this thread in network namespace /run/netns/NAME."""
-    path = os.path.join(NETNS_DIR, name)
-    if not os.path.exists(path):
-        raise FileNotFoundError(errno.ENOENT, f"network namespace {name!r} does not exist", path)
-    with open("/proc/thread-self/ns/net", "rb") as home, open(path, "rb") as target:
-        _setns(target.fileno(), path)
-        try:
-            yield
-        finally:
-            # Failing to come back would leave the server half in the wrong namespace: give up.
-            try:
-                _setns(home.fileno(), "the original network namespace")
-            except OSError:
-                log.critical("could not return to the original network namespace; exiting")
-                os._exit(70)
-
 
 def bind_in_netns(netns: str, host: str, port: int) -> socket.socket:
     with in_netns(netns):

@@ -68,6 +68,7 @@ from typing import Iterable, Mapping
 from pyroute2 import IPRoute
 
 from ebpf_proxy.lab import naming, nsexec
+from ebpf_proxy.lab._setns import CLONE_NEWNET
 from ebpf_proxy.lab.topology import PodSpec, Topology
 
 POD_GATEWAY = "169.254.1.1"
@@ -199,7 +200,7 @@ def create_netns(name: str) -> None:
         raise LabExistsError(f"network namespace {name!r} already exists ({path})") from None
     saved = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
     try:
-        if _libc.unshare(nsexec.CLONE_NEWNET) != 0:
+        if _libc.unshare(CLONE_NEWNET) != 0:
             raise _errno_error(f"unshare(CLONE_NEWNET) for netns {name!r}")
         try:
             if _libc.mount(b"/proc/thread-self/ns/net", path.encode(), b"none", _MS_BIND,

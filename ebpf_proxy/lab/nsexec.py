@@ -20,82 +20,16 @@ or /proc/net and /proc/sys/net, which do follow the netns, never /sys/class/net.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import ctypes.util
 import os
 import shutil
 import subprocess
-from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
+from typing import Any, Mapping, Sequence
 
-from ebpf_proxy.lab import naming
+from ebpf_proxy.lab._setns import call_in_netns, in_netns, netns_exists, netns_path, open_netns, setns_fd
 
-CLONE_NEWNET = 0x40000000
-_SELF_NETNS = "/proc/thread-self/ns/net"
 _CGROUP_SHIM = 'echo $$ > "$0" && exec "$@"'
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-
-T = TypeVar("T")
-
-
-def netns_path(netns: str) -> str:
-    """/run/netns/NAME; rejects names that would point anywhere else."""
-    if not isinstance(netns, str) or not netns or "/" in netns or netns in (".", ".."):
-        raise ValueError(f"netns name {netns!r} is not a plain file name under {naming.NETNS_DIR}")
-    return os.path.join(naming.NETNS_DIR, netns)
-
-
-def netns_exists(netns: str) -> bool:
-    return os.path.exists(netns_path(netns))
-
-
-def setns_fd(fd: int) -> None:
-    """Move the calling thread into the network namespace open at ``fd``."""
-    if _libc.setns(fd, CLONE_NEWNET) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"setns(CLONE_NEWNET) failed: {os.strerror(err)}")
-
-
-def open_netns(netns: str) -> int:
-    """An O_RDONLY fd on a named netns; FileNotFoundError naming it if it does not exist."""
-    try:
-        return os.open(netns_path(netns), os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            f"network namespace {netns!r} does not exist ({netns_path(netns)})"
-        ) from None
-
-
-@contextlib.contextmanager
-def in_netns(netns: str) -> Iterator[None]:
-    """Run the body with the calling thread inside ``netns``, then switch back.
-
-    Only this thread moves. Sockets (netlink, TCP, ...) created in the body stay bound to
-    ``netns`` after the block ends; /proc/sys/net files opened in it address that netns.
-    Threads started in the body stay in ``netns`` for good. Do not await or yield to other
-    code in the body (an asyncio task switch would run unrelated code in the wrong netns).
-    """
-    target = open_netns(netns)
-    saved = os.open(_SELF_NETNS, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        setns_fd(target)
-        try:
-            yield
-        finally:
-            try:
-                setns_fd(saved)
-            except OSError as e:  # pragma: no cover - cannot happen with a valid fd
-                raise SystemExit(f"cannot return from netns {netns!r}: {e}; aborting") from e
-    finally:
-        os.close(saved)
-        os.close(target)
-
-
-def call_in_netns(netns: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """``fn(*args, **kwargs)`` run by this thread inside ``netns``."""
-    with in_netns(netns):
-        return fn(*args, **kwargs)
+__all__ = ["call_in_netns", "in_netns", "netns_exists", "netns_path", "open_netns", "run", "setns_fd", "spawn"]
 
 
 def _procs_file(cgroup: str) -> str:
