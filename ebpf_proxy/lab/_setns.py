@@ -1,4 +1,4 @@
-"""Enter a named network namespace (one made by `ip netns add`, i.e. /run/netns/NAME).
+"""Enter a named network namespace (/run/netns/NAME, as `ip netns add` or lab.netns.create_netns make).
 
 Python 3.11 has no os.setns, so this calls libc's setns(2) through ctypes.
 

@@ -22,6 +22,8 @@ import time
 
 import pytest
 
+from tests.netns_util import add_netns, del_netns, nsenter
+
 from ebpf_proxy.datapath.iptables import IptablesDatapath, RestoreError, render
 from ebpf_proxy.datapath.iptables import chains as ch
 from ebpf_proxy.datapath.iptables.apply import IptablesCommands
@@ -63,7 +65,7 @@ def sh(*args: str) -> str:
 
 
 def in_ns(ns: str, *args: str) -> str:
-    return sh("ip", "netns", "exec", ns, *args)
+    return sh(*nsenter(ns), *args)
 
 
 @pytest.fixture
@@ -73,14 +75,14 @@ def netns():
 
     def make(tag: str) -> str:
         name = f"{PREFIX}{tag}{next(_serial)}"
-        sh("ip", "netns", "add", name)
+        add_netns(name)
         created.append(name)
-        sh("ip", "-n", name, "link", "set", "lo", "up")
+        sh(*nsenter(name), "ip", "link", "set", "lo", "up")
         return name
 
     yield make
     for name in reversed(created):
-        subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+        del_netns(name)
 
 
 def datapath(ns: str, flavour: str = "nft", node: NodeConfig = NODE) -> IptablesDatapath:
@@ -218,7 +220,7 @@ def test_cleanup_removes_every_kube_chain_and_jump_only(netns, flavour):
 @pytest.mark.parametrize("flavour", sorted(FLAVOURS))
 def test_restore_error_carries_stderr_and_the_offending_line(netns, flavour):
     ns = netns("node")
-    cmds = IptablesCommands(prefix=("ip", "netns", "exec", ns), **FLAVOURS[flavour])
+    cmds = IptablesCommands(prefix=tuple(nsenter(ns)), **FLAVOURS[flavour])
     bad = "*nat\n:KUBE-TEST - [0:0]\n-A KUBE-TEST -j KUBE-DOES-NOT-EXIST\nCOMMIT\n"
     with pytest.raises(RestoreError) as info:
         cmds.restore(bad)
@@ -268,24 +270,24 @@ def talk(ns: str, host: str, port: int, proto: str = "tcp", sport: int = 40000) 
 def topology(netns):
     """(client, node, pod) namespaces wired and routed, echo server running in the pod."""
     client, node, pod = netns("cli"), netns("node"), netns("pod")
-    sh("ip", "-n", node, "link", "add", "to-cli", "type", "veth", "peer", "name", "eth0", "netns", client)
-    sh("ip", "-n", node, "link", "add", "to-pod", "type", "veth", "peer", "name", "eth0", "netns", pod)
+    sh(*nsenter(node), "ip", "link", "add", "to-cli", "type", "veth", "peer", "name", "eth0", "netns", client)
+    sh(*nsenter(node), "ip", "link", "add", "to-pod", "type", "veth", "peer", "name", "eth0", "netns", pod)
     for ns, dev, addr in ((client, "eth0", f"{CLIENT_IP}/24"), (node, "to-cli", f"{NODE_CLIENT_SIDE}/24"),
                           (node, "to-pod", f"{NODE_POD_SIDE}/24"), (pod, "eth0", f"{POD_IP}/24")):
-        sh("ip", "-n", ns, "addr", "add", addr, "dev", dev)
-        sh("ip", "-n", ns, "link", "set", dev, "up")
-    sh("ip", "-n", client, "route", "add", "default", "via", NODE_CLIENT_SIDE)
-    sh("ip", "-n", pod, "route", "add", "default", "via", NODE_POD_SIDE)
+        sh(*nsenter(ns), "ip", "addr", "add", addr, "dev", dev)
+        sh(*nsenter(ns), "ip", "link", "set", dev, "up")
+    sh(*nsenter(client), "ip", "route", "add", "default", "via", NODE_CLIENT_SIDE)
+    sh(*nsenter(pod), "ip", "route", "add", "default", "via", NODE_POD_SIDE)
     # An uplink with a default route, as real nodes have: without one, packets to a service IP
     # fail the routing decision (ICMP net unreachable) before the filter table ever sees them.
     # (A veth whose peer stays in the node: this kernel has no dummy device.)
-    sh("ip", "-n", node, "link", "add", "uplink", "type", "veth", "peer", "name", "uplink-peer")
-    sh("ip", "-n", node, "addr", "add", "172.31.0.1/24", "dev", "uplink")
-    sh("ip", "-n", node, "link", "set", "uplink", "up")
-    sh("ip", "-n", node, "link", "set", "uplink-peer", "up")
-    sh("ip", "-n", node, "route", "add", "default", "via", "172.31.0.254")
+    sh(*nsenter(node), "ip", "link", "add", "uplink", "type", "veth", "peer", "name", "uplink-peer")
+    sh(*nsenter(node), "ip", "addr", "add", "172.31.0.1/24", "dev", "uplink")
+    sh(*nsenter(node), "ip", "link", "set", "uplink", "up")
+    sh(*nsenter(node), "ip", "link", "set", "uplink-peer", "up")
+    sh(*nsenter(node), "ip", "route", "add", "default", "via", "172.31.0.254")
     in_ns(node, "sysctl", "-qw", "net.ipv4.ip_forward=1")
-    echo = subprocess.Popen(["ip", "netns", "exec", pod, sys.executable, "-c", ECHO],
+    echo = subprocess.Popen([*nsenter(pod), sys.executable, "-c", ECHO],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         if echo.stdout.readline().strip() != "ready":

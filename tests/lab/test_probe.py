@@ -19,6 +19,8 @@ import time
 
 import pytest
 
+from tests.netns_util import add_netns, del_netns, nsenter
+
 from ebpf_proxy.lab._setns import run_in_netns
 from ebpf_proxy.lab.probe import Outcome, ProbeError, ProbeWaitTimeout, probe, wait_until_ok
 
@@ -74,22 +76,22 @@ def lab(tmp_path_factory):
     procs: list[subprocess.Popen] = []
     try:
         for ns in (CLIENT, POD):
-            sh("ip", "netns", "add", ns)
+            add_netns(ns)
             made.append(ns)
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
+            sh(*nsenter(ns), "ip", "link", "set", "lo", "up")
         # Created inside the client netns, with the peer created directly in the pod netns.
-        sh("ip", "-n", CLIENT, "link", "add", "c0", "type", "veth", "peer", "name", "p0", "netns", POD)
-        sh("ip", "-n", CLIENT, "addr", "add", f"{CLIENT_IP}/24", "dev", "c0")
-        sh("ip", "-n", CLIENT, "addr", "add", f"{CLIENT_IP2}/24", "dev", "c0")
-        sh("ip", "-n", CLIENT, "link", "set", "c0", "up")
-        sh("ip", "-n", CLIENT, "route", "add", "blackhole", "10.98.0.0/24")
-        sh("ip", "-n", POD, "addr", "add", f"{POD_IP}/24", "dev", "p0")
-        sh("ip", "-n", POD, "link", "set", "p0", "up")
+        sh(*nsenter(CLIENT), "ip", "link", "add", "c0", "type", "veth", "peer", "name", "p0", "netns", POD)
+        sh(*nsenter(CLIENT), "ip", "addr", "add", f"{CLIENT_IP}/24", "dev", "c0")
+        sh(*nsenter(CLIENT), "ip", "addr", "add", f"{CLIENT_IP2}/24", "dev", "c0")
+        sh(*nsenter(CLIENT), "ip", "link", "set", "c0", "up")
+        sh(*nsenter(CLIENT), "ip", "route", "add", "blackhole", "10.98.0.0/24")
+        sh(*nsenter(POD), "ip", "addr", "add", f"{POD_IP}/24", "dev", "p0")
+        sh(*nsenter(POD), "ip", "link", "set", "p0", "up")
         if HAVE_IPTABLES:
             for proto in ("tcp", "udp"):
-                sh("ip", "netns", "exec", POD, "iptables", "-A", "INPUT", "-p", proto, "--dport", "9", "-j", "DROP")
-            sh("ip", "netns", "exec", CLIENT, "iptables", "-A", "OUTPUT", "-p", "udp", "--dport", "10", "-j", "DROP")
-            sh("ip", "netns", "exec", CLIENT, "iptables", "-A", "OUTPUT", "-p", "udp", "--dport", "11", "-j", "REJECT")
+                sh(*nsenter(POD), "iptables", "-A", "INPUT", "-p", proto, "--dport", "9", "-j", "DROP")
+            sh(*nsenter(CLIENT), "iptables", "-A", "OUTPUT", "-p", "udp", "--dport", "10", "-j", "DROP")
+            sh(*nsenter(CLIENT), "iptables", "-A", "OUTPUT", "-p", "udp", "--dport", "11", "-j", "REJECT")
         ready = tmp_path_factory.mktemp("echo") / "ready"
         procs.append(start_echo(POD, "web-1", ready, "80/tcp", "53/udp", "8080/tcp"))
         wait_until_ok(CLIENT, f"{POD_IP}:80", timeout=10)  # the veth needs a moment to come up
@@ -98,7 +100,7 @@ def lab(tmp_path_factory):
         for proc in procs:
             stop(proc)
         for ns in made:
-            subprocess.run(["ip", "netns", "del", ns], check=False)
+            del_netns(ns)
 
 
 # --- ok ----------------------------------------------------------------------------------------

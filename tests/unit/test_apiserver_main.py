@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.netns_util import add_netns, del_netns, nsenter
+
 
 def start(tmp_path, *args):
     ready = tmp_path / "ready.json"
@@ -103,9 +105,9 @@ def test_listen_inside_a_network_namespace(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("needs root to create a network namespace")
     netns = f"epxt-apisrv-{os.getpid()}"
-    subprocess.run(["ip", "netns", "add", netns], check=True)
+    add_netns(netns)
     try:
-        subprocess.run(["ip", "-n", netns, "link", "set", "lo", "up"], check=True)
+        subprocess.run([*nsenter(netns), "ip", "link", "set", "lo", "up"], check=True)
         proc, ready, _ = start(tmp_path, "--listen", "127.0.0.1:0", "--listen-netns", f"{netns}=127.0.0.1:0")
         try:
             root_port = ready["ports"]["127.0.0.1:0"]
@@ -113,7 +115,7 @@ def test_listen_inside_a_network_namespace(tmp_path):
             request(root_port, "/api/v1/nodes", {"metadata": {"name": "n1"}})
             # Inside the namespace, the same store answers.
             out = subprocess.run(
-                ["ip", "netns", "exec", netns, sys.executable, "-c",
+                [*nsenter(netns), sys.executable, "-c",
                  f"import json,urllib.request;print(json.load(urllib.request.urlopen('http://127.0.0.1:{ns_port}/api/v1/nodes'))"
                  "['items'][0]['metadata']['name'])"],
                 capture_output=True, text=True, timeout=30, check=True)
@@ -124,5 +126,5 @@ def test_listen_inside_a_network_namespace(tmp_path):
         finally:
             assert stop(proc) == 0
     finally:
-        subprocess.run(["ip", "netns", "del", netns], check=False)
+        del_netns(netns)
     assert not Path(f"/run/netns/{netns}").exists()

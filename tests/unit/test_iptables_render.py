@@ -811,5 +811,5 @@ def test_netns_prefixes_every_command():
         return FakeIptables._ok("0" if "cat" in cmd else "")
 
     IptablesDatapath(NODE, netns="epxt-test", runner=runner, conntrack=FakeConntrack()).sync(ProxyState(), ChangeSet())
-    assert seen and all(c[:4] == ("ip", "netns", "exec", "epxt-test") for c in seen)
-    assert any(c[4] == "iptables-restore" for c in seen)
+    assert seen and all(c[:2] == ("nsenter", "--net=/run/netns/epxt-test") for c in seen)
+    assert any(c[2] == "iptables-restore" for c in seen)

@@ -2,7 +2,7 @@
 
 The agent runs inside its node's network namespace, so normally the commands run as they are.
 Tests (and the lab) point a datapath at a namespace of their own with a command prefix such as
-`ip netns exec NS`, so that nothing ever touches the namespace the tests run in.
+`nsenter --net=/run/netns/NS`, so that nothing ever touches the namespace the tests run in.
 The runner is injectable so the sync logic can be unit-tested without root.
 """
 

@@ -50,7 +50,7 @@ class IptablesDatapath(Datapath):
     """kube-proxy's iptables mode behind the Datapath interface.
 
     `netns` runs every command (and the conntrack socket) in that named network namespace,
-    through `ip netns exec`; `command_prefix` overrides that prefix for the commands. The
+    through `nsenter --net` (no mount-namespace games, unlike `ip netns exec`); `command_prefix` overrides that prefix for the commands. The
     command tuples choose the iptables flavour (e.g. `("iptables-legacy-restore",)`).
     `runner` and `conntrack` are injectable for tests.
     """
@@ -72,7 +72,7 @@ class IptablesDatapath(Datapath):
         super().__init__(node)
         RenderContext.for_node(node)  # fail at construction on a config the renderer cannot express
         if command_prefix is None:
-            command_prefix = ("ip", "netns", "exec", netns) if netns else ()
+            command_prefix = ("nsenter", f"--net=/run/netns/{netns}") if netns else ()
         self._cmd = IptablesCommands(
             iptables=iptables,
             iptables_save=iptables_save,
