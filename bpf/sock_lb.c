@@ -4,8 +4,10 @@
  * connected or sent to a backend instead, chosen by the same policy as packets (rules 2, 7, 8:
  * the node is "from the node", 127.0.0.0/8:<nodePort> is the localhost case). No packet carries
  * the frontend address, so nothing needs translating on the wire; the kernel picks the source
- * address for the backend's route, which is the masquerade kube-proxy would apply. UDP sockets
- * that receive get the frontend back as the peer address (recvmsg4), using epx_sock_rev.
+ * address for the backend's route, which is the masquerade kube-proxy would apply. A socket
+ * already bound to 127.0.0.0/8 keeps that source, so its packets are masqueraded on egress by
+ * tc_egress (nat4_masq_local), which recognises the socket by its cookie in epx_sock_rev. UDP
+ * sockets that receive get the frontend back as the peer address (recvmsg4), using epx_sock_rev.
  *
  * REJECT becomes ECONNREFUSED from connect()/sendmsg() itself (bpf_set_retval), which is what a
  * TCP client sees after kube-proxy's ICMP port unreachable; policy drops fail with EPERM.
@@ -14,13 +16,9 @@
 #include "lib/maps.h"
 #include "lib/stats.h"
 #include "lib/lb4.h"
+#include "lib/sock4.h"
 
 #define EPX_ECONNREFUSED 111
-#define EPX_LOOPBACK_NET 0x7f000000
-#define EPX_LOOPBACK_MASK 0xff000000
-
-/* bcc declares this helper as returning 32 bits; the cookie is 64. */
-static __u64 (*epx_get_socket_cookie)(void *ctx) = (void *)BPF_FUNC_get_socket_cookie;
 
 static __always_inline struct lb4_config *sock_config(struct bpf_sock_addr *ctx)
 {
@@ -39,7 +37,8 @@ static __always_inline int sock4_forward(struct bpf_sock_addr *ctx, int remember
 	__be32 daddr = ctx->user_ip4;
 	__be16 dport = (__be16)ctx->user_port;
 	__u8 proto = ctx->protocol;
-	__u8 origin = EPX_ORIGIN_NODE;
+	int loopback = epx_is_loopback(daddr);
+	__u8 origin = loopback ? EPX_ORIGIN_LOCALHOST : EPX_ORIGIN_NODE;
 	struct lb4_service *svc;
 	struct lb4_choice c = {};
 	struct lb4_backend be;
@@ -48,12 +47,10 @@ static __always_inline int sock4_forward(struct bpf_sock_addr *ctx, int remember
 	if (!cfg || (proto != IPPROTO_TCP && proto != IPPROTO_UDP))
 		return 1;
 	svc = lb4_lookup_service(daddr, dport, proto);
-	if (!svc && (cfg->flags & CFG_F_LOCALHOST_NODEPORTS) &&
-	    (daddr & epx_htonl(EPX_LOOPBACK_MASK)) == epx_htonl(EPX_LOOPBACK_NET)) {
+	if (!svc && loopback && (cfg->flags & CFG_F_LOCALHOST_NODEPORTS)) {
 		struct lb4_key key = { .addr = 0, .port = dport, .proto = proto };
 
 		svc = epx_lookup(epx_svc, &key);
-		origin = EPX_ORIGIN_LOCALHOST;
 	}
 	if (!svc)
 		return 1;
@@ -72,7 +69,9 @@ static __always_inline int sock4_forward(struct bpf_sock_addr *ctx, int remember
 	}
 	ctx->user_ip4 = be.addr;
 	ctx->user_port = be.port;
-	if (remember && proto == IPPROTO_UDP) {
+	/* UDP: recvmsg4 shows the frontend as the peer. Loopback: a socket bound to 127.0.0.0/8
+	 * must be masqueraded on egress (nat4_masq_local), which looks for this entry. */
+	if (remember && (proto == IPPROTO_UDP || loopback)) {
 		struct sock4_rev_key key = { .cookie = epx_get_socket_cookie(ctx), .addr = be.addr, .port = be.port };
 		struct sock4_rev rev = { .addr = daddr, .port = dport };
 

@@ -9,7 +9,10 @@
  *   1. forward packets of masqueraded connections get the masquerade source;
  *   2. replies get the frontend back as source. This is done on egress toward the client, not
  *      on ingress from the backend, so reverse-path filtering never sees a frontend address
- *      arriving on a backend-facing device (PLATFORM.md pitfall 2).
+ *      arriving on a backend-facing device (PLATFORM.md pitfall 2);
+ *   3. a node socket bound to 127.0.0.0/8 that the socket LB sent to a backend is masqueraded
+ *      (127.0.0.1:<nodePort>, rule 8), as kube-proxy's POSTROUTING MASQUERADE does, and the ARP
+ *      request its first packet may cause announces the masquerade address, not 127.0.0.1.
  * Masquerade is split the same way kube-proxy splits it (mark in PREROUTING, MASQUERADE in
  * POSTROUTING): decided at ingress, applied at egress, after the kernel routed the DNATed packet;
  * rewriting the source to a node address at ingress would make the kernel drop it as martian.
@@ -19,6 +22,7 @@
 #include "lib/stats.h"
 #include "lib/lb4.h"
 #include "lib/icmp4.h"
+#include "lib/arp4.h"
 
 static __always_inline int tc_done(struct __sk_buff *skb, __u32 reason)
 {
@@ -71,6 +75,8 @@ int tc_egress(struct __sk_buff *skb)
 	__u32 reason;
 
 	reason = pkt4_parse_skb(skb, &p);
+	if (reason == EPX_PASS_NOT_IPV4 && (cfg = tc_config()))
+		reason = arp4_masq_loopback_sender(skb, cfg) ?: reason;
 	if (reason)
 		return tc_done(skb, reason);
 	cfg = tc_config();
@@ -80,8 +86,10 @@ int tc_egress(struct __sk_buff *skb)
 
 	/* A hairpin connection whose client and backend ports are equal has identical forward and
 	 * reply tuples here; forward (SNAT) wins. Such a flow is not distinguishable by tuple. */
-	reason = nat4_snat(skb, &p, now);
+	reason = nat4_snat(skb, &p, cfg, now);
 	if (!reason)
 		reason = nat4_rev_dnat(skb, &p, cfg, now);
+	if (!reason)
+		reason = nat4_masq_local(skb, &p, cfg, now);
 	return tc_done(skb, reason ? reason : EPX_PASS_NO_SERVICE);
 }

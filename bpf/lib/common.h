@@ -68,7 +68,8 @@ enum epx_reason {
 	EPX_SOCK_FWD = 22,               /* socket LB: connect/sendmsg rewritten to a backend */
 	EPX_SOCK_REV = 23,               /* socket LB: recvmsg source restored to the frontend */
 	EPX_SOCK_REJECT = 24,            /* socket LB: no usable endpoint, call fails with ECONNREFUSED */
-	EPX_REASON_MAX = 25,
+	EPX_ARP_MASQ = 25,               /* ARP request announcing 127.0.0.0/8: sender set to the masquerade address */
+	EPX_REASON_MAX = 26,
 };
 #define EPX_DROP_FIRST EPX_DROP_MALFORMED_IP
 #define EPX_DROP_LAST EPX_DROP_REJECT_FAILED
@@ -82,6 +83,10 @@ enum epx_reason {
 #define EPX_ORIGIN_NODE 1     /* source is one of this node's addresses */
 #define EPX_ORIGIN_EXTERNAL 2 /* anything else */
 #define EPX_ORIGIN_LOCALHOST 3 /* a node process to 127.0.0.0/8:<nodePort> (socket LB only) */
+
+/* 127.0.0.0/8, in network order once converted with epx_htonl */
+#define EPX_LOOPBACK_NET 0x7f000000
+#define EPX_LOOPBACK_MASK 0xff000000
 
 /* ---- services: frontend -> service ---- */
 struct lb4_key {
@@ -180,6 +185,8 @@ struct ct4_key {
 #define CT4_F_MASQ 0x01       /* connection is masqueraded (SNAT entries exist) */
 #define CT4_F_SEEN_REPLY 0x02 /* a reply went back: established timeouts apply */
 #define CT4_F_CLOSING 0x04    /* TCP FIN or RST seen: closing timeout applies */
+#define CT4_F_SOCK_MASQ 0x08  /* a node socket masqueraded on egress (nat4_masq_local): no packet of it
+			       * crosses lb4_forward, so the SNAT halves keep it alive */
 
 struct ct4_entry {
 	__u64 expires;    /* CT4_SVC: bpf_ktime_get_ns() deadline */
@@ -225,6 +232,8 @@ struct sock4_rev {
 /* ---- node configuration: a single-entry array ---- */
 #define CFG_F_MASQ_ALL 0x01            /* --masquerade-all */
 #define CFG_F_LOCALHOST_NODEPORTS 0x02 /* socket LB: NodePorts answer on 127.0.0.0/8 too */
+#define CFG_F_NO_CLUSTER_CIDR 0x04     /* no --cluster-cidr: kube-proxy cannot tell pods from the rest and
+					* adds no "masquerade off-cluster clusterIP traffic" rule */
 
 struct lb4_config {
 	__be32 snat_addr;        /* masquerade source: this node's primary address */

@@ -124,9 +124,10 @@ static __always_inline __u32 ct4_snat_alloc(const struct pkt4 *p, const struct l
 }
 
 /* Record a new connection of `p` (still addressed to the frontend) to backend be_addr:be_port:
- * the CT4_SVC entry and its halves. Returns 0 or a drop reason. */
+ * the CT4_SVC entry and its halves. `masq` is 0, or the CT4_F_MASQ (| CT4_F_SOCK_MASQ) flags of
+ * a masqueraded connection. Returns 0 or a drop reason. */
 static __always_inline __u32 ct4_create(const struct pkt4 *p, const struct lb4_config *cfg, __u64 now, __u32 backend_id,
-					__be32 be_addr, __be16 be_port, int masq)
+					__be32 be_addr, __be16 be_port, __u8 masq)
 {
 	struct ct4_entry e = {
 		.nat_addr = be_addr, .nat_port = be_port, .svc_addr = p->daddr, .svc_port = p->dport,
@@ -141,7 +142,7 @@ static __always_inline __u32 ct4_create(const struct pkt4 *p, const struct lb4_c
 		if (reason)
 			return reason;
 		e.snat_addr = cfg->snat_addr;
-		e.flags = CT4_F_MASQ;
+		e.flags = masq | CT4_F_MASQ;
 		/* forward: client -> backend leaves as snat_addr:snat_port -> backend */
 		struct ct4_entry snat = {
 			.nat_addr = e.snat_addr, .nat_port = e.snat_port, .svc_addr = p->daddr, .svc_port = p->dport,

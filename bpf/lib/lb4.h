@@ -58,8 +58,9 @@ static __always_inline __u32 lb4_policy(const struct lb4_service *svc, __be32 sa
 		return EPX_DROP_SOURCE_RANGE; /* rule 11 */
 
 	if (!(svc->flags & LB4_F_EXTERNAL)) {
-		/* clusterIP: masquerade what does not come from a pod (rules 1, 2) */
-		c->masq = masq_all || origin != EPX_ORIGIN_POD;
+		/* clusterIP: masquerade what does not come from a pod (rules 1, 2). Without a cluster
+		 * CIDR kube-proxy has no rule telling pods apart, and masquerades none of it. */
+		c->masq = masq_all || (origin != EPX_ORIGIN_POD && !(cfg_flags & CFG_F_NO_CLUSTER_CIDR));
 		if (svc->flags & LB4_F_ITP_LOCAL) { /* rule 12 */
 			c->scope = LB4_SCOPE_LOCAL;
 			return svc->local_count ? 0 : EPX_DROP_NO_LOCAL_INTERNAL;
@@ -78,14 +79,12 @@ static __always_inline __u32 lb4_policy(const struct lb4_service *svc, __be32 sa
 		c->masq = masq_all;
 		c->scope = LB4_SCOPE_CLUSTER;
 		return svc->count ? 0 : EPX_REJECT;
-	case EPX_ORIGIN_NODE: /* rule 7 */
+	case EPX_ORIGIN_NODE:	   /* rule 7 */
+	case EPX_ORIGIN_LOCALHOST: /* rule 8: 127.0.0.0/8 is a LOCAL source as well, so current
+				    * kube-proxy's KUBE-EXT "route LOCAL traffic" applies: any endpoint */
 		c->masq = 1;
 		c->scope = LB4_SCOPE_CLUSTER;
 		return svc->count ? 0 : EPX_REJECT;
-	case EPX_ORIGIN_LOCALHOST: /* rule 8 */
-		c->masq = 1;
-		c->scope = LB4_SCOPE_LOCAL;
-		return svc->local_count ? 0 : EPX_DROP_NO_LOCAL_EXTERNAL;
 	default: /* rule 5: local endpoints only, client IP preserved */
 		c->masq = 0;
 		c->scope = LB4_SCOPE_LOCAL;
@@ -174,7 +173,8 @@ static __always_inline __u32 lb4_forward(struct __sk_buff *skb, struct pkt4 *p, 
 	if (reason)
 		return reason;
 	/* rule 3, hairpin: a pod that lands on itself is masqueraded */
-	reason = ct4_create(p, cfg, now, backend_id, be.addr, be.port, c.masq || be.addr == p->saddr);
+	reason = ct4_create(p, cfg, now, backend_id, be.addr, be.port,
+			    (c.masq || be.addr == p->saddr) ? CT4_F_MASQ : 0);
 	if (reason)
 		return reason;
 	reason = nat4_rewrite(skb, p, NAT4_DST, be.addr, be.port);

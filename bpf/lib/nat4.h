@@ -6,6 +6,7 @@
 
 #include "lib/csum.h"
 #include "lib/ct4.h"
+#include "lib/sock4.h"
 
 #define NAT4_SRC 0
 #define NAT4_DST 1
@@ -51,7 +52,7 @@ static __always_inline __u32 nat4_rewrite(struct __sk_buff *skb, struct pkt4 *p,
 }
 
 /* Egress toward the backend: masquerade a masqueraded connection's forward packets. */
-static __always_inline __u32 nat4_snat(struct __sk_buff *skb, struct pkt4 *p, __u64 now)
+static __always_inline __u32 nat4_snat(struct __sk_buff *skb, struct pkt4 *p, const struct lb4_config *cfg, __u64 now)
 {
 	struct ct4_key key = ct4_key_make(p->saddr, p->daddr, p->sport, p->dport, p->proto, CT4_SNAT);
 	struct ct4_entry *half = epx_lookup(epx_ct4, &key), *owner;
@@ -65,6 +66,8 @@ static __always_inline __u32 nat4_snat(struct __sk_buff *skb, struct pkt4 *p, __
 		epx_delete(epx_ct4, &key); /* left behind by an earlier connection */
 		return 0;
 	}
+	if (owner->flags & CT4_F_SOCK_MASQ)
+		ct4_touch(owner, cfg, p, 0, now);
 	reason = nat4_rewrite(skb, p, NAT4_SRC, half->nat_addr, half->nat_port);
 	return reason ? reason : EPX_SNAT;
 }
@@ -87,6 +90,8 @@ static __always_inline __u32 nat4_rev_snat(struct __sk_buff *skb, struct pkt4 *p
 	owner = ct4_owner(half->nat_addr, half->nat_port, half, p->proto, now);
 	if (!owner || owner->snat_port != p->dport || owner->nat_addr != p->saddr || owner->nat_port != p->sport)
 		return 0; /* stale: left for the port allocator to reclaim */
+	if (owner->flags & CT4_F_SOCK_MASQ)
+		ct4_touch(owner, cfg, p, 1, now);
 	reason = nat4_rewrite(skb, p, NAT4_DST, half->nat_addr, half->nat_port);
 	return reason ? reason : EPX_REV_SNAT;
 }
@@ -109,6 +114,32 @@ static __always_inline __u32 nat4_rev_dnat(struct __sk_buff *skb, struct pkt4 *p
 	ct4_touch(owner, cfg, p, 1, now);
 	reason = nat4_rewrite(skb, p, NAT4_SRC, half->nat_addr, half->nat_port);
 	return reason ? reason : EPX_REV_DNAT;
+}
+
+/* Egress: the first packet of a node socket bound to 127.0.0.0/8 that the socket LB sent to a
+ * backend (a localhost NodePort, rule 8). kube-proxy masquerades it in POSTROUTING; here the
+ * connection is recorded as masqueraded toward the backend it already addresses (the "frontend"
+ * of its CT entries is the backend itself: nothing was DNATed on the wire), so that later
+ * packets take nat4_snat and the replies nat4_rev_snat, and are delivered to 127.0.0.1 again.
+ * Only sockets the socket LB remembered in epx_sock_rev for this backend qualify: a loopback
+ * source leaving the node for any other reason is not ours to touch.
+ * Returns 0 when it does not apply, EPX_SNAT, or a drop reason. */
+static __always_inline __u32 nat4_masq_local(struct __sk_buff *skb, struct pkt4 *p, const struct lb4_config *cfg,
+					     __u64 now)
+{
+	struct sock4_rev_key skey = { .addr = p->daddr, .port = p->dport };
+	__u32 reason;
+
+	if (!epx_is_loopback(p->saddr) || p->frag == EPX_FRAG_LATER)
+		return 0;
+	skey.cookie = epx_get_socket_cookie(skb);
+	if (!skey.cookie || !epx_lookup(epx_sock_rev, &skey))
+		return 0;
+	reason = ct4_create(p, cfg, now, 0, p->daddr, p->dport, CT4_F_MASQ | CT4_F_SOCK_MASQ);
+	if (reason)
+		return reason;
+	reason = nat4_snat(skb, p, cfg, now);
+	return reason ? reason : EPX_DROP_CT_FAILED; /* the entries just written must be found */
 }
 
 #endif /* EPX_NAT4_H */

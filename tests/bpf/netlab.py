@@ -4,8 +4,9 @@
                                 │
                               vout── outside (203.0.113.9)
 
-The node forwards, runs strict reverse-path filtering (PLATFORM.md pitfall 2 must not bite) and
-has TX checksum offload off on its own veths while the pods keep it on, so packets from the pods
+The node forwards, runs strict reverse-path filtering (PLATFORM.md pitfall 2 must not bite),
+has route_localnet on (as kube-proxy sets it, for 127.0.0.1:<nodePort>) and TX checksum offload
+off on its own veths while the pods keep it on, so packets from the pods
 arrive CHECKSUM_PARTIAL and leave the node with checksums computed in software from what the
 programs wrote (pitfall 1: a wrong checksum flag shows as a dead connection). Everything lives in
 namespaces named epxt-bpf-<pid>-*, removed on exit, also when building failed halfway.
@@ -14,11 +15,13 @@ namespaces named epxt-bpf-<pid>-*, removed on exit, also when building failed ha
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from tests.netns_util import add_netns, del_netns, nsenter
 
 PREFIX = f"epxt-bpf-{os.getpid()}-"
 CGROUP_ROOT = Path("/sys/fs/cgroup/unified/ebpf-proxy-test")
@@ -34,7 +37,7 @@ LINKS = {  # role: (node's device, node's address, peer address)
 
 
 def sh(*cmd: str, ns: str | None = None, timeout: float = 10, check: bool = True) -> subprocess.CompletedProcess:
-    full = (["ip", "netns", "exec", ns] if ns else []) + list(cmd)
+    full = (nsenter(ns) if ns else []) + list(cmd)
     return subprocess.run(full, capture_output=True, text=True, timeout=timeout, check=check)
 
 
@@ -57,12 +60,18 @@ TCP_SERVER = textwrap.dedent("""
 CLIENT = textwrap.dedent("""
     import socket, sys
     proto, host, port, timeout = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+    source = sys.argv[5] if len(sys.argv) > 5 else ""
     try:
         if proto == "tcp":
-            c = socket.create_connection((host, port), timeout=timeout)
+            c = socket.socket(); c.settimeout(timeout)
+            if source:
+                c.bind((source, 0))
+            c.connect((host, port))
             print("ok", c.recv(100).decode(), "%s:%d" % c.getpeername())
         else:
             c = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); c.settimeout(timeout)
+            if source:
+                c.bind((source, 0))
             c.sendto(b"hi", (host, port)); data, peer = c.recvfrom(100)
             print("ok", data.decode(), "%s:%d" % peer)
     except OSError as e:
@@ -89,41 +98,45 @@ class NetLab:
 
     def _build(self) -> None:
         for ns in self.ns.values():
-            sh("ip", "netns", "add", ns)
+            add_netns(ns)
         node = self.ns["node"]
         for key in ("all", "default"):
             sh("sysctl", "-qw", f"net.ipv4.conf.{key}.rp_filter=1", ns=node)
         sh("sysctl", "-qw", "net.ipv4.ip_forward=1", ns=node)
+        sh("sysctl", "-qw", "net.ipv4.conf.all.route_localnet=1", ns=node)
         for role, (dev, node_addr, peer_addr) in LINKS.items():
             peer_ns = self.ns[role]
-            sh("ip", "-n", node, "link", "add", dev, "type", "veth", "peer", "name", "eth0", "netns", peer_ns)
-            sh("ip", "-n", node, "addr", "add", f"{node_addr}/24", "dev", dev)
-            sh("ip", "-n", node, "link", "set", dev, "up")
+            sh(*nsenter(node), "ip", "link", "add", dev, "type", "veth", "peer", "name", "eth0", "netns", peer_ns)
+            sh(*nsenter(node), "ip", "addr", "add", f"{node_addr}/24", "dev", dev)
+            sh(*nsenter(node), "ip", "link", "set", dev, "up")
             sh("ethtool", "-K", dev, "tx", "off", ns=node)
-            sh("ip", "-n", peer_ns, "addr", "add", f"{peer_addr}/24", "dev", "eth0")
-            sh("ip", "-n", peer_ns, "link", "set", "eth0", "up")
-            sh("ip", "-n", peer_ns, "link", "set", "lo", "up")
-            sh("ip", "-n", peer_ns, "route", "add", "default", "via", node_addr)
-        sh("ip", "-n", node, "link", "set", "lo", "up")
+            sh(*nsenter(peer_ns), "ip", "addr", "add", f"{peer_addr}/24", "dev", "eth0")
+            sh(*nsenter(peer_ns), "ip", "link", "set", "eth0", "up")
+            sh(*nsenter(peer_ns), "ip", "link", "set", "lo", "up")
+            sh(*nsenter(peer_ns), "ip", "route", "add", "default", "via", node_addr)
+        sh(*nsenter(node), "ip", "link", "set", "lo", "up")
 
     def ifindex(self, dev: str) -> int:
-        return int(sh("cat", f"/sys/class/net/{dev}/ifindex", ns=self.ns["node"]).stdout)
+        # netlink, not /sys/class/net: /sys shows the netns it was mounted in, not ours
+        return json.loads(sh("ip", "-j", "link", "show", "dev", dev, ns=self.ns["node"]).stdout)[0]["ifindex"]
 
     def start_server(self, port: int) -> None:
         """TCP and UDP on the backend: both answer with the peer address they saw."""
-        cmd = ["ip", "netns", "exec", self.ns["backend"], sys.executable, "-c", TCP_SERVER, str(port)]
+        cmd = [*nsenter(self.ns["backend"]), sys.executable, "-c", TCP_SERVER, str(port)]
         self._server = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         assert self._server.stdout.readline().strip() == "ready"
 
     def client(
-        self, role: str, proto: str, host: str, port: int, cgroup: Path | None = None, timeout: float = 3
+        self, role: str, proto: str, host: str, port: int, cgroup: Path | None = None, timeout: float = 3,
+        source: str = "",
     ) -> list[str]:
-        """Connect from `role`'s namespace; returns ["ok", seen-by-backend, peer] or ["error", name]."""
-        py = [sys.executable, "-c", CLIENT, proto, host, str(port), str(timeout)]
+        """Connect from `role`'s namespace (from `source` if given); returns ["ok", seen-by-backend,
+        peer] or ["error", name]."""
+        py = [sys.executable, "-c", CLIENT, proto, host, str(port), str(timeout), source]
         if cgroup is None:
             return sh(*py, ns=self.ns[role]).stdout.split()
-        # join the cgroup before `ip netns exec`, whose private /sys hides the cgroup mount
-        script = f'echo $$ > {cgroup}/cgroup.procs && exec ip netns exec {self.ns[role]} "$@"'
+        # join the cgroup, then enter the netns (nsenter --net keeps the host's mounts)
+        script = f'echo $$ > {cgroup}/cgroup.procs && exec nsenter --net=/run/netns/{self.ns[role]} "$@"'
         return sh("sh", "-c", script, "sh", *py).stdout.split()
 
     def netns_cookie(self, role: str) -> int:
@@ -148,4 +161,4 @@ class NetLab:
         with contextlib.suppress(OSError):
             CGROUP_ROOT.rmdir()  # only when no other test run uses it
         for ns in self.ns.values():
-            sh("ip", "netns", "del", ns, check=False)
+            del_netns(ns)

@@ -12,7 +12,7 @@ from ebpf_proxy.datapath.ebpf import loader
 from ebpf_proxy.datapath.ebpf import structs as s
 from ebpf_proxy.datapath.ebpf.maps import Backend, Frontend, NodeSettings, Service
 from tests.bpf import netlab
-from tests.bpf.netlab import BACKEND_IP, NODE_OUTSIDE_SIDE, OUTSIDE_IP, POD_IP
+from tests.bpf.netlab import BACKEND_IP, NODE_OUTSIDE_SIDE, POD_IP
 
 pytestmark = [pytest.mark.bpf, pytest.mark.root]
 
@@ -117,3 +117,45 @@ def test_xdp_drops_before_tc_and_detaches(lab, datapath, maps):
         assert dropped >= 1  # the SYN and its retransmissions
         loader.detach_xdp(ipr, index)
         assert ipr.get_links(index)[0].get("xdp").get("IFLA_XDP_ATTACHED") is None
+
+
+LOCAL_NODE_PORT = 30081  # externalTrafficPolicy=Local, no endpoint on this node
+
+
+@pytest.mark.parametrize("proto", ["tcp", "udp"])
+def test_localhost_nodeport_from_a_loopback_bound_socket(lab, datapath, maps, proto):
+    """Rule 8: a node process bound to 127.0.0.1 reaches 127.0.0.1:<nodePort> of an eTP=Local
+    service without a local endpoint: any endpoint (127.0.0.1 is a LOCAL source, so kube-proxy's
+    KUBE-EXT routes it to the cluster chain), masqueraded to the node's address on the way out
+    (the socket keeps its loopback source: tc_egress does what POSTROUTING MASQUERADE does), and
+    the reply is delivered back to the loopback socket."""
+    num = 6 if proto == "tcp" else 17
+    flags = s.LB4_F_HAS_ENDPOINTS | s.LB4_F_EXTERNAL | s.LB4_F_ETP_LOCAL
+    maps.set_service(Frontend(None, LOCAL_NODE_PORT, num), Service(10 + num, 1, 0, 0, flags))
+    maps.set_node_addrs([NODE_OUTSIDE_SIDE, netlab.NODE_POD_SIDE, netlab.NODE_BACKEND_SIDE, "127.0.0.1"])
+    cgroup = lab.cgroup()
+    loader.attach_cgroup(datapath, cgroup)
+    maps.reset_stats()
+    try:
+        result = lab.client("node", proto, "127.0.0.1", LOCAL_NODE_PORT, cgroup=cgroup, source="127.0.0.1")
+    finally:
+        loader.detach_cgroup(datapath, cgroup)
+    assert result[0] == "ok", result
+    seen_addr, seen_port = result[1].split(":")
+    assert seen_addr == NODE_OUTSIDE_SIDE and 61000 <= int(seen_port) <= 65535, "masqueraded to the node"
+    if proto == "udp":
+        assert result[2] == f"127.0.0.1:{LOCAL_NODE_PORT}", "recvmsg shows the frontend"
+    counts = {r: p for r, (p, _) in maps.stats().items() if p}
+    assert counts[s.Reason.SOCK_FWD] and counts[s.Reason.SNAT] and counts[s.Reason.REV_SNAT]
+    masqueraded = [c for c in maps.connections() if c.kind == s.CT4_SVC]
+    assert masqueraded and all(c.flags & s.CT4_F_SOCK_MASQ and c.saddr == "127.0.0.1" for c in masqueraded)
+
+
+def test_loopback_source_not_from_the_socket_lb_is_left_alone(lab, datapath, maps):
+    """Only sockets the socket LB sent to a backend are masqueraded on egress: a loopback-bound
+    socket talking to the backend directly leaves untouched (and so gets no answer)."""
+    maps.reset_stats()
+    result = lab.client("node", "tcp", BACKEND_IP, BACKEND_PORT, source="127.0.0.1", timeout=1)
+    assert result[0] == "error", result
+    assert not maps.stats().get(s.Reason.SNAT, (0, 0))[0]
+    assert not [c for c in maps.connections() if c.kind == s.CT4_SVC]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import struct
 
 import pytest
-from scapy.layers.inet import IP, TCP, UDP
+from scapy.layers.inet import IP, TCP
 from scapy.layers.l2 import Ether
 
 from ebpf_proxy.datapath.ebpf import structs as s

@@ -9,8 +9,9 @@ import pytest
 
 from ebpf_proxy.datapath.ebpf import structs as s
 from ebpf_proxy.datapath.ebpf.maps import Backend, Frontend
-from ebpf_proxy.datapath.ebpf.services import ServicePrograms, program_node, node_settings, stable_slots
-from ebpf_proxy.model import NodeConfig
+from ebpf_proxy.datapath.ebpf.adopt import adopt
+from ebpf_proxy.datapath.ebpf.services import ServicePrograms, node_addresses, node_settings, program_node, stable_slots
+from ebpf_proxy.model import NodeConfig, ProxyState
 from ebpf_proxy.model.types import Endpoint, Protocol, ServicePort, ServicePortName
 from tests.bpf import world as w
 from tests.bpf.packets import TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, counted, endpoints, run, tcp, udp
@@ -150,3 +151,96 @@ def test_stale_udp_endpoint_connections_are_flushed(datapath, maps, programs):
     maps.reset_stats()
     run(datapath, "tc_egress", udp(REMOTE.ip, 8080, w.POD_CLIENT, 5000))
     assert counted(maps) == {s.Reason.PASS_NO_SERVICE: 1}
+
+
+# ---- node facts ----
+
+
+def test_node_settings_and_addresses():
+    assert node_settings(NODE, snat_addr="192.0.2.7").snat_addr == "192.0.2.7"
+    assert node_settings(NODE).snat_addr == w.NODE_IP, "without a device answer: the first node IP"
+    assert node_settings(NODE).has_cluster_cidr
+    assert not node_settings(replace(NODE, cluster_cidrs=())).has_cluster_cidr
+    assert node_addresses(NODE) == [w.NODE_IP, w.NODE_IP2, "127.0.0.1"]
+    assert node_addresses(replace(NODE, localhost_nodeports=False)) == [w.NODE_IP, w.NODE_IP2]
+
+
+def test_source_ranges_are_normalized():
+    e = ServicePrograms(maps=None).entries(replace(WEB, load_balancer_source_ranges=("203.0.113.5/24",)), (REMOTE,))
+    assert e.source_ranges == {"203.0.113.0/24"}
+
+
+@pytest.mark.bpf
+@pytest.mark.root
+def test_program_node_writes_only_differences(maps):
+    settings = node_settings(NODE, snat_port_min=w.SNAT_MIN, snat_port_max=w.SNAT_MAX)
+    assert program_node(maps, NODE, settings) > 0  # 127.0.0.1 is new, settings differ from the world's
+    assert program_node(maps, NODE, settings) == 0
+    assert program_node(maps, replace(NODE, node_ips=(w.NODE_IP,)), settings) == 1
+
+
+@pytest.mark.bpf
+@pytest.mark.root
+def test_a_node_port_moving_to_another_service_stays(maps, programs):
+    other = replace(WEB, name=replace(NAME, name="other"), cluster_ip="10.96.0.20", node_port=0, external_ips=(),
+                    load_balancer_ips=())
+    sync(programs, WEB, (REMOTE,))
+    sync(programs, replace(other, node_port=w.NODE_PORT), (REMOTE2,))  # takes the nodePort over
+    sync(programs, replace(WEB, node_port=0), (REMOTE,))  # ...before its old owner lets it go
+    held = maps.service(Frontend(None, w.NODE_PORT))
+    assert held is not None and held.id == programs.current[other.name].svc_id
+
+
+# ---- agent restart: adopt what the maps hold ----
+
+
+def _raw(maps) -> dict[str, dict[bytes, bytes]]:
+    out = {}
+    for name in ("epx_svc", "epx_backend", "epx_slot", "epx_src_range", "epx_node_addr", "epx_pod_cidr"):
+        out[name] = {bytes(k): bytes(v) for k, v in maps._items(name)}
+    return out
+
+
+def _state(*pairs) -> ProxyState:
+    return ProxyState(services={svc.name: svc for svc, _ in pairs}, endpoints={svc.name: eps for svc, eps in pairs})
+
+
+OTHER = replace(WEB, name=replace(NAME, name="other"), cluster_ip="10.96.0.20", node_port=30090, external_ips=(),
+                load_balancer_ips=(), load_balancer_source_ranges=())
+
+
+@pytest.mark.bpf
+@pytest.mark.root
+def test_restart_takes_over_without_writing(maps, programs):
+    web = replace(WEB, external_policy_local=True)
+    state = _state((web, (LOCAL, REMOTE, REMOTE2)), (OTHER, (REMOTE,)))
+    for svc, eps in ((web, (LOCAL, REMOTE, REMOTE2)), (OTHER, (REMOTE,))):
+        sync(programs, svc, eps)
+    before = _raw(maps)
+
+    restarted = ServicePrograms(maps)
+    assert adopt(restarted, state) == 0
+    for name, svc in state.services.items():
+        assert restarted.apply(name, restarted.entries(svc, state.endpoints_of(name))) == 0, name
+        assert restarted.current[name] == programs.current[name], "same ids, same slots"
+    assert _raw(maps) == before
+
+
+@pytest.mark.bpf
+@pytest.mark.root
+def test_restart_removes_what_no_service_claims_and_never_reuses_ids(datapath, maps, programs):
+    sync(programs, WEB, (LOCAL, REMOTE))
+    sync(programs, OTHER, (REMOTE2,))
+    run(datapath, "tc_ingress", tcp(w.POD_CLIENT, 40000, "10.96.0.20", 80))  # a connection to OTHER
+    old_svc, old_backends = programs.current[OTHER.name].svc_id, set(programs.current[OTHER.name].backends)
+    maps.set_slot(programs.current[NAME].svc_id, s.LB4_SCOPE_CLUSTER, 7, 999)  # a stray slot past the count
+
+    restarted = ServicePrograms(maps)
+    assert adopt(restarted, _state((WEB, (LOCAL, REMOTE)))) > 0
+    assert set(programs.current[NAME].frontends) == {fe for fe, _ in maps.services()}
+    assert maps.slot(programs.current[NAME].svc_id, s.LB4_SCOPE_CLUSTER, 7) is None
+    assert set(maps.backends()) == set(programs.current[NAME].backends)
+
+    added = restarted.entries(OTHER, (REMOTE2,))  # back again: fresh ids, above every id seen
+    assert added.svc_id > old_svc and min(added.backends) > max(old_backends)
+    assert [c for c in maps.connections() if c.kind == s.CT4_SVC], "connections are not flushed"

@@ -117,6 +117,15 @@ CASES = [
     Case("iTP=Local from a pod: local endpoints only", w.web(flags=HAS | ITP, cluster=()), tcp(w.POD_CLIENT, 40000, w.VIP, 80), R.FWD_NEW, LOCAL),
     Case("iTP=Local, no local endpoint: dropped", w.web(flags=HAS | ITP, cluster=(), local=()), tcp(w.POD_CLIENT, 40000, w.VIP, 80), R.DROP_NO_LOCAL_INTERNAL),
     Case("iTP=Local from outside: local only, masquerade", w.web(flags=HAS | ITP, cluster=()), tcp(w.OUTSIDE, 40000, w.VIP, 80), R.FWD_NEW, LOCAL, masq=True),
+    # no --cluster-cidr: kube-proxy has no rule telling pods apart and masquerades no clusterIP traffic
+    Case("no cluster CIDR: clusterIP from outside is not masqueraded", w.web(), tcp(w.OUTSIDE, 40000, w.VIP, 80),
+         R.FWD_NEW, ALL, settings=replace(w.SETTINGS, has_cluster_cidr=False)),
+    Case("no cluster CIDR: hairpin is still masqueraded", w.web(cluster=LOCAL), tcp(w.LOCAL_EP[0], 40000, w.VIP, 80),
+         R.FWD_NEW, LOCAL, masq=True, settings=replace(w.SETTINGS, has_cluster_cidr=False)),
+    Case("no cluster CIDR: NodePort is still masqueraded", w.web(), tcp(w.OUTSIDE, 40000, w.NODE_IP, w.NODE_PORT),
+         R.FWD_NEW, ALL, masq=True, settings=replace(w.SETTINGS, has_cluster_cidr=False)),
+    Case("no cluster CIDR, masquerade-all: masqueraded", w.web(), tcp(w.OUTSIDE, 40000, w.VIP, 80), R.FWD_NEW, ALL,
+         masq=True, settings=replace(w.SETTINGS, has_cluster_cidr=False, masquerade_all=True)),
     # not ours
     Case("a port the service does not have", w.web(), tcp(w.POD_CLIENT, 40000, w.VIP, 81), R.PASS_NO_SERVICE),
     Case("UDP to a TCP service port", w.web(), udp(w.POD_CLIENT, 40000, w.VIP, 80), R.PASS_NO_SERVICE),

@@ -7,7 +7,7 @@ import pytest
 from ebpf_proxy.lab.cluster import Lab, destroy
 from tests.e2e.scenario_runner import TOPOLOGY
 
-E2E_MODES = [m for m in os.environ.get("EBPF_PROXY_E2E_MODES", "iptables").split(",") if m]
+E2E_MODES = [m for m in os.environ.get("EBPF_PROXY_E2E_MODES", "iptables,ebpf").split(",") if m]
 
 
 @pytest.fixture(scope="session", params=E2E_MODES)

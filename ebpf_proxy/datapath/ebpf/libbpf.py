@@ -27,6 +27,8 @@ ATTACH_CGROUP_INET4_CONNECT = 10
 ATTACH_CGROUP_UDP4_SENDMSG = 14
 ATTACH_CGROUP_UDP4_RECVMSG = 19
 BPF_F_ALLOW_MULTI = 2  # other programs (another agent's, systemd's) may share the cgroup
+LINK_TYPE_CGROUP = 3  # enum bpf_link_type
+BPF_OBJ_NAME_LEN = 16
 
 
 class LibbpfMissing(RuntimeError):
@@ -49,6 +51,39 @@ class MapInfo(ctypes.Structure):
         ("max_entries", ctypes.c_uint32),
         ("map_flags", ctypes.c_uint32),
         ("name", ctypes.c_char * 16),
+    ]
+
+
+class ProgInfo(ctypes.Structure):
+    """struct bpf_prog_info, up to `name`: enough to tell our programs and their maps apart."""
+
+    _fields_ = [
+        ("type", ctypes.c_uint32),
+        ("id", ctypes.c_uint32),
+        ("tag", ctypes.c_uint8 * 8),
+        ("jited_prog_len", ctypes.c_uint32),
+        ("xlated_prog_len", ctypes.c_uint32),
+        ("jited_prog_insns", ctypes.c_uint64),
+        ("xlated_prog_insns", ctypes.c_uint64),
+        ("load_time", ctypes.c_uint64),
+        ("created_by_uid", ctypes.c_uint32),
+        ("nr_map_ids", ctypes.c_uint32),
+        ("map_ids", ctypes.c_uint64),
+        ("name", ctypes.c_char * BPF_OBJ_NAME_LEN),
+    ]
+
+
+class LinkInfo(ctypes.Structure):
+    """struct bpf_link_info, with the cgroup member of its union (the only link kind we make)."""
+
+    _fields_ = [
+        ("type", ctypes.c_uint32),
+        ("id", ctypes.c_uint32),
+        ("prog_id", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
+        ("cgroup_id", ctypes.c_uint64),
+        ("attach_type", ctypes.c_uint32),
+        ("pad2", ctypes.c_uint32),
     ]
 
 
@@ -112,6 +147,27 @@ def lib() -> ctypes.CDLL:
         handle.bpf_prog_attach.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_uint]
         handle.bpf_prog_detach2.restype = ctypes.c_int
         handle.bpf_prog_detach2.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        handle.bpf_link_create.restype = ctypes.c_int
+        handle.bpf_link_create.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+        handle.bpf_link_update.restype = ctypes.c_int
+        handle.bpf_link_update.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+        handle.bpf_link_detach.restype = ctypes.c_int
+        handle.bpf_link_detach.argtypes = [ctypes.c_int]
+        handle.bpf_obj_pin.restype = ctypes.c_int
+        handle.bpf_obj_pin.argtypes = [ctypes.c_int, ctypes.c_char_p]
+        for fn in ("bpf_prog_get_fd_by_id", "bpf_map_get_fd_by_id"):
+            getattr(handle, fn).restype = ctypes.c_int
+            getattr(handle, fn).argtypes = [ctypes.c_uint32]
+        handle.bpf_map_lookup_batch.restype = ctypes.c_int
+        handle.bpf_map_lookup_batch.argtypes = [
+            ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+            ctypes.POINTER(ctypes.c_uint32), ctypes.c_void_p,
+        ]
+        handle.bpf_prog_query.restype = ctypes.c_int
+        handle.bpf_prog_query.argtypes = [
+            ctypes.c_int, ctypes.c_int, ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint32),
+            ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
+        ]
         handle.libbpf_num_possible_cpus.restype = ctypes.c_int
         handle.bpf_prog_test_run_opts.restype = ctypes.c_int
         handle.bpf_prog_test_run_opts.argtypes = [ctypes.c_int, ctypes.POINTER(TestRunOpts)]
@@ -166,6 +222,82 @@ def pinned_map_info(path: str) -> MapInfo:
         os.close(fd)
 
 
+def _info_by_fd(fd: int, info: ctypes.Structure) -> None:
+    size = ctypes.c_uint32(ctypes.sizeof(info))
+    ret = lib().bpf_obj_get_info_by_fd(fd, ctypes.byref(info), ctypes.byref(size))
+    if ret < 0:
+        raise _error(ret)
+
+
+def map_info(fd: int) -> MapInfo:
+    info = MapInfo()
+    _info_by_fd(fd, info)
+    return info
+
+
+def prog_info(fd: int) -> tuple[ProgInfo, list[int]]:
+    """A program's info and the ids of the maps it uses. Raises OSError."""
+    info = ProgInfo()
+    _info_by_fd(fd, info)
+    count = info.nr_map_ids
+    ids = (ctypes.c_uint32 * max(count, 1))()
+    info = ProgInfo(nr_map_ids=count, map_ids=ctypes.addressof(ids))
+    _info_by_fd(fd, info)
+    return info, list(ids[: min(count, info.nr_map_ids)])
+
+
+def link_info(fd: int) -> LinkInfo:
+    info = LinkInfo()
+    _info_by_fd(fd, info)
+    return info
+
+
+def prog_fd_by_id(prog_id: int) -> int:
+    """Open a loaded program by id; returns its fd (caller closes it). Raises OSError."""
+    fd = lib().bpf_prog_get_fd_by_id(prog_id)
+    if fd < 0:
+        raise _error(fd)
+    return fd
+
+
+def obj_pin(fd: int, path: str) -> None:
+    ret = lib().bpf_obj_pin(fd, path.encode())
+    if ret < 0:
+        raise _error(ret)
+
+
+def link_create(prog_fd: int, target_fd: int, attach_type: int) -> int:
+    """Attach through a BPF link (it lives while an fd or a pin holds it); returns the link fd."""
+    fd = lib().bpf_link_create(prog_fd, target_fd, attach_type, None)
+    if fd < 0:
+        raise _error(fd)
+    return fd
+
+
+def link_update(link_fd: int, prog_fd: int) -> None:
+    """Swap the program behind a link atomically (no moment without a program)."""
+    ret = lib().bpf_link_update(link_fd, prog_fd, None)
+    if ret < 0:
+        raise _error(ret)
+
+
+def link_detach(link_fd: int) -> None:
+    ret = lib().bpf_link_detach(link_fd)
+    if ret < 0:
+        raise _error(ret)
+
+
+def prog_query(target_fd: int, attach_type: int) -> list[int]:
+    """Ids of the programs attached to `target_fd` (a cgroup) for `attach_type`. Raises OSError."""
+    ids = (ctypes.c_uint32 * 64)()
+    count = ctypes.c_uint32(len(ids))
+    flags = ctypes.c_uint32(0)
+    ret = lib().bpf_prog_query(target_fd, attach_type, 0, ctypes.byref(flags), ids, ctypes.byref(count))
+    if ret < 0:
+        raise _error(ret)
+    return list(ids[: count.value])
+
+
 def obj_get(path: str) -> int:
     """Open a pinned object; returns its fd (caller closes it). Raises OSError."""
     fd = lib().bpf_obj_get(path.encode())
@@ -209,6 +341,25 @@ def map_delete(fd: int, key: ctypes._CData) -> bool:
             return False
         raise _error(ret)
     return True
+
+
+def map_count_batched(fd: int, key_size: int, value_size: int, chunk: int = 4096) -> int:
+    """Entries of a hash map, read `chunk` at a time (BPF_MAP_LOOKUP_BATCH): a few syscalls where a
+    key walk makes one per entry. Raises OSError (EINVAL/EOPNOTSUPP: the map type cannot batch)."""
+    keys = ctypes.create_string_buffer(key_size * chunk)
+    values = ctypes.create_string_buffer(value_size * chunk)
+    token_in = None
+    token_out = ctypes.create_string_buffer(max(key_size, 8))
+    total = 0
+    while True:
+        count = ctypes.c_uint32(chunk)
+        ret = lib().bpf_map_lookup_batch(fd, token_in, token_out, keys, values, ctypes.byref(count), None)
+        total += count.value
+        if ret < 0:
+            if -ret == errno.ENOENT:  # the last batch
+                return total
+            raise _error(ret)
+        token_in = ctypes.create_string_buffer(token_out.raw, len(token_out.raw))
 
 
 def map_next_key(fd: int, key: ctypes._CData | None, next_key: ctypes._CData) -> bool:

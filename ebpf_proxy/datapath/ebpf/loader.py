@@ -7,14 +7,22 @@ program's main file, while our logic lives in shared headers (see bpf/lib/maps.h
   2. each entry program is compiled with -DEPX_FD_<map>=<fd> of those maps and loaded.
 A pinned map whose key size, value size, type or capacity no longer matches this build (an
 upgrade changed common.h) is unpinned first, so bcc recreates it instead of misreading it.
+
+The loaded programs are pinned too, under <pin_dir>/progs/<build id>/ (the id hashes the C
+sources, map capacities and kernel release). A restarted agent of the same build re-opens them
+instead of compiling: no LLVM in the process, a restart in well under a second, and the very
+programs that are attached stay attached. They are reused only if every map they use is still
+the one pinned next to them (a recreated map means: compile again).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import logging
 import os
+import shutil
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,7 +62,12 @@ PROGRAMS: dict[str, tuple[str, str, str | None]] = {
 
 _TC_INGRESS_PARENT = "ffff:fff2"
 _TC_EGRESS_PARENT = "ffff:fff3"
+# Our filters' fixed identity on each clsact hook: with a fixed priority and handle, attaching
+# again replaces the filter in place (atomically) instead of stacking a second one next to it.
+TC_PRIO, TC_HANDLE, TC_PROTOCOL_ALL = 1, 1, 0x0003  # ETH_P_ALL
+TC_FILTER_NAMES = {_TC_INGRESS_PARENT: "epx_ingress", _TC_EGRESS_PARENT: "epx_egress"}
 _XDP_FLAGS = {"generic": 2, "native": 4}  # XDP_FLAGS_SKB_MODE, XDP_FLAGS_DRV_MODE
+XDP_PROGRAM_NAME = "xdp_lb"
 
 
 class LoadError(RuntimeError):
@@ -71,6 +84,23 @@ def is_bpffs(path: Path) -> bool:
     target = str(path.resolve())
     with open("/proc/self/mounts") as mounts:
         return any(f[1] == target and f[2] == "bpf" for f in (line.split() for line in mounts) if len(f) > 2)
+
+
+class _StatFs(ctypes.Structure):
+    # struct statfs (64-bit glibc): only f_type is read, the rest is room for the kernel to fill.
+    _fields_ = [("f_type", ctypes.c_long), ("rest", ctypes.c_byte * 120)]
+
+
+BPF_FS_MAGIC = 0xCAFE4A11
+
+
+def on_bpffs(path: Path) -> bool:
+    """Whether `path` lies on a bpf filesystem (pins can be made there), mount point or not."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = _StatFs()
+    if libc.statfs(str(path).encode(), ctypes.byref(buf)) != 0:
+        return False
+    return (buf.f_type & 0xFFFFFFFF) == BPF_FS_MAGIC
 
 
 def mount_bpffs(path: Path) -> None:
@@ -116,37 +146,118 @@ def drop_incompatible_pins(pin_dir: Path, max_entries: Mapping[str, int]) -> lis
     return dropped
 
 
+PROGS_SUBDIR = "progs"
+
+
 @dataclass
 class Loaded:
-    """The compiled datapath: its maps (bcc tables) and program fds. close() keeps the pins."""
+    """The loaded datapath: map and program fds (and, when compiled here, bcc's tables).
+    close() keeps every pin."""
 
     pin_dir: Path
-    tables: dict[str, object]
+    tables: dict[str, object]  # bcc tables (empty when the programs were re-opened from pins)
     prog_fds: dict[str, int]
+    map_fds: dict[str, int] = field(default_factory=dict)
+    compiled: bool = True
     _modules: list = field(default_factory=list, repr=False)
+    _fds: list[int] = field(default_factory=list, repr=False)  # opened from pins: ours to close
 
     def close(self) -> None:
         for module in self._modules:
             module.cleanup()
         self._modules.clear()
+        for fd in self._fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fds.clear()
+
+
+def build_id(programs: Iterable[str], max_entries: Mapping[str, int]) -> str:
+    """What a compiled program depends on: every C source, the map capacities, the program list
+    and the kernel release. Same id, same programs."""
+    digest = hashlib.sha256()
+    for path in sorted(BPF_SRC_DIR.rglob("*")):
+        if path.suffix in (".c", ".h"):
+            digest.update(path.relative_to(BPF_SRC_DIR).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    digest.update(repr(sorted(max_entries.items())).encode())
+    digest.update(repr(sorted((n, PROGRAMS[n]) for n in programs)).encode())
+    digest.update(os.uname().release.encode())
+    return digest.hexdigest()[:16]
+
+
+def _open_pinned(pin_dir: Path, bid: str, programs: Iterable[str], sizes: Mapping[str, int]) -> Loaded | None:
+    """The pinned maps and programs of build `bid`, or None (with the reason logged) if they
+    cannot be reused as they are."""
+    prog_dir = pin_dir / PROGS_SUBDIR / bid
+    if not prog_dir.is_dir():
+        return None
+    fds: list[int] = []
+    try:
+        map_fds, map_ids = {}, set()
+        for name, (key_size, value_size, entries) in _expected_sizes(sizes).items():
+            fd = libbpf.obj_get(str(pin_dir / name))
+            fds.append(fd)
+            info = libbpf.map_info(fd)
+            if (info.key_size, info.value_size, info.max_entries) != (key_size, value_size, entries):
+                raise LookupError(f"map {name} does not match this build")
+            map_fds[name], map_ids = fd, map_ids | {info.id}
+        prog_fds = {}
+        for name in programs:
+            fd = libbpf.obj_get(str(prog_dir / name))
+            fds.append(fd)
+            if not set(libbpf.prog_info(fd)[1]) <= map_ids:
+                raise LookupError(f"program {name} uses maps that are no longer pinned")
+            prog_fds[name] = fd
+    except (OSError, LookupError) as exc:
+        log.info("pinned programs of build %s not reused (%s): compiling", bid, exc)
+        for fd in fds:
+            os.close(fd)
+        return None
+    return Loaded(pin_dir=pin_dir, tables={}, prog_fds=prog_fds, map_fds=map_fds, compiled=False, _fds=fds)
+
+
+def _pin_programs(pin_dir: Path, bid: str, prog_fds: Mapping[str, int]) -> None:
+    """Pin this build's programs (replacing any other build's pins: attached programs stay)."""
+    progs = pin_dir / PROGS_SUBDIR
+    progs.mkdir(exist_ok=True)
+    for other in progs.iterdir():
+        if other.name != bid:
+            shutil.rmtree(other)
+    target = progs / bid
+    target.mkdir(exist_ok=True)
+    for name, fd in prog_fds.items():
+        with contextlib.suppress(FileNotFoundError):
+            (target / name).unlink()
+        libbpf.obj_pin(fd, str(target / name))
 
 
 def load(
     pin_dir: Path,
     programs: Iterable[str] = PROGRAMS,
     max_entries: Mapping[str, int] | None = None,
+    reuse: bool = False,
 ) -> Loaded:
-    """Compile bpf/maps.c (pinning maps in `pin_dir`, a bpffs dir) and the given programs."""
+    """Compile bpf/maps.c (pinning maps in `pin_dir`, a directory on bpffs) and the given
+    programs, and pin the programs. With `reuse`, re-open this build's pinned programs instead
+    when they are there and still use the pinned maps (no compile)."""
+    programs = list(programs)
+    sizes = {**MAX_ENTRIES, **(max_entries or {})}
+    if not on_bpffs(pin_dir):
+        raise LoadError(f"{pin_dir} is not on a bpf filesystem (mount -t bpf bpf <dir>)")
+    bid = build_id(programs, sizes)
+    if reuse:
+        loaded = _open_pinned(pin_dir, bid, programs, sizes)
+        if loaded is not None:
+            log.info("re-opened the pinned programs of build %s (no compile)", bid)
+            return loaded
     toolchain.ensure_kernel_headers()
     try:
         from bcc import BPF, BPFAttachType  # noqa: PLC0415 (the package imports without bcc)
     except ImportError as exc:
         raise LoadError(f"python bcc not importable ({exc}): install python3-bpfcc") from exc
 
-    sizes = {**MAX_ENTRIES, **(max_entries or {})}
-    if not is_bpffs(pin_dir):
-        raise LoadError(f"{pin_dir} is not a bpf filesystem mount (mount -t bpf bpf {pin_dir})")
-    drop_incompatible_pins(pin_dir, sizes)
+    if drop_incompatible_pins(pin_dir, sizes):
+        shutil.rmtree(pin_dir / PROGS_SUBDIR, ignore_errors=True)  # they use the maps just dropped
     cflags = [f'-DEPX_PIN_DIR="{pin_dir}"', f"-I{BPF_SRC_DIR}"]
     cflags += [f"-D{map_macro(name)}={n}" for name, n in sizes.items()]
 
@@ -167,36 +278,63 @@ def load(
             kwargs = {"attach_type": getattr(BPFAttachType, attach)} if attach else {}
             fn = by_source[source].load_func(name.encode(), getattr(BPF, prog_type), **kwargs)
             prog_fds[name] = fn.fd
+        _pin_programs(pin_dir, bid, prog_fds)
     except Exception as exc:
         for module in modules:
             module.cleanup()
         if isinstance(exc, LoadError):
             raise
         raise LoadError(f"loading the datapath failed: {exc}") from exc
-    return Loaded(pin_dir=pin_dir, tables=tables, prog_fds=prog_fds, _modules=modules)
+    map_fds = {name: table.get_fd() for name, table in tables.items()}
+    return Loaded(pin_dir=pin_dir, tables=tables, prog_fds=prog_fds, map_fds=map_fds, _modules=modules)
 
 
 # ---- attachment (network devices: pyroute2, in the caller's chosen netns) ----
 
 
 def attach_tc(ipr, ifindex: int, ingress_fd: int | None, egress_fd: int | None) -> None:
-    """Attach direct-action cls_bpf filters on clsact of `ifindex` (replacing ours if present).
+    """Attach direct-action cls_bpf filters on clsact of `ifindex`, replacing ours if present.
 
     `ipr` is a pyroute2 IPRoute already bound to the device's network namespace.
     """
     with contextlib.suppress(Exception):  # clsact may exist already (ours or someone's)
         ipr.tc("add", "clsact", index=ifindex)
-    for parent, fd, name in ((_TC_INGRESS_PARENT, ingress_fd, "epx_ingress"), (_TC_EGRESS_PARENT, egress_fd, "epx_egress")):
+    for parent, fd in ((_TC_INGRESS_PARENT, ingress_fd), (_TC_EGRESS_PARENT, egress_fd)):
         if fd is None:
             continue
-        ipr.tc("replace-filter", "bpf", index=ifindex, handle=":1", fd=fd, name=name, parent=parent,
-               classid=1, direct_action=True)
+        ipr.tc("replace-filter", "bpf", index=ifindex, handle=TC_HANDLE, prio=TC_PRIO, protocol=TC_PROTOCOL_ALL,
+               fd=fd, name=TC_FILTER_NAMES[parent], parent=parent, classid=1, direct_action=True)
 
 
-def detach_tc(ipr, ifindex: int) -> None:
-    """Remove clsact from `ifindex` (and with it our filters). Idempotent."""
-    with contextlib.suppress(Exception):
-        ipr.tc("del", "clsact", index=ifindex)
+def _our_filters(ipr, ifindex: int, parent: str) -> list:
+    parent_id = int(parent.replace(":", ""), 16)
+    found = []
+    for msg in ipr.get_filters(index=ifindex, parent=parent_id):
+        options = msg.get("TCA_OPTIONS")
+        if msg.get("TCA_KIND") == "bpf" and options is not None and options.get("TCA_BPF_NAME") == TC_FILTER_NAMES[parent]:
+            found.append(msg)
+    return found
+
+
+def detach_tc(ipr, ifindex: int) -> int:
+    """Remove our filters from `ifindex` (others' stay), and clsact if nothing else uses it.
+
+    Returns how many filters were removed. Idempotent: a device without them is left as it is.
+    """
+    removed = 0
+    for parent in TC_FILTER_NAMES:
+        for msg in _our_filters(ipr, ifindex, parent):
+            info = msg["info"]
+            with contextlib.suppress(Exception):  # gone meanwhile
+                ipr.tc("del-filter", "bpf", index=ifindex, handle=msg["handle"], prio=info >> 16,
+                       protocol=TC_PROTOCOL_ALL, parent=parent)
+                removed += 1
+    if removed:
+        others = [m for parent in TC_FILTER_NAMES for m in ipr.get_filters(index=ifindex, parent=int(parent.replace(":", ""), 16))]
+        if not others:
+            with contextlib.suppress(Exception):
+                ipr.tc("del", "clsact", index=ifindex)
+    return removed
 
 
 _CGROUP_ATTACH = {
@@ -231,6 +369,34 @@ def attach_xdp(ipr, ifindex: int, fd: int, mode: str = "generic") -> None:
     ipr.link("set", index=ifindex, xdp={"attrs": [("IFLA_XDP_FD", fd), ("IFLA_XDP_FLAGS", _XDP_FLAGS[mode])]})
 
 
-def detach_xdp(ipr, ifindex: int, mode: str = "generic") -> None:
-    with contextlib.suppress(Exception):
-        ipr.link("set", index=ifindex, xdp={"attrs": [("IFLA_XDP_FD", -1), ("IFLA_XDP_FLAGS", _XDP_FLAGS[mode])]})
+def xdp_program_id(ipr, ifindex: int) -> int:
+    """Id of the XDP program on `ifindex` (0: none)."""
+    links = ipr.get_links(ifindex)
+    xdp = links[0].get("xdp") if links else None
+    return (xdp.get("IFLA_XDP_PROG_ID") or 0) if xdp is not None else 0
+
+
+def detach_xdp(ipr, ifindex: int, mode: str = "generic", only_ours: bool = True) -> bool:
+    """Remove the XDP program of `ifindex` (by default only if it is ours, by program name).
+    Returns whether one was removed. Idempotent."""
+    prog_id = xdp_program_id(ipr, ifindex)
+    if not prog_id:
+        return False
+    if only_ours:
+        try:
+            fd = libbpf.prog_fd_by_id(prog_id)
+        except OSError:
+            return False  # replaced or gone meanwhile
+        try:
+            if libbpf.prog_info(fd)[0].name.decode() != XDP_PROGRAM_NAME:
+                return False
+        finally:
+            os.close(fd)
+    detached = False
+    for flags in (_XDP_FLAGS[mode], *(f for m, f in _XDP_FLAGS.items() if m != mode)):
+        with contextlib.suppress(Exception):
+            ipr.link("set", index=ifindex, xdp={"attrs": [("IFLA_XDP_FD", -1), ("IFLA_XDP_FLAGS", flags)]})
+            detached = True
+        if not xdp_program_id(ipr, ifindex):
+            break
+    return detached

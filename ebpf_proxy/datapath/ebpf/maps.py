@@ -9,6 +9,8 @@ Writes are single-entry operations: the caller decides what changed and writes o
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import ipaddress
 import os
 import socket
@@ -86,6 +88,7 @@ class NodeSettings:
     snat_port_max: int = 65535
     masquerade_all: bool = False
     localhost_nodeports: bool = True
+    has_cluster_cidr: bool = True  # False: no --cluster-cidr, so no off-cluster masquerade (kube-proxy)
     tcp_syn_timeout: int = 120
     tcp_est_timeout: int = 86400
     tcp_close_timeout: int = 10
@@ -136,7 +139,7 @@ class Maps:
 
     @classmethod
     def from_loaded(cls, loaded) -> Maps:
-        return cls({name: table.get_fd() for name, table in loaded.tables.items()})
+        return cls(dict(loaded.map_fds))
 
     @classmethod
     def open_pinned(cls, pin_dir: Path) -> Maps:
@@ -194,10 +197,11 @@ class Maps:
 
     # -- node --
 
-    def set_settings(self, cfg: NodeSettings) -> None:
+    def set_settings(self, cfg: NodeSettings) -> bool:
+        """Write epx_config; returns False (and writes nothing) when it already holds `cfg`."""
         flags = (s.CFG_F_MASQ_ALL if cfg.masquerade_all else 0) | (
             s.CFG_F_LOCALHOST_NODEPORTS if cfg.localhost_nodeports else 0
-        )
+        ) | (0 if cfg.has_cluster_cidr else s.CFG_F_NO_CLUSTER_CIDR)
         value = s.LB4Config(
             snat_addr=be32(cfg.snat_addr) if cfg.snat_addr else 0,
             snat_port_min=cfg.snat_port_min,
@@ -210,25 +214,31 @@ class Maps:
             udp_stream_timeout=cfg.udp_stream_timeout,
             host_netns_cookie=cfg.host_netns_cookie,
         )
+        current = self._get("epx_config", s.u32(0))
+        if current is not None and bytes(current) == bytes(value):
+            return False
         self._put("epx_config", s.u32(0), value)
+        return True
 
-    def set_node_addrs(self, addrs: Iterable[str]) -> None:
-        """Make epx_node_addr exactly `addrs` (deletes the ones no longer there)."""
+    def set_node_addrs(self, addrs: Iterable[str]) -> int:
+        """Make epx_node_addr exactly `addrs`, touching only what differs. Returns the writes."""
         wanted = {be32(a) for a in addrs}
-        for key in list(self.keys("epx_node_addr")):
-            if key.value not in wanted:
-                libbpf.map_delete(self._fd("epx_node_addr"), key)
-        for raw in wanted:
+        present = {key.value for key in self.keys("epx_node_addr")}
+        for raw in present - wanted:
+            libbpf.map_delete(self._fd("epx_node_addr"), s.be32(raw))
+        for raw in wanted - present:
             self._put("epx_node_addr", s.be32(raw), s.u32(1))
+        return len(present ^ wanted)
 
-    def set_pod_cidrs(self, cidrs: Iterable[str]) -> None:
-        """Make epx_pod_cidr exactly `cidrs`."""
+    def set_pod_cidrs(self, cidrs: Iterable[str]) -> int:
+        """Make epx_pod_cidr exactly `cidrs`, touching only what differs. Returns the writes."""
         wanted = {_lpm(c) for c in cidrs}
-        for key in list(self.keys("epx_pod_cidr")):
-            if (key.prefixlen, key.addr) not in wanted:
-                libbpf.map_delete(self._fd("epx_pod_cidr"), key)
-        for prefixlen, addr in wanted:
+        present = {(key.prefixlen, key.addr) for key in self.keys("epx_pod_cidr")}
+        for prefixlen, addr in present - wanted:
+            libbpf.map_delete(self._fd("epx_pod_cidr"), s.LPM4Key(prefixlen=prefixlen, addr=addr))
+        for prefixlen, addr in wanted - present:
             self._put("epx_pod_cidr", s.LPM4Key(prefixlen=prefixlen, addr=addr), s.u32(1))
+        return len(present ^ wanted)
 
     # -- services --
 
@@ -241,6 +251,45 @@ class Maps:
             flags=svc.flags,
         )
         self._put("epx_svc", _frontend_key(fe), value)
+
+    def services(self) -> Iterator[tuple[Frontend, Service]]:
+        """Every frontend in epx_svc with the service it leads to."""
+        for k, v in self._items("epx_svc"):
+            fe = Frontend(ip_str(k.addr) if k.addr else None, port_int(k.port), k.proto)
+            yield fe, Service(v.id, v.count, v.local_count, v.affinity_timeout, v.flags)
+
+    def backends(self) -> dict[int, Backend]:
+        """Every epx_backend entry: backend id -> backend."""
+        return {
+            k.value: Backend(ip_str(v.addr), port_int(v.port), in_cluster=bool(v.flags & s.LB4_BE_IN_CLUSTER),
+                             in_local=bool(v.flags & s.LB4_BE_IN_LOCAL))
+            for k, v in self._items("epx_backend")
+        }
+
+    def slots(self) -> Iterator[tuple[int, int, int, int]]:
+        """Every epx_slot entry as (service id, scope, slot, backend id)."""
+        for k, v in self._items("epx_slot"):
+            yield k.svc_id, k.scope, k.slot, v.value
+
+    def source_ranges(self) -> Iterator[tuple[int, str]]:
+        """Every epx_src_range entry as (service id, CIDR)."""
+        for k in self.keys("epx_src_range"):
+            yield k.svc_id, f"{ip_str(k.addr)}/{k.prefixlen - 32}"
+
+    def affinity_ids(self) -> Iterator[tuple[int, int]]:
+        """(service id, backend id) of every affinity entry: ids that must not be handed out again."""
+        for k, v in self._items("epx_affinity"):
+            yield k.svc_id, v.backend_id
+
+    def count(self, name: str) -> int:
+        """Entries in a hash/LRU/LPM map: batched reads where the map type allows, else a key walk."""
+        spec = s.MAPS[name]
+        try:
+            return libbpf.map_count_batched(self._fd(name), ctypes.sizeof(spec.key), ctypes.sizeof(spec.leaf))
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, 524):  # 524: ENOTSUPP (kernel)
+                raise
+        return sum(1 for _ in self.keys(name))
 
     def delete_service(self, fe: Frontend) -> bool:
         return libbpf.map_delete(self._fd("epx_svc"), _frontend_key(fe))

@@ -60,22 +60,52 @@ def stable_slots(previous: tuple[int, ...], wanted: Iterable[int]) -> tuple[int,
     return tuple(slots)  # type: ignore[arg-type]
 
 
-def node_settings(node: NodeConfig, host_netns_cookie: int = 0, **overrides) -> NodeSettings:
-    """epx_config for a node: its first node IP is the masquerade address."""
+LOCALHOST = "127.0.0.1"
+
+
+def node_settings(node: NodeConfig, host_netns_cookie: int = 0, snat_addr: str | None = None,
+                  **overrides) -> NodeSettings:
+    """epx_config for a node.
+
+    The masquerade address is `snat_addr` when given (devices.primary_address: the address
+    MASQUERADE would pick), else the first node IP. Without an IPv4 cluster CIDR kube-proxy adds
+    no "masquerade off-cluster clusterIP traffic" rule, and neither do we (has_cluster_cidr).
+    """
+    v4_cidrs = [c for c in node.cluster_cidrs if ipaddress.ip_network(c, strict=False).version == 4]
+    v4_ips = [ip for ip in node.node_ips if ipaddress.ip_address(ip).version == 4]
     return NodeSettings(
-        snat_addr=node.node_ips[0] if node.node_ips else None,
+        snat_addr=snat_addr or (v4_ips[0] if v4_ips else None),
         masquerade_all=node.masquerade_all,
         localhost_nodeports=node.localhost_nodeports,
+        has_cluster_cidr=bool(v4_cidrs),
         host_netns_cookie=host_netns_cookie,
         **overrides,
     )
 
 
-def program_node(maps: Maps, node: NodeConfig, settings: NodeSettings) -> None:
-    """Write what the datapath needs to know about the node (settings, addresses, pod CIDRs)."""
-    maps.set_settings(settings)
-    maps.set_node_addrs(ip for ip in node.node_ips if ipaddress.ip_address(ip).version == 4)
-    maps.set_pod_cidrs(c for c in node.cluster_cidrs if ipaddress.ip_network(c, strict=False).version == 4)
+def node_addresses(node: NodeConfig) -> list[str]:
+    """What epx_node_addr holds: the node's IPv4 addresses, plus 127.0.0.1 when NodePorts answer
+    on localhost (a LOCAL address to kube-proxy's addrtype match, as source and as destination)."""
+    addrs = [ip for ip in node.node_ips if ipaddress.ip_address(ip).version == 4]
+    if node.localhost_nodeports and LOCALHOST not in addrs:
+        addrs.append(LOCALHOST)
+    return addrs
+
+
+def program_node(maps: Maps, node: NodeConfig, settings: NodeSettings) -> int:
+    """Write what the datapath needs to know about the node (settings, addresses, pod CIDRs),
+    only where the maps differ. Returns the writes made."""
+    writes = int(maps.set_settings(settings))
+    writes += maps.set_node_addrs(node_addresses(node))
+    writes += maps.set_pod_cidrs(c for c in node.cluster_cidrs if ipaddress.ip_network(c, strict=False).version == 4)
+    return writes
+
+
+def _normalized(cidrs: Iterable[str]) -> frozenset[str]:
+    """CIDRs as the maps give them back ("203.0.113.5/24" -> "203.0.113.0/24"), IPv4 only, so that
+    two spellings of one prefix never look like an addition and a deletion of the same key."""
+    nets = (ipaddress.ip_network(c, strict=False) for c in cidrs)
+    return frozenset(str(n) for n in nets if n.version == 4)
 
 
 class ServicePrograms:
@@ -89,6 +119,24 @@ class ServicePrograms:
         self._next_backend = itertools.count(1)
         self.current: dict[ServicePortName, ServiceEntries] = {}
         self._last_frontends: dict[ServicePortName, set[Frontend]] = {}  # kept after deletion
+
+    def reserve_ids(self, max_svc_id: int, max_backend_id: int) -> None:
+        """Hand out only ids above these (ids found in the maps after a restart)."""
+        self._next_svc = itertools.count(max(max_svc_id + 1, next(self._next_svc)))
+        self._next_backend = itertools.count(max(max_backend_id + 1, next(self._next_backend)))
+
+    def take_over(self, name: ServicePortName, entries: ServiceEntries) -> None:
+        """Adopt entries the maps already hold for `name` (read back after a restart) as what
+        `name` currently has: the next apply() writes only the difference, ids stay."""
+        self._svc_ids[name] = entries.svc_id
+        for bid, be in entries.backends.items():
+            self._backend_ids[(name, be.addr, be.port)] = bid
+        self.current[name] = entries
+        self._last_frontends[name] = set(entries.frontends)
+
+    def remove(self, entries: ServiceEntries) -> int:
+        """Delete entries no service port claims (found in the maps after a restart)."""
+        return self._write(entries, None)
 
     def entries(self, svc: ServicePort, endpoints: tuple[Endpoint, ...]) -> ServiceEntries | None:
         """The map entries for `svc`, or None when it is not programmed (headless, SCTP, IPv6)."""
@@ -131,7 +179,7 @@ class ServicePrograms:
             backends=backends,
             cluster_slots=stable_slots(old.cluster_slots if old else (), (ids[ep] for ep in sets.cluster)),
             local_slots=stable_slots(old.local_slots if old else (), (ids[ep] for ep in sets.local)),
-            source_ranges=ranges if svc.load_balancer_ips else frozenset(),
+            source_ranges=_normalized(ranges) if svc.load_balancer_ips else frozenset(),
         )
 
     def apply(self, name: ServicePortName, new: ServiceEntries | None) -> int:
@@ -139,6 +187,15 @@ class ServicePrograms:
         old = self.current.get(name)
         if old == new:
             return 0
+        writes = self._write(old, new)
+        if new:
+            self.current[name] = new
+            self._last_frontends[name] = set(new.frontends)
+        else:
+            self.current.pop(name, None)
+        return writes
+
+    def _write(self, old: ServiceEntries | None, new: ServiceEntries | None) -> int:
         writes = 0
         m = self.maps
         old_backends = old.backends if old else {}
@@ -167,11 +224,14 @@ class ServicePrograms:
                     m.set_service(fe, new.service(flags))
                     writes += 1
 
-        # removals, after nothing new points at what they remove
+        # removals, after nothing new points at what they remove; a frontend another service
+        # port took over in this sync (a nodePort moving between services) is no longer ours
         for fe in (old.frontends if old else {}):
             if not new or fe not in new.frontends:
-                m.delete_service(fe)
-                writes += 1
+                held = m.service(fe)
+                if held is not None and held.id == svc_id:
+                    m.delete_service(fe)
+                    writes += 1
         for scope, before, now in (
             (s.LB4_SCOPE_CLUSTER, old.cluster_slots if old else (), new.cluster_slots if new else ()),
             (s.LB4_SCOPE_LOCAL, old.local_slots if old else (), new.local_slots if new else ()),
@@ -186,12 +246,6 @@ class ServicePrograms:
             if not new or bid not in new.backends:
                 m.delete_backend(bid)
                 writes += 1
-
-        if new:
-            self.current[name] = new
-            self._last_frontends[name] = set(new.frontends)
-        else:
-            self.current.pop(name, None)
         return writes
 
     def frontends_of(self, name: ServicePortName) -> set[Frontend]:

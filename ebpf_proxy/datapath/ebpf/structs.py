@@ -44,13 +44,14 @@ class Reason(enum.IntEnum):
     SOCK_FWD = 22
     SOCK_REV = 23
     SOCK_REJECT = 24
+    ARP_MASQ = 25
 
     @property
     def is_drop(self) -> bool:
         return self.name.startswith("DROP_")
 
 
-REASON_MAX = 25
+REASON_MAX = 26
 
 # Origins (EPX_ORIGIN_*)
 ORIGIN_POD, ORIGIN_NODE, ORIGIN_EXTERNAL, ORIGIN_LOCALHOST = 0, 1, 2, 3
@@ -68,11 +69,12 @@ LB4_BE_IN_CLUSTER, LB4_BE_IN_LOCAL = 0x01, 0x02
 
 # connection table kinds and flags
 CT4_SVC, CT4_REV_DNAT, CT4_SNAT, CT4_REV_SNAT = 0, 1, 2, 3
-CT4_F_MASQ, CT4_F_SEEN_REPLY, CT4_F_CLOSING = 0x01, 0x02, 0x04
+CT4_F_MASQ, CT4_F_SEEN_REPLY, CT4_F_CLOSING, CT4_F_SOCK_MASQ = 0x01, 0x02, 0x04, 0x08
 
 # lb4_config.flags
 CFG_F_MASQ_ALL = 0x01
 CFG_F_LOCALHOST_NODEPORTS = 0x02
+CFG_F_NO_CLUSTER_CIDR = 0x04
 
 
 class _Struct(ctypes.Structure):

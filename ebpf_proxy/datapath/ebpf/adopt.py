@@ -1,0 +1,127 @@
+"""After an agent restart: take over what the pinned maps hold instead of rewriting it.
+
+The maps outlive the agent (they are pinned), and the ids in them are referenced from entries the
+agent never writes: connections carry backend ids, affinity entries carry service and backend
+ids. A restarted agent must therefore neither flush nor renumber. It reads the maps back into
+ServiceEntries, matches each to the desired service port owning its clusterIP frontend (unique per
+service port, and present for every programmed one), and hands that to ServicePrograms as what
+the port currently has: the first sync then writes only the differences, and an unchanged service
+keeps its ids and its slots. What no desired service port claims (services deleted while the
+agent was down, entries left half-written by a crash) is removed, and new ids are handed out
+above every id still found anywhere in the maps, connections included.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from ebpf_proxy.datapath.ebpf import structs as s
+from ebpf_proxy.datapath.ebpf.maps import IPPROTO, Backend, Frontend, Maps
+from ebpf_proxy.datapath.ebpf.services import SUPPORTED, ServiceEntries, ServicePrograms
+from ebpf_proxy.model import ProxyState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Snapshot:
+    """The service maps as read back: by service id."""
+
+    frontends: dict[int, dict[Frontend, int]] = field(default_factory=lambda: defaultdict(dict))  # id -> fe -> flags
+    affinity: dict[int, int] = field(default_factory=dict)  # id -> affinity timeout
+    slots: dict[tuple[int, int], dict[int, int]] = field(default_factory=lambda: defaultdict(dict))
+    backends: dict[int, Backend] = field(default_factory=dict)
+    ranges: dict[int, set[str]] = field(default_factory=lambda: defaultdict(set))
+    owner: dict[Frontend, int] = field(default_factory=dict)  # frontend -> service id
+    max_svc_id: int = 0
+    max_backend_id: int = 0
+
+
+def read(maps: Maps) -> Snapshot:
+    snap = Snapshot()
+    for fe, svc in maps.services():
+        snap.frontends[svc.id][fe] = svc.flags
+        snap.affinity[svc.id] = svc.affinity_timeout
+        snap.owner[fe] = svc.id
+    for svc_id, scope, slot, backend_id in maps.slots():
+        snap.slots[(svc_id, scope)][slot] = backend_id
+    snap.backends = maps.backends()
+    for svc_id, cidr in maps.source_ranges():
+        snap.ranges[svc_id].add(cidr)
+    svc_ids = {*snap.frontends, *(k[0] for k in snap.slots), *snap.ranges}
+    backend_ids = {*snap.backends, *(b for slots in snap.slots.values() for b in slots.values())}
+    for svc_id, backend_id in maps.affinity_ids():
+        svc_ids.add(svc_id)
+        backend_ids.add(backend_id)
+    backend_ids.update(c.backend_id for c in maps.connections() if c.kind == s.CT4_SVC)
+    snap.max_svc_id = max(svc_ids, default=0)
+    snap.max_backend_id = max(backend_ids, default=0)
+    return snap
+
+
+def _contiguous(slots: dict[int, int]) -> tuple[int, ...]:
+    out = []
+    while len(out) in slots:
+        out.append(slots[len(out)])
+    return tuple(out)
+
+
+def entries_of(snap: Snapshot, svc_id: int) -> ServiceEntries:
+    """What service `svc_id` holds in the maps, as ServiceEntries (slots 0..n-1 without holes)."""
+    cluster = _contiguous(snap.slots.get((svc_id, s.LB4_SCOPE_CLUSTER), {}))
+    local = _contiguous(snap.slots.get((svc_id, s.LB4_SCOPE_LOCAL), {}))
+    return ServiceEntries(
+        svc_id=svc_id,
+        frontends=dict(snap.frontends.get(svc_id, {})),
+        affinity_timeout=snap.affinity.get(svc_id, 0),
+        backends={bid: snap.backends[bid] for bid in (*cluster, *local) if bid in snap.backends},
+        cluster_slots=cluster,
+        local_slots=local,
+        source_ranges=frozenset(snap.ranges.get(svc_id, ())),
+    )
+
+
+def adopt(programs: ServicePrograms, state: ProxyState) -> int:
+    """Give `programs` the maps' current content for every service port of `state` it can match;
+    remove the rest. Returns the map writes made (deletions only)."""
+    maps = programs.maps
+    snap = read(maps)
+    programs.reserve_ids(snap.max_svc_id, snap.max_backend_id)
+    claimed: dict[int, ServiceEntries] = {}
+    for name, svc in sorted(state.services.items()):
+        if svc.cluster_ip is None or svc.protocol not in SUPPORTED or ipaddress.ip_address(svc.cluster_ip).version != 4:
+            continue
+        svc_id = snap.owner.get(Frontend(svc.cluster_ip, svc.port, IPPROTO[svc.protocol.value]))
+        if svc_id is None or svc_id in claimed:
+            continue
+        claimed[svc_id] = entries_of(snap, svc_id)
+        programs.take_over(name, claimed[svc_id])
+
+    writes = 0
+    for svc_id in sorted(set(snap.frontends) - set(claimed)):
+        writes += programs.remove(entries_of(snap, svc_id))
+    # what no service's entries cover: holes' slots, slots of services without frontends,
+    # unreferenced backends, source ranges of services that are gone
+    kept_slots = {(e.svc_id, scope, i) for e in claimed.values()
+                  for scope, slots in ((s.LB4_SCOPE_CLUSTER, e.cluster_slots), (s.LB4_SCOPE_LOCAL, e.local_slots))
+                  for i in range(len(slots))}
+    for (svc_id, scope), slots in snap.slots.items():
+        for slot in slots:
+            if (svc_id, scope, slot) not in kept_slots and (svc_id in claimed or svc_id not in snap.frontends):
+                writes += maps.delete_slot(svc_id, scope, slot)
+    kept_backends = {bid for e in claimed.values() for bid in e.backends}
+    orphans = [e for svc_id, e in ((i, entries_of(snap, i)) for i in snap.frontends) if svc_id not in claimed]
+    removed_backends = {bid for e in orphans for bid in e.backends}
+    for bid in set(snap.backends) - kept_backends - removed_backends:
+        writes += maps.delete_backend(bid)
+    for svc_id, cidrs in snap.ranges.items():
+        if svc_id not in snap.frontends:
+            for cidr in cidrs:
+                writes += maps.delete_source_range(svc_id, cidr)
+    if snap.frontends:
+        log.info("adopted %d service ports from the pinned maps, removed %d orphans (%d writes)",
+                 len(claimed), len(set(snap.frontends) - set(claimed)), writes)
+    return writes

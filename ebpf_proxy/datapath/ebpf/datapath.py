@@ -1,0 +1,208 @@
+"""The eBPF datapath behind the Datapath interface: maps written as deltas, programs attached once.
+
+First sync (per process):
+  1. bpffs at `bpffs` (mounted if it is not one), pinned maps under <bpffs>/ebpf-proxy/
+     re-opened (or created), programs compiled against them with bcc (kernel headers prepared
+     first) -- or, after a restart of the same build, the pinned programs re-opened (loader.py);
+  2. take over what the maps hold (adopt.py): after an agent restart nothing is flushed or
+     renumbered, connections and affinity survive, and only differences are written;
+  3. node facts into the maps (addresses, cluster CIDRs, masquerade address and settings), then
+     the services;
+  4. only then programs onto devices (devices.py: TC on pod and external devices, XDP on the
+     external ones) and the socket-LB programs onto `cgroup_path` (pins.py, pinned links), so a
+     fresh node never runs programs over empty maps; on restart this swaps each attached program
+     for the new build atomically. A link watcher then follows devices as pods come and go.
+Later syncs write only the services in the ChangeSet (services.py); full syncs also re-check the
+devices. `close()` (SIGTERM) leaves everything attached and pinned: traffic keeps flowing while
+the agent is away. `cleanup()` removes everything, also from a fresh process that never synced
+(it finds its objects by name and by the netns cookie recorded in epx_config, see pins.py).
+
+The datapath acts in the network namespace of the thread that first calls `sync()` (the agent's
+own); call `cleanup()` from that namespace too.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from ebpf_proxy.datapath.base import Datapath, SyncResult
+from ebpf_proxy.datapath.ebpf import adopt, devices, loader, pins
+from ebpf_proxy.datapath.ebpf import structs as s
+from ebpf_proxy.datapath.ebpf.maps import Maps
+from ebpf_proxy.datapath.ebpf.services import ServicePrograms, node_settings, program_node
+from ebpf_proxy.model import ChangeSet, NodeConfig, ProxyState
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BPFFS = "/sys/fs/bpf"
+DROP_REASONS = tuple(r for r in s.Reason if r.is_drop)
+
+
+class EbpfDatapath(Datapath):
+    """Service load balancing with TC/XDP programs on the node's devices and socket-LB programs
+    on a cgroup, over pinned BPF maps (see the module docstring for the life cycle)."""
+
+    mode = "ebpf"
+
+    def __init__(
+        self,
+        node: NodeConfig,
+        *,
+        cgroup_path: str | None = None,
+        bpffs: str = DEFAULT_BPFFS,
+        pod_device_patterns: Sequence[str] = devices.DEFAULT_POD_PATTERNS,
+        xdp_mode: str = "generic",
+        watch_devices: bool = True,
+        max_entries: Mapping[str, int] | None = None,
+    ) -> None:
+        super().__init__(node)
+        if xdp_mode not in ("generic", "native", "off"):
+            raise ValueError(f"xdp_mode: {xdp_mode!r} is not one of generic, native, off")
+        self.cgroup_path = Path(cgroup_path) if cgroup_path else None
+        self.bpffs = Path(bpffs)
+        self.pin_dir = pins.pin_dir(self.bpffs)
+        self._pod_patterns = tuple(pod_device_patterns)
+        self._xdp_mode = xdp_mode
+        self._watch = watch_devices
+        self._max_entries = dict(max_entries or {})
+        self._loaded: loader.Loaded | None = None
+        self._maps: Maps | None = None
+        self._programs: ServicePrograms | None = None
+        self._devices: devices.Devices | None = None
+        self._watcher: devices.LinkWatcher | None = None
+        self._attached = False
+
+    # -- sync -----------------------------------------------------------------------------
+
+    def sync(self, state: ProxyState, changes: ChangeSet) -> SyncResult:
+        first = self._programs is None
+        counts = {"full_sync": int(changes.full or first), "map_writes": 0, "conntrack_deleted": 0}
+        if first:
+            counts["map_writes"] += self._load(state)
+            counts["programs_compiled"] = int(self._loaded is not None and self._loaded.compiled)
+        assert self._programs is not None
+        if changes.full or first:
+            names = set(state.services) | set(self._programs.current)
+        else:  # what changed, plus anything the state has that we never programmed
+            names = set(changes.services) | (set(state.services) - set(self._programs.current))
+        for name in sorted(names):
+            svc = state.services.get(name)
+            entries = self._programs.entries(svc, state.endpoints_of(name)) if svc else None
+            counts["map_writes"] += self._programs.apply(name, entries)
+        if not self._attached:
+            self._attach()
+        elif changes.full:
+            counts["devices_attached"] = self._reconcile_devices()
+        # as kube-proxy: stale UDP conntrack goes after the new endpoints are in place
+        for name, ip in sorted(changes.stale_udp_endpoints):
+            counts["conntrack_deleted"] += self._programs.flush_udp_connections(name, endpoint_ip=ip)
+        for name in sorted(changes.stale_udp_services):
+            counts["conntrack_deleted"] += self._programs.flush_udp_connections(name)
+        counts.update(self.stats())
+        log.debug("ebpf sync: %s", counts)
+        return SyncResult(counts=counts)
+
+    def _load(self, state: ProxyState) -> int:
+        """Steps 1-3 of the first sync. Returns the map writes made."""
+        pin_dir = pins.prepare(self.bpffs)
+        loaded = loader.load(pin_dir, max_entries=self._max_entries, reuse=True)
+        try:
+            maps = Maps.from_loaded(loaded)
+            programs = ServicePrograms(maps)
+            writes = adopt.adopt(programs, state)
+            self._devices = devices.Devices(
+                devices.Programs(loaded.prog_fds["tc_ingress"], loaded.prog_fds["tc_egress"],
+                                 loaded.prog_fds["xdp_lb"] if self._xdp_mode != "off" else None),
+                cluster_cidrs=self.node.cluster_cidrs, pod_patterns=self._pod_patterns,
+                xdp_mode=self._xdp_mode if self._xdp_mode != "off" else "generic",
+            )
+            settings = node_settings(self.node, host_netns_cookie=pins.netns_cookie(),
+                                     snat_addr=self._devices.primary_address())
+            writes += program_node(maps, self.node, settings)
+            log.info("ebpf datapath loaded", extra={
+                "pin_dir": str(pin_dir), "snat_addr": settings.snat_addr or "",
+                "node_ips": ",".join(self.node.node_ips), "cluster_cidrs": ",".join(self.node.cluster_cidrs)})
+        except BaseException:
+            loaded.close()
+            self._devices = None
+            raise
+        self._loaded, self._maps, self._programs = loaded, maps, programs
+        return writes
+
+    def _attach(self) -> None:
+        """Step 4 of the first sync: devices, cgroup, and the watcher that keeps devices current."""
+        assert self._devices is not None and self._loaded is not None
+        self._devices.reconcile(required=True)
+        pins.attach_cgroup(self.pin_dir, self._loaded.prog_fds, self.cgroup_path)
+        if self._watch and self._watcher is None:
+            self._watcher = devices.LinkWatcher(self._reconcile_devices)
+            self._watcher.start()
+        self._attached = True
+
+    def _reconcile_devices(self) -> int:
+        return self._devices.reconcile() if self._devices is not None else 0
+
+    # -- stats ----------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        """Map sizes and drop counters: services and backends from memory, connections and
+        counters from the maps (one key walk of the connection table)."""
+        if self._programs is None or self._maps is None:
+            return {}
+        current = self._programs.current.values()
+        out = {
+            "bpf_services": sum(len(e.frontends) for e in current),
+            "bpf_backends": sum(len(e.backends) for e in current),
+            "bpf_ct_entries": self._maps.count("epx_ct4"),
+            "bpf_devices": len(self._devices.attached) if self._devices else 0,
+        }
+        counters = self._maps.stats()
+        for reason in DROP_REASONS:
+            out[f"bpf_drop_{reason.name.lower().removeprefix('drop_')}"] = counters.get(reason, (0, 0))[0]
+        return out
+
+    def counters(self) -> dict[s.Reason, tuple[int, int]]:
+        """(packets, bytes) per reason since the maps were created (every program, every CPU)."""
+        if self._maps is None:
+            return {}
+        return self._maps.stats()
+
+    # -- cleanup, close -------------------------------------------------------------------
+
+    def cleanup(self) -> None:
+        """Detach every program (devices of this netns, cgroup) and remove the pins. Idempotent,
+        and works in a fresh process: TC filters and XDP are found by name, the pin directory at
+        `bpffs` and through this netns' cookie, cgroup attachments through their pinned links
+        (and, when `cgroup_path` is given, by program name on that cgroup)."""
+        self._stop_watcher()
+        removed = devices.detach_all(self._xdp_mode if self._xdp_mode != "off" else "generic")
+        targets = {self.pin_dir, *pins.find_pin_dirs(pins.netns_cookie())}
+        self._close_loaded()
+        for pin_dir in sorted(targets):
+            if pins.remove(pin_dir):
+                log.info("removed pinned maps and links in %s", pin_dir)
+        if self.cgroup_path is not None:
+            removed["cgroup_programs"] = pins.detach_cgroup_programs(self.cgroup_path)
+        log.info("ebpf datapath removed", extra={k: v for k, v in removed.items()})
+
+    def close(self) -> None:
+        """Stop following devices and release our handles; programs stay attached, maps pinned."""
+        self._stop_watcher()
+        self._close_loaded()
+
+    def _stop_watcher(self) -> None:
+        if self._watcher is not None:
+            self._watcher.stop()
+            self._watcher = None
+
+    def _close_loaded(self) -> None:
+        """Forget the process-side handles; a later sync loads (and adopts) again."""
+        if self._loaded is not None:
+            self._loaded.close()
+            self._loaded = None
+        self._maps = None
+        self._programs = None
+        self._devices = None
+        self._attached = False

@@ -1,0 +1,300 @@
+"""Which network devices carry the TC and XDP programs, attaching them, and following changes.
+
+Every packet a service decision applies to crosses one of two kinds of device:
+
+  pod devices       the node's end of each pod's veth. Pod traffic enters here (tc_ingress makes
+                    the service decision for pods, which are not in the node's cgroup, so the
+                    socket LB never sees them) and replies to pods leave here (tc_egress undoes
+                    the DNAT). Hairpin traffic enters and leaves through the same one.
+  external devices  every other device but loopback (in the lab: eth0): NodePort, externalIP and
+                    load-balancer traffic from outside enters here, masqueraded traffic to other
+                    nodes' pods leaves here. They also get the XDP program, which drops what
+                    kube-proxy drops before an skb exists.
+
+Both get tc_ingress and tc_egress. The rule for pod devices (CNIs name and route their veths
+differently, so it has a configurable part): a device is a pod device when
+  * its name matches one of `pod_patterns` (default: the usual CNI prefixes below), or
+  * it is a veth whose peer lives in another network namespace and that carries a host route
+    (a /32 without gateway) to an address inside a cluster CIDR: a routed CNI's pod veth,
+    whatever it is called.
+Anything else but loopback is external. Devices are (re)classified on every change, so a veth
+that shows up before its route is classified again once the route is there.
+
+`LinkWatcher` follows RTM_NEWLINK/DELLINK and IPv4 route changes with a raw netlink socket and
+re-runs the reconciliation (level-triggered: every event means "look again", nothing is parsed),
+so pods added at runtime (the lab's `scale`) get the programs as their veth appears; devices that
+go away are forgotten (their filters went with them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import ipaddress
+import logging
+import os
+import select
+import socket
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from ebpf_proxy.datapath.ebpf import loader
+from ebpf_proxy.datapath.ebpf.pins import AttachError
+
+log = logging.getLogger(__name__)
+
+POD = "pod"
+EXTERNAL = "external"
+DEFAULT_POD_PATTERNS = ("lxc*", "cali*", "veth*", "cni*", "azv*", "gke*", "eni*", "vnet*")
+
+_IFF_LOOPBACK = 0x8
+_IFA_F_SECONDARY = 0x01
+_RTMGRP_LINK = 0x1
+_RTMGRP_IPV4_ROUTE = 0x40
+_MAIN_TABLE = 254
+
+
+@dataclass(frozen=True)
+class Link:
+    index: int
+    name: str
+    kind: str | None = None  # IFLA_INFO_KIND: "veth", "bridge", ... (None: a physical device)
+    peer_elsewhere: bool = False  # IFLA_LINK_NETNSID present: its peer is in another netns
+    loopback: bool = False
+
+
+@dataclass(frozen=True)
+class Route:
+    dst: str  # "a.b.c.d/len"
+    oif: int | None
+    gateway: str | None = None
+
+
+@dataclass(frozen=True)
+class Device:
+    index: int
+    name: str
+    role: str  # POD or EXTERNAL
+
+
+def classify(links: Iterable[Link], routes: Iterable[Route], cluster_cidrs: Sequence[str],
+             pod_patterns: Sequence[str] = DEFAULT_POD_PATTERNS) -> dict[int, Device]:
+    """ifindex -> Device for every device that gets programs (see the module docstring)."""
+    nets = [ipaddress.ip_network(c, strict=False) for c in cluster_cidrs]
+    nets = [n for n in nets if n.version == 4]
+    pod_routes = set()
+    for r in routes:
+        dst = ipaddress.ip_network(r.dst, strict=False)
+        if r.oif and r.gateway is None and dst.prefixlen == 32 and any(dst.network_address in n for n in nets):
+            pod_routes.add(r.oif)
+    out = {}
+    for link in links:
+        if link.loopback:
+            continue
+        routed_pod = link.kind == "veth" and link.peer_elsewhere and link.index in pod_routes
+        named_pod = any(fnmatch.fnmatchcase(link.name, p) for p in pod_patterns)
+        out[link.index] = Device(link.index, link.name, POD if routed_pod or named_pod else EXTERNAL)
+    return out
+
+
+def scan(ipr) -> tuple[list[Link], list[Route]]:
+    """The links and main-table IPv4 routes of `ipr`'s network namespace."""
+    links = []
+    for msg in ipr.get_links():
+        info = msg.get("IFLA_LINKINFO")
+        links.append(Link(
+            index=msg["index"],
+            name=msg.get("IFLA_IFNAME") or "",
+            kind=info.get("IFLA_INFO_KIND") if info is not None else None,
+            peer_elsewhere=msg.get("IFLA_LINK_NETNSID") is not None,
+            loopback=bool(msg["flags"] & _IFF_LOOPBACK),
+        ))
+    routes = []
+    for msg in ipr.get_routes(family=socket.AF_INET):
+        if (msg.get("RTA_TABLE") or msg["table"]) != _MAIN_TABLE:
+            continue
+        dst = msg.get("RTA_DST") or "0.0.0.0"
+        routes.append(Route(f"{dst}/{msg['dst_len']}", msg.get("RTA_OIF"), msg.get("RTA_GATEWAY")))
+    return links, routes
+
+
+def primary_address(ipr, devices: dict[int, Device], routes: Sequence[Route]) -> str | None:
+    """The address kube-proxy's MASQUERADE would pick for traffic leaving the node: the first
+    primary IPv4 address of the external device holding the default route (else of the first
+    external device that has one)."""
+    externals = [d.index for d in sorted(devices.values(), key=lambda d: d.index) if d.role == EXTERNAL]
+    default = [r.oif for r in routes if r.dst == "0.0.0.0/0" and r.oif in externals]
+    for index in default + externals:
+        for msg in ipr.get_addr(family=socket.AF_INET, index=index):
+            if msg["flags"] & _IFA_F_SECONDARY:
+                continue
+            addr = msg.get("IFA_LOCAL") or msg.get("IFA_ADDRESS")
+            if addr and not ipaddress.ip_address(addr).is_loopback:
+                return addr
+    return None
+
+
+@dataclass(frozen=True)
+class Programs:
+    """Program fds the devices get."""
+
+    tc_ingress: int
+    tc_egress: int
+    xdp: int | None  # None: no XDP
+
+
+@dataclass
+class Devices:
+    """Keeps the TC/XDP programs attached to exactly the devices `classify` picks.
+
+    Acts in the network namespace of the thread that calls `reconcile` (the agent's own; the
+    link watcher's thread inherits it from the thread that started it).
+    """
+
+    programs: Programs
+    cluster_cidrs: Sequence[str]
+    pod_patterns: Sequence[str] = DEFAULT_POD_PATTERNS
+    xdp_mode: str = "generic"
+    attached: dict[int, Device] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)  # device name -> last attach error
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def desired(self, ipr) -> tuple[dict[int, Device], list[Route]]:
+        links, routes = scan(ipr)
+        return classify(links, routes, self.cluster_cidrs, self.pod_patterns), routes
+
+    def reconcile(self, required: bool = False) -> int:
+        """Attach to new or reclassified devices, forget vanished ones. Returns attachments made.
+
+        A device that cannot be attached is logged and retried on the next reconcile; with
+        `required`, the first failure raises AttachError instead (the first sync must not report
+        success with the datapath half attached)."""
+        from pyroute2 import IPRoute  # noqa: PLC0415 (netlink only where devices are touched)
+
+        with self._lock, IPRoute() as ipr:
+            want, _routes = self.desired(ipr)
+            done = 0
+            for index, dev in sorted(want.items()):
+                if self.attached.get(index) == dev:
+                    continue
+                self.errors.pop(dev.name, None)
+                try:
+                    self._attach(ipr, dev)
+                except Exception as exc:  # pyroute2 raises NetlinkError; vanished devices too
+                    message = f"device {dev.name} (ifindex {index}, {dev.role}): attaching failed: {exc}"
+                    self.errors[dev.name] = message
+                    if required and ipr.link_lookup(ifname=dev.name):
+                        raise AttachError(message) from exc
+                    log.warning("%s; retried on the next device change", message)
+                    continue
+                self.attached[index] = dev
+                done += 1
+            for index in set(self.attached) - set(want):
+                log.info("device %s is gone: forgotten", self.attached.pop(index).name)
+            return done
+
+    def _attach(self, ipr, dev: Device) -> None:
+        """TC is required (it makes every service decision); XDP only drops earlier what TC drops
+        anyway, so a device that refuses it (another XDP program, a driver) is logged and kept."""
+        loader.attach_tc(ipr, dev.index, self.programs.tc_ingress, self.programs.tc_egress)
+        try:
+            if dev.role == EXTERNAL and self.programs.xdp is not None:
+                loader.attach_xdp(ipr, dev.index, self.programs.xdp, self.xdp_mode)
+            else:
+                loader.detach_xdp(ipr, dev.index, self.xdp_mode)
+        except Exception as exc:  # pyroute2 NetlinkError
+            self.errors[dev.name] = f"device {dev.name}: XDP ({self.xdp_mode}) not attached: {exc}"
+            log.warning("%s; TC alone applies the same drops", self.errors[dev.name])
+        log.info("programs attached to %s device %s", dev.role, dev.name,
+                 extra={"device": dev.name, "role": dev.role, "ifindex": dev.index})
+
+    def primary_address(self) -> str | None:
+        from pyroute2 import IPRoute  # noqa: PLC0415
+
+        with IPRoute() as ipr:
+            want, routes = self.desired(ipr)
+            return primary_address(ipr, want, routes)
+
+
+def detach_all(xdp_mode: str = "generic") -> dict[str, int]:
+    """Remove our TC filters and XDP program from every device of the calling thread's netns.
+
+    Needs no memory of what was attached (a fresh `ebpf-proxy cleanup` process): our filters are
+    known by their names, our XDP program by its program name. Returns counts."""
+    from pyroute2 import IPRoute  # noqa: PLC0415
+
+    counts = {"tc_filters": 0, "xdp": 0}
+    with IPRoute() as ipr:
+        for msg in ipr.get_links():
+            index = msg["index"]
+            counts["tc_filters"] += loader.detach_tc(ipr, index)
+            counts["xdp"] += int(loader.detach_xdp(ipr, index, xdp_mode))
+    return counts
+
+
+class LinkWatcher:
+    """Calls `on_change()` from its own thread whenever a link or an IPv4 route appears, changes or
+    goes, and every `resync` seconds regardless (a missed event heals by itself).
+
+    The netlink socket is opened in `start()`, so events come from the caller's netns; the thread
+    inherits that netns too, so `on_change` acts there.
+    """
+
+    def __init__(self, on_change: Callable[[], object], resync: float = 60.0) -> None:
+        self._on_change = on_change
+        self._resync = resync
+        self._thread: threading.Thread | None = None
+        self._sock: socket.socket | None = None
+        self._wake_r, self._wake_w = -1, -1
+        self._stopping = threading.Event()
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE)
+        self._sock.bind((0, _RTMGRP_LINK | _RTMGRP_IPV4_ROUTE))
+        self._sock.setblocking(False)
+        self._wake_r, self._wake_w = os.pipe()
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._loop, name="ebpf-link-watcher", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        assert self._sock is not None
+        while not self._stopping.is_set():
+            ready, _, _ = select.select([self._sock, self._wake_r], [], [], self._resync)
+            if self._stopping.is_set():
+                return
+            if self._sock in ready:
+                self._drain()
+            try:
+                self._on_change()
+            except Exception:  # a failed reconcile is retried on the next event or resync
+                log.exception("reconciling devices after a link change failed")
+
+    def _drain(self) -> None:
+        assert self._sock is not None
+        while True:
+            try:
+                if not self._sock.recv(65536):
+                    return
+            except BlockingIOError:
+                return
+            except OSError:  # ENOBUFS: events were lost; the reconcile that follows sees everything
+                return
+
+    def stop(self) -> None:
+        if self._thread is None:
+            return
+        self._stopping.set()
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+        self._thread.join(timeout=10)
+        self._thread = None
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None

@@ -1,0 +1,136 @@
+"""EbpfDatapath end to end in a throw-away node (netlab.py): first sync, traffic, close (SIGTERM)
+keeps everything in place, a restart adopts the pinned maps without writing, and a cleanup from a
+fresh instance that was told nothing removes every program and pin."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from ebpf_proxy.datapath.ebpf import EbpfDatapath, libbpf, loader, pins
+from ebpf_proxy.datapath.ebpf import structs as s
+from ebpf_proxy.lab._setns import run_in_netns
+from ebpf_proxy.model import ChangeSet, Endpoint, NodeConfig, Protocol, ProxyState, ServicePort, ServicePortName
+from tests.bpf import netlab
+from tests.bpf.conftest import SMALL_MAPS, TEST_ROOT
+from tests.bpf.netlab import BACKEND_IP, NODE_BACKEND_SIDE, NODE_OUTSIDE_SIDE, NODE_POD_SIDE
+from tests.netns_util import nsenter
+
+pytestmark = [pytest.mark.bpf, pytest.mark.root]
+
+VIP, NODE_PORT, BACKEND_PORT = "10.96.0.10", 30080, 8080
+NODE = NodeConfig("node", node_ips=(NODE_OUTSIDE_SIDE, NODE_POD_SIDE, NODE_BACKEND_SIDE), cluster_cidrs=("10.244.0.0/16",))
+
+
+def _state() -> ProxyState:
+    services, endpoints = {}, {}
+    for proto in (Protocol.TCP, Protocol.UDP):
+        name = ServicePortName("default", "web", proto.lower, proto)
+        services[name] = ServicePort(name, VIP, 80, proto, node_port=NODE_PORT)
+        endpoints[name] = (Endpoint(BACKEND_IP, BACKEND_PORT, node_name="other"),)
+    return ProxyState(services=services, endpoints=endpoints)
+
+
+@pytest.fixture
+def node():
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    TEST_ROOT.mkdir(parents=True, exist_ok=True)
+    bpffs = Path(tempfile.mkdtemp(prefix=f"dp-{os.getpid()}-", dir=TEST_ROOT))
+    try:
+        with netlab.NetLab() as lab:
+            lab.start_server(BACKEND_PORT)
+            lab.bpffs = bpffs
+            yield lab
+    finally:
+        loader.unmount_bpffs(bpffs)
+        bpffs.rmdir()
+        with contextlib.suppress(OSError):
+            TEST_ROOT.rmdir()
+
+
+def _datapath(lab, cgroup: Path) -> EbpfDatapath:
+    return EbpfDatapath(NODE, cgroup_path=str(cgroup), bpffs=str(lab.bpffs), pod_device_patterns=("vpod", "vbe"),
+                        max_entries=SMALL_MAPS)
+
+
+def _sync(lab, dp: EbpfDatapath, state: ProxyState):
+    return run_in_netns(lab.ns["node"], dp.sync, state, ChangeSet(full=True)).counts
+
+
+def _attached(lab) -> dict[str, str]:
+    """device -> what of ours is on it (tc filters, xdp), as tc/ip show them."""
+    out = {}
+    for dev in ("vpod", "vbe", "vout"):
+        tc = "".join(subprocess.run(["tc", "-n", lab.ns["node"], "filter", "show", "dev", dev, hook],
+                                    capture_output=True, text=True).stdout for hook in ("ingress", "egress"))
+        link = subprocess.run([*nsenter(lab.ns["node"]), "ip", "link", "show", dev], capture_output=True, text=True).stdout
+        out[dev] = ",".join(x for x, present in (("tc", "epx_" in tc), ("xdp", "xdp_lb" in link)) if present)
+    return out
+
+
+def _cgroup_programs(cgroup: Path) -> list[int]:
+    fd = os.open(cgroup, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return [i for t in pins.CGROUP_PROGRAMS.values() for i in libbpf.prog_query(fd, t)]
+    finally:
+        os.close(fd)
+
+
+def _traffic_ok(lab, cgroup: Path) -> None:
+    assert lab.client("pod", "tcp", VIP, 80)[:1] == ["ok"], "pod -> clusterIP"
+    seen = lab.client("outside", "tcp", NODE_OUTSIDE_SIDE, NODE_PORT)
+    assert seen[0] == "ok" and seen[1].startswith(NODE_OUTSIDE_SIDE + ":"), f"outside -> NodePort, masqueraded: {seen}"
+    assert lab.client("node", "udp", VIP, 80, cgroup=cgroup)[0] == "ok", "node process -> clusterIP (socket LB)"
+
+
+def test_life_cycle(node):
+    lab, state = node, _state()
+    cgroup = lab.cgroup()
+    dp = _datapath(lab, cgroup)
+    counts = _sync(lab, dp, state)
+    assert counts["full_sync"] == 1 and counts["map_writes"] > 0 and counts["programs_compiled"] == 1
+    assert counts["bpf_services"] == 4 and counts["bpf_backends"] == 2 and counts["bpf_devices"] == 3
+    assert _attached(lab) == {"vpod": "tc", "vbe": "tc", "vout": "tc,xdp"}
+    assert len(_cgroup_programs(cgroup)) == 3
+    _traffic_ok(lab, cgroup)
+    assert dp.stats()["bpf_ct_entries"] > 0
+    assert dp.counters()[s.Reason.FWD_NEW][0] >= 2
+
+    maps = pins.open_maps(lab.bpffs)
+    try:
+        before_services = dict(maps.services())
+        connections = len(maps.connections())
+    finally:
+        maps.close()
+
+    dp.close()  # SIGTERM: everything stays, traffic keeps flowing
+    assert _attached(lab) == {"vpod": "tc", "vbe": "tc", "vout": "tc,xdp"}
+    _traffic_ok(lab, cgroup)
+
+    restarted = _datapath(lab, cgroup)
+    counts = _sync(lab, restarted, state)
+    assert counts["map_writes"] == 0, "a restart writes nothing when nothing changed"
+    assert counts["programs_compiled"] == 0, "the same build's pinned programs are re-opened"
+    maps = pins.open_maps(lab.bpffs)
+    try:
+        assert dict(maps.services()) == before_services, "same ids"
+        assert len(maps.connections()) >= connections, "connections survive"
+    finally:
+        maps.close()
+    assert len(_cgroup_programs(cgroup)) == 3, "the cgroup links got the new programs, not a second set"
+    _traffic_ok(lab, cgroup)
+    restarted.close()
+
+    fresh = EbpfDatapath(NodeConfig("node"), bpffs=str(lab.bpffs / "elsewhere"))  # told nothing useful
+    run_in_netns(lab.ns["node"], fresh.cleanup)
+    assert _attached(lab) == {"vpod": "", "vbe": "", "vout": ""}
+    assert _cgroup_programs(cgroup) == []
+    assert not pins.pin_dir(lab.bpffs).exists()
+    assert lab.client("pod", "tcp", VIP, 80)[0] == "error", "no service any more"
+    run_in_netns(lab.ns["node"], fresh.cleanup)  # idempotent

@@ -1,0 +1,113 @@
+"""devices.py: which devices get programs (pure), and attaching/following them in a real netns."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import pytest
+from pyroute2 import IPRoute
+
+from ebpf_proxy.datapath.ebpf import devices, libbpf
+from ebpf_proxy.datapath.ebpf.devices import EXTERNAL, POD, Device, Link, Route, classify
+from ebpf_proxy.lab._setns import run_in_netns
+from tests.bpf import netlab
+from tests.netns_util import nsenter
+
+CIDRS = ("10.244.0.0/16",)
+
+
+def test_lab_node_devices():
+    """The lab's node: eth0 (peer on the underlay, /24 routes via other nodes), one pod veth."""
+    links = [Link(1, "lo", loopback=True), Link(2, "eth0", "veth", True), Link(3, "lxcba92dbab", "veth", True)]
+    routes = [Route("10.244.4.0/24", 2, "172.20.20.17"), Route("172.20.20.17/32", 2), Route("10.244.5.4/32", 3)]
+    assert classify(links, routes, CIDRS) == {2: Device(2, "eth0", EXTERNAL), 3: Device(3, "lxcba92dbab", POD)}
+
+
+@pytest.mark.parametrize("link, route, role", [
+    (Link(5, "pod-a", "veth", True), Route("10.244.9.9/32", 5), POD),  # a routed CNI's veth, any name
+    (Link(5, "pod-a", "veth", False), Route("10.244.9.9/32", 5), EXTERNAL),  # its peer is here: not a pod's
+    (Link(5, "pod-a", "veth", True), Route("10.245.9.9/32", 5), EXTERNAL),  # host route outside the cluster CIDR
+    (Link(5, "pod-a", "veth", True), Route("10.244.9.0/24", 5, "10.0.0.1"), EXTERNAL),  # a gateway route
+    (Link(5, "pod-a", "vxlan", False), Route("10.244.9.9/32", 5), EXTERNAL),  # not a veth
+    (Link(5, "cali12345", "veth", True), None, POD),  # a CNI prefix, before its route exists
+    (Link(5, "ens3", None, False), Route("0.0.0.0/0", 5, "10.0.0.1"), EXTERNAL),
+], ids=["routed-veth", "local-peer", "outside-cidr", "gateway", "not-veth", "pattern", "nic"])
+def test_role(link, route, role):
+    got = classify([link], [route] if route else [], CIDRS)
+    assert got == {5: Device(5, link.name, role)}
+
+
+def test_patterns_are_configurable_and_cidrs_may_be_empty():
+    links = [Link(5, "lxc1", "veth", True), Link(6, "pod-b", "veth", True)]
+    routes = [Route("10.244.1.1/32", 6)]
+    assert {d.role for d in classify(links, routes, CIDRS, pod_patterns=()).values()} == {EXTERNAL, POD}
+    assert {d.role for d in classify(links, routes, (), pod_patterns=()).values()} == {EXTERNAL}
+
+
+# ---- in a namespace ----
+
+
+def _filters(ns: str, dev: str) -> list[str]:
+    out = []
+    for hook in ("ingress", "egress"):
+        text = subprocess.run(["tc", "-n", ns, "filter", "show", "dev", dev, hook], capture_output=True, text=True).stdout
+        out += [f"{hook}:{name}" for name in ("epx_ingress", "epx_egress") if name in text]
+    return out
+
+
+def _xdp(ns: str, dev: str) -> bool:
+    return "xdp" in subprocess.run([*nsenter(ns), "ip", "link", "show", dev], capture_output=True, text=True).stdout
+
+
+def _wait(condition, what: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout}s")
+        time.sleep(0.05)
+
+
+@pytest.mark.bpf
+@pytest.mark.root
+def test_attach_follow_and_detach(datapath):
+    with netlab.NetLab() as lab:
+        node = lab.ns["node"]
+        devs = devices.Devices(
+            devices.Programs(datapath.prog_fds["tc_ingress"], datapath.prog_fds["tc_egress"], datapath.prog_fds["xdp_lb"]),
+            cluster_cidrs=CIDRS, pod_patterns=("vpod", "lxc*"),
+        )
+        assert run_in_netns(node, devs.reconcile, True) == 3
+        assert run_in_netns(node, devs.reconcile) == 0, "nothing changed, nothing re-attached"
+        for dev in ("vpod", "vbe", "vout"):
+            assert _filters(node, dev) == ["ingress:epx_ingress", "egress:epx_egress"], dev
+        assert not _xdp(node, "vpod") and _xdp(node, "vbe") and _xdp(node, "vout"), "XDP on external devices only"
+
+        watcher = devices.LinkWatcher(devs.reconcile)
+        run_in_netns(node, watcher.start)
+        try:
+            netlab.sh(*nsenter(node), "ip", "link", "add", "lxcw1", "type", "veth", "peer", "name", "eth1",
+                      "netns", lab.ns["pod"])
+            _wait(lambda: any(d.name == "lxcw1" for d in devs.attached.values()), "attaching to a new pod veth")
+            assert _filters(node, "lxcw1") == ["ingress:epx_ingress", "egress:epx_egress"]
+            assert not _xdp(node, "lxcw1")
+            netlab.sh(*nsenter(node), "ip", "link", "del", "lxcw1")
+            _wait(lambda: all(d.name != "lxcw1" for d in devs.attached.values()), "forgetting a deleted veth")
+        finally:
+            watcher.stop()
+
+        foreign = libbpf.prog_load(libbpf.PROG_TYPE_SCHED_CLS, libbpf.return_constant_program(0), name="someone")
+        try:  # someone else's filter on the same hook must survive our cleanup
+            with IPRoute(netns=node) as ipr:
+                ipr.tc("add-filter", "bpf", index=lab.ifindex("vout"), handle=1, prio=7, protocol=3, fd=foreign,
+                       name="someone-else", parent="ffff:fff2", classid=1, direct_action=True)
+        finally:
+            os.close(foreign)
+        counts = run_in_netns(node, devices.detach_all)
+        assert counts == {"tc_filters": 6, "xdp": 2}
+        for dev in ("vpod", "vbe", "vout"):
+            assert _filters(node, dev) == [] and not _xdp(node, dev), dev
+        assert "someone-else" in subprocess.run(["tc", "-n", node, "filter", "show", "dev", "vout", "ingress"],
+                                                capture_output=True, text=True).stdout
+        assert run_in_netns(node, devices.detach_all) == {"tc_filters": 0, "xdp": 0}, "idempotent"
