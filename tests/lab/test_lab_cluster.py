@@ -173,16 +173,26 @@ def test_down_leaves_nothing_behind_even_without_state():
     assert leftovers(name) == []
 
 
-def test_demo_tells_the_seed_000_story():
+@pytest.mark.bpf
+def test_demo_tells_the_seed_000_story_in_both_modes_alike():
     name = f"tdemo{os.getpid() % 10000}"
     try:
-        out = cli("lab", "demo", "--name", name, "--modes", "iptables", "--no-keep").stdout
+        out = cli("lab", "demo", "--name", name, "--modes", "iptables,ebpf", "--no-keep").stdout
     finally:
         destroy(name)
-    lines = {line.split("│")[1].strip(): line for line in out.splitlines() if line.count("│") > 4}
-    local_w2 = [line for key, line in lines.items() if key.startswith("NodePort outside→worker2")][-1]
-    assert "timeout (dropped)" in local_w2
-    assert "203.0.113.5" in next(line for key, line in lines.items() if key.startswith("NodePort outside→worker3")
-                                 and "Local" in line)
-    assert "172.20.20.16" in lines["worker2 → its own NodePort"]
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in out.splitlines() if line.count("│") > 4]
+    # a table row may wrap over several lines: join each case's cells back together
+    cases: list[list[str]] = []
+    for cells in rows:
+        if cells[0] and (not cases or cells[1]):
+            cases.append(cells)
+        else:
+            cases[-1] = [f"{a} {b}".strip() for a, b in zip(cases[-1], cells)]
+    by_case = {(c[0], c[1]): c for c in cases}
+    assert len(by_case) == 6, out
+    for (case, policy), (_, _, _, iptables, ebpf) in by_case.items():
+        assert iptables == ebpf, f"{case} ({policy}): iptables {iptables!r} but ebpf {ebpf!r}"
+    assert by_case[("NodePort outside→worker2", "Local")][3] == "timeout (dropped)"
+    assert by_case[("NodePort outside→worker3", "Local")][3] == "my-nginx-2 ← 203.0.113.5"
+    assert "172.20.20.16" in by_case[("worker2 → its own NodePort", "Local")][3]
     assert leftovers(name) == []
