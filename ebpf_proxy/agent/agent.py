@@ -236,6 +236,7 @@ class Agent:
         self.datapath = self._datapath_factory(self.mode, self.node_config, cgroup_path=self.config.cgroup_path or None,
                                                bpffs=self.config.bpffs or None)
         self.metrics.set_datapath(self.mode)
+        self.metrics.read_counters_from(self.datapath)
         hosts = self.node_config.node_ips if self.node_config.nodeport_addresses else ("0.0.0.0",)
         self.service_health = ServiceHealthServers(hosts=hosts or ("0.0.0.0",), proxy_healthy=self.health.live,
                                                    server_factory=self._health_check_server)

@@ -11,9 +11,11 @@ Served over HTTP on --metrics-bind-address at /metrics (and /proxyMode, as kube-
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Any, Callable, Iterator, Mapping
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from ebpf_proxy.agent.httpserve import BackgroundHTTPServer, Response, split_host_port
 
@@ -30,6 +32,55 @@ PROGRAMMING_BUCKETS = ([0.25, 0.5] + [float(s) for s in range(1, 60)] + [float(s
                        + [float(s) for s in range(120, 330, 30)])
 
 IPTABLES_STAT_PREFIX = "iptables_rules_"  # IptablesDatapath.stats(): iptables_rules_<table>
+
+
+# (packets, bytes) per reason, as EbpfDatapath.counters() returns them (keys: structs.Reason).
+CounterSource = Callable[[], Mapping[Any, tuple[int, int]]]
+
+
+class DatapathCounters(Collector):
+    """ebpf_proxy_datapath_{packets,bytes}_total{reason, verdict}, read from the datapath at scrape
+    time: a drop shows on /metrics the moment it happened, not after the next sync (which may be
+    `--sync-period` away). Datapaths without per-reason counters (iptables) export nothing.
+
+    Labels use the C enum's names (`reason="DROP_NO_LOCAL_EXTERNAL"`), as `ebpf-proxy stats` does,
+    so a graph, the stats table and bpf/lib/common.h can be grepped for the same word.
+    """
+
+    PACKETS = "ebpf_proxy_datapath_packets"
+    BYTES = "ebpf_proxy_datapath_bytes"
+
+    def __init__(self) -> None:
+        self.source: CounterSource | None = None
+
+    def _families(self) -> tuple[CounterMetricFamily, CounterMetricFamily]:
+        labels = ["reason", "verdict"]
+        return (CounterMetricFamily(self.PACKETS, "Packets the datapath counted, by reason and verdict", labels=labels),
+                CounterMetricFamily(self.BYTES, "Bytes the datapath counted, by reason and verdict", labels=labels))
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        return iter(self._families())
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        packets, nbytes = self._families()
+        source = self.source
+        try:
+            counters = source() if source is not None else {}
+        except Exception as exc:  # e.g. the maps closed under us at shutdown: never fail the whole scrape
+            log.debug("datapath counters unavailable: %s", exc)
+            counters = {}
+        if counters:
+            # Only ebpf datapaths have counters: an iptables-only agent never imports the eBPF package.
+            from ebpf_proxy.datapath.ebpf.inspect import verdict
+
+            for reason, (npackets, nb) in sorted(counters.items()):
+                kind = verdict(reason)
+                if kind == "none":  # CONTINUE: not a verdict, never counted
+                    continue
+                packets.add_metric([reason.name, kind], npackets)
+                nbytes.add_metric([reason.name, kind], nb)
+        yield packets
+        yield nbytes
 
 
 class Metrics:
@@ -77,6 +128,8 @@ class Metrics:
         self.sync_errors = Counter("ebpf_proxy_sync_errors_total", "Datapath syncs that failed", registry=r)
         self.datapath_info = Gauge("ebpf_proxy_datapath_info", "The datapath in use (value 1)", ["mode"],
                                    registry=r)
+        self.datapath_counters = DatapathCounters()
+        r.register(self.datapath_counters)
 
     def observe_sync(self, seconds: float, full: bool, now_wall: float) -> None:
         self.sync_duration.observe(seconds)
@@ -93,6 +146,12 @@ class Metrics:
     def set_datapath(self, mode: str) -> None:
         self.datapath_info.clear()
         self.datapath_info.labels(mode=mode).set(1)
+
+    def read_counters_from(self, datapath: object) -> None:
+        """Export `datapath.counters()` live at every scrape (see DatapathCounters); a datapath
+        without that method exports no per-reason counters. Replaces an earlier datapath."""
+        counters = getattr(datapath, "counters", None)
+        self.datapath_counters.source = counters if callable(counters) else None
 
     def set_datapath_stats(self, stats: dict[str, int]) -> None:
         for kind, value in stats.items():

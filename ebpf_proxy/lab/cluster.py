@@ -354,8 +354,8 @@ class Lab:
             "--bpffs", str(self.dir / "bpffs" / node.name),
         ]
         if self.topology.kube_proxy_configuration:
-            cfg = self.dir / "kube-proxy-config.yaml"
-            cfg.write_text(json.dumps(self.topology.kube_proxy_configuration))
+            cfg = self.dir / "kube-proxy-config.yaml"  # JSON is YAML; plain dicts, not the frozen view
+            cfg.write_text(json.dumps(topo.topology_to_dict(self.topology)["kubeProxyConfiguration"]))
             argv += ["--config", str(cfg)]
         return argv
 

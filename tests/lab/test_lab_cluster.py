@@ -196,3 +196,31 @@ def test_demo_tells_the_seed_000_story_in_both_modes_alike():
     assert by_case[("NodePort outside→worker3", "Local")][3] == "my-nginx-2 ← 203.0.113.5"
     assert "172.20.20.16" in by_case[("worker2 → its own NodePort", "Local")][3]
     assert leftovers(name) == []
+
+
+def test_topology_kube_proxy_configuration_reaches_every_agent(tmp_path):
+    topology = tmp_path / "one-node.yaml"
+    topology.write_text("""
+nodes: [{name: solo, ip: 172.20.21.10}]
+pods: [{name: web-1, node: solo, labels: {app: web}}]
+kubeProxyConfiguration:
+  apiVersion: kubeproxy.config.k8s.io/v1alpha1
+  kind: KubeProxyConfiguration
+  iptables: {minSyncPeriod: 3s, masqueradeAll: true}
+""")
+    name = f"tk{os.getpid() % 10000}"
+    try:
+        lab = Lab.up(name, str(topology), mode="iptables")
+        config = json.loads((state.lab_dir(name) / "kube-proxy-config.yaml").read_text())
+        assert config["iptables"] == {"minSyncPeriod": "3s", "masqueradeAll": True}
+        # masqueradeAll reached the agent: its rules masquerade even pod-sourced ClusterIP traffic
+        nat = lab.exec("solo", ["iptables-save", "-t", "nat"]).stdout
+        assert "-A KUBE-SERVICES" in nat
+        lab.apply_manifests(SERVICE.replace("my-nginx", "web"), "test")
+        lab.wait_converged()
+        nat = lab.exec("solo", ["iptables-save", "-t", "nat"]).stdout
+        svc_rule = next(line for line in nat.splitlines() if "10.96.200.10/32" in line and "KUBE-MARK-MASQ" in line)
+        assert "! -s" not in svc_rule, f"masqueradeAll: every source is masqueraded, got {svc_rule}"
+    finally:
+        destroy(name)
+    assert leftovers(name) == []

@@ -37,7 +37,6 @@ from ebpf_proxy.model import ChangeSet, NodeConfig, ProxyState
 log = logging.getLogger(__name__)
 
 DEFAULT_BPFFS = "/sys/fs/bpf"
-DROP_REASONS = tuple(r for r in s.Reason if r.is_drop)
 
 
 class EbpfDatapath(Datapath):
@@ -158,9 +157,8 @@ class EbpfDatapath(Datapath):
             "bpf_ct_entries": self._maps.count("epx_ct4"),
             "bpf_devices": len(self._devices.attached) if self._devices else 0,
         }
-        counters = self._maps.stats()
-        for reason in DROP_REASONS:
-            out[f"bpf_drop_{reason.name.lower().removeprefix('drop_')}"] = counters.get(reason, (0, 0))[0]
+        # Per-reason counters are not here: the agent exports them live, read at scrape time
+        # (ebpf_proxy_datapath_packets_total), not as a snapshot taken after the last sync.
         return out
 
     def counters(self) -> dict[s.Reason, tuple[int, int]]:

@@ -50,6 +50,43 @@ class Reason(enum.IntEnum):
     def is_drop(self) -> bool:
         return self.name.startswith("DROP_")
 
+    @property
+    def description(self) -> str:
+        """What the reason means, in common.h's words (for `ebpf-proxy stats` and the docs)."""
+        return REASON_DESCRIPTIONS[self]
+
+
+# The comment of each enum epx_reason member in common.h, verbatim: whoever reads a counter should
+# get the C author's explanation without opening the C. tests/unit/test_stats_render.py compares
+# the two, so a reworded comment without this mirror fails a test.
+REASON_DESCRIPTIONS: dict[Reason, str] = {
+    Reason.CONTINUE: 'not a verdict: "not mine, go on" between helpers; never counted',
+    Reason.PASS_NOT_IPV4: "not IPv4 (ARP, IPv6, ...): untouched",
+    Reason.PASS_NOT_L4: "IPv4 but neither TCP nor UDP (ICMP, SCTP, ...): untouched",
+    Reason.PASS_NO_SERVICE: "no connection, no service frontend: untouched",
+    Reason.PASS_FRAG_UNKNOWN: "later fragment whose first fragment was not seen here: untouched",
+    Reason.FWD_NEW: "new connection: backend chosen, DNAT",
+    Reason.FWD_ESTABLISHED: "connection table hit: DNAT to the same backend",
+    Reason.SNAT: "masquerade on the way to the backend",
+    Reason.REV_SNAT: "reply of a masqueraded connection: client restored as destination",
+    Reason.REV_DNAT: "reply: frontend restored as source",
+    Reason.REJECT: "no usable endpoint: ICMP port unreachable sent back (kube-proxy REJECT)",
+    Reason.DROP_MALFORMED_IP: "bad version/IHL/total length, truncated IP header",
+    Reason.DROP_MALFORMED_L4: "truncated TCP/UDP header, bad TCP data offset",
+    Reason.DROP_NO_LOCAL_EXTERNAL: "externalTrafficPolicy=Local, from outside, no local endpoint",
+    Reason.DROP_NO_LOCAL_INTERNAL: "internalTrafficPolicy=Local, no local endpoint",
+    Reason.DROP_SOURCE_RANGE: "loadBalancerSourceRanges does not admit the client",
+    Reason.DROP_NO_BACKEND: "slot or backend entry missing (maps mid-update)",
+    Reason.DROP_CT_FAILED: "connection table update failed (kernel error: LRU maps do not fill up)",
+    Reason.DROP_SNAT_NO_ADDR: "masquerade needed but no masquerade address configured",
+    Reason.DROP_SNAT_NO_PORT: "no free masquerade port for this backend",
+    Reason.DROP_NAT_FAILED: "a rewrite or checksum helper failed",
+    Reason.DROP_REJECT_FAILED: "the ICMP reject could not be built",
+    Reason.SOCK_FWD: "socket LB: connect/sendmsg rewritten to a backend",
+    Reason.SOCK_REV: "socket LB: recvmsg source restored to the frontend",
+    Reason.SOCK_REJECT: "socket LB: no usable endpoint, call fails with ECONNREFUSED",
+    Reason.ARP_MASQ: "ARP request announcing 127.0.0.0/8: sender set to the masquerade address",
+}
 
 REASON_MAX = 26
 
