@@ -9,8 +9,10 @@ PYTEST_ARGS ?=
 setup:
 	@scripts/setup.sh
 
+DEMO_ARGS ?=
+
 demo: setup
-	$(CLI) lab demo
+	$(CLI) lab demo $(DEMO_ARGS)
 
 test: setup
 	$(VENV)/bin/lint-imports
