@@ -9,7 +9,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(bpfcc-tools python3-bpfcc libbpfcc clang llvm bpftool libbpf-dev linux-headers-amd64
-              iproute2 iptables nftables conntrack ethtool wrk python3-venv python3-dev gcc)
+              iproute2 iptables nftables conntrack ethtool wrk python3-venv python3-dev gcc
+              procps)  # procps: sysctl, which tests use inside their namespaces
 
 RUNTIME_PACKAGES=(python3 python3-bpfcc libbpfcc bpftool linux-headers-amd64 iproute2 iptables nftables conntrack)
 

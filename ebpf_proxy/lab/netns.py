@@ -194,6 +194,8 @@ def create_netns(name: str) -> None:
     """Create the named netns without forking: the calling thread unshares its netns, bind
     mounts it to /run/netns/NAME and returns to the netns it came from."""
     path = nsexec.netns_path(name)
+    if not os.path.isdir(naming.NETNS_DIR):  # a fresh machine: nothing has made a netns yet
+        _share_netns_dir()
     try:
         os.close(os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0o444))
     except FileExistsError:

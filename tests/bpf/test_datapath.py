@@ -67,7 +67,7 @@ def _attached(lab) -> dict[str, str]:
     """device -> what of ours is on it (tc filters, xdp), as tc/ip show them."""
     out = {}
     for dev in ("vpod", "vbe", "vout"):
-        tc = "".join(subprocess.run(["tc", "-n", lab.ns["node"], "filter", "show", "dev", dev, hook],
+        tc = "".join(subprocess.run([*nsenter(lab.ns["node"]), "tc", "filter", "show", "dev", dev, hook],
                                     capture_output=True, text=True).stdout for hook in ("ingress", "egress"))
         link = subprocess.run([*nsenter(lab.ns["node"]), "ip", "link", "show", dev], capture_output=True, text=True).stdout
         out[dev] = ",".join(x for x, present in (("tc", "epx_" in tc), ("xdp", "xdp_lb" in link)) if present)

@@ -52,7 +52,7 @@ def test_patterns_are_configurable_and_cidrs_may_be_empty():
 def _filters(ns: str, dev: str) -> list[str]:
     out = []
     for hook in ("ingress", "egress"):
-        text = subprocess.run(["tc", "-n", ns, "filter", "show", "dev", dev, hook], capture_output=True, text=True).stdout
+        text = subprocess.run([*nsenter(ns), "tc", "filter", "show", "dev", dev, hook], capture_output=True, text=True).stdout
         out += [f"{hook}:{name}" for name in ("epx_ingress", "epx_egress") if name in text]
     return out
 
@@ -108,6 +108,6 @@ def test_attach_follow_and_detach(datapath):
         assert counts == {"tc_filters": 6, "xdp": 2}
         for dev in ("vpod", "vbe", "vout"):
             assert _filters(node, dev) == [] and not _xdp(node, dev), dev
-        assert "someone-else" in subprocess.run(["tc", "-n", node, "filter", "show", "dev", "vout", "ingress"],
+        assert "someone-else" in subprocess.run([*nsenter(node), "tc", "filter", "show", "dev", "vout", "ingress"],
                                                 capture_output=True, text=True).stdout
         assert run_in_netns(node, devices.detach_all) == {"tc_filters": 0, "xdp": 0}, "idempotent"

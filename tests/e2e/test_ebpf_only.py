@@ -133,7 +133,7 @@ def ours_on(lab, node: str) -> dict[str, str]:
     out = {}
     for link in links:
         dev = link["ifname"]
-        tc = "".join(subprocess.run(["tc", "-n", ns, "filter", "show", "dev", dev, hook], capture_output=True,
+        tc = "".join(subprocess.run([*nsenter(ns), "tc", "filter", "show", "dev", dev, hook], capture_output=True,
                                     text=True).stdout for hook in ("ingress", "egress"))
         xdp = (link.get("xdp") or {}).get("prog", {}).get("name") == "xdp_lb"
         out[dev] = ",".join(what for what, present in (("tc", "epx_" in tc), ("xdp", xdp)) if present)
