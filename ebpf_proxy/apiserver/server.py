@@ -136,6 +136,9 @@ def _int_param(query: dict[str, str], name: str) -> int | None:
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # Headers and body go out in separate writes; with Nagle on, the second waits for the
+    # client's delayed ACK: ~40 ms added to every request.
+    disable_nagle_algorithm = True
     server_version = "ebpf-proxy-apiserver"
     server: _HTTPServer
 

@@ -449,8 +449,10 @@ class Lab:
         else:
             raise LabError(f"agent action {action!r} is not one of start, stop, restart")
 
-    def set_mode(self, mode: str) -> None:
-        """Switch every node's agent in place. Switching cleans the previous mode's state."""
+    def set_mode(self, mode: str, timeout: float = 30.0) -> None:
+        """Switch every node's agent in place. Switching cleans the previous mode's state.
+
+        `timeout` bounds each agent's first sync (10,000 services take far longer than 1)."""
         if mode not in MODES:
             raise LabError(f"mode: {mode!r} is not one of {', '.join(MODES)}")
         previous = {n: a.get("mode") for n, a in self.data["agents"].items()}
@@ -466,7 +468,7 @@ class Lab:
         for node in self.topology.nodes:
             self.start_agent(node.name, mode, wait=False)
         for node in self.topology.nodes:
-            self.wait_agent_ready(node.name)
+            self.wait_agent_ready(node.name, timeout=timeout)
 
     def logs(self, node_name: str, tail: int | None = None) -> str:
         self.topology.node(node_name)

@@ -14,7 +14,9 @@ from collections.abc import Callable, Sequence
 
 Runner = Callable[[Sequence[str], "str | None"], subprocess.CompletedProcess]
 
-COMMAND_TIMEOUT_SECONDS = 60
+# A full restore of 10,000 services (~80,000 rules) takes 20-30 s with the nft backend on 2 cores;
+# the limit only catches a hung command, it must not cut a big restore short.
+COMMAND_TIMEOUT_SECONDS = 300
 _LINE_RE = re.compile(r"line:? (\d+)")
 _QUOTED_RE = re.compile(r"[`'\"]([^`'\"\s]+)'")
 
