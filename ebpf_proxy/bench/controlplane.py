@@ -1,0 +1,194 @@
+"""Control-plane figures: full sync, single-change latency, burst convergence.
+
+Every figure is timed against the kernel (kernelstate), not against what the agent says:
+
+- full sync: restart one node's agent with every Service present and time until its /healthz
+  answers 200, which the agent does only after its first successful sync of everything it
+  listed (so the figure is "start to programmed", process start-up and initial list included).
+  The agent's own first-sync duration (kubeproxy_sync_full_proxy_rules_duration_seconds) is kept
+  beside it, as are the restarted agent's CPU seconds and peak RSS;
+- update latency: move one endpoint of one Service to an address never used before, then poll
+  the node's kernel until that address is programmed. The clock starts before the write is sent;
+  its resolution is one kernel read (recorded per sample as `check_ms`);
+- burst: write 1,000 such changes as fast as the API server takes them (several writers; all
+  changes of one Service by one writer, in order), then poll until the kernel holds the change
+  the server numbered last. The agent watches slices in resourceVersion order and each sync
+  programs everything it has seen, so the last change programmed means all are; that is then
+  verified on a full dump of the kernel's endpoints (and the clock runs on until it holds).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ebpf_proxy.bench import kernelstate, procstat
+from ebpf_proxy.bench.services import NAMESPACE, SERVICE_NAME_LABEL, BenchServices
+from ebpf_proxy.lab import naming
+from ebpf_proxy.lab.cluster import AGENT_HEALTHZ_PORT, AGENT_METRICS_PORT, Lab, LabError
+from ebpf_proxy.lab.nshttp import http_get
+
+FULL_SYNC_METRIC = "kubeproxy_sync_full_proxy_rules_duration_seconds"
+
+
+class ControlPlaneError(RuntimeError):
+    pass
+
+
+def metric_value(text: str, name: str) -> float | None:
+    """The value of an unlabelled sample `name` in Prometheus text format, None if absent."""
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{} "):
+            try:
+                return float(line.rsplit(" ", 1)[1])
+            except ValueError:
+                return None
+    return None
+
+
+def first_sync_seconds(metrics_text: str) -> float | None:
+    """Mean full-sync duration the agent reports (right after start there is one sync: its time)."""
+    total = metric_value(metrics_text, FULL_SYNC_METRIC + "_sum")
+    count = metric_value(metrics_text, FULL_SYNC_METRIC + "_count")
+    if total is None or not count:
+        return None
+    return total / count
+
+
+def wait_until(check: Callable[[], bool], timeout: float, min_interval: float = 0.005) -> tuple[float, int, float]:
+    """Poll `check` until true: (seconds taken, polls, mean seconds per check). ControlPlaneError on timeout."""
+    start = time.monotonic()
+    polls, spent = 0, 0.0
+    while True:
+        t = time.monotonic()
+        ok = check()
+        polls += 1
+        spent += time.monotonic() - t
+        now = time.monotonic()
+        if ok:
+            return now - start, polls, spent / polls
+        if now - start > timeout:
+            raise ControlPlaneError(f"not reached within {timeout:.0f}s ({polls} checks)")
+        time.sleep(min_interval)
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie (an agent that died is not waited for)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _healthy(lab: Lab, node: str) -> bool:
+    status, _ = http_get(naming.node_netns(lab.name, node), f"http://127.0.0.1:{AGENT_HEALTHZ_PORT}/healthz",
+                         timeout=1.0)
+    return status == 200
+
+
+def full_sync(lab: Lab, node: str, mode: str, timeout: float) -> dict[str, Any]:
+    """Restart `node`'s agent in `mode` and time it to healthy; its usage since start, too."""
+    lab.stop_agent(node)
+    start = time.monotonic()
+    pid = lab.start_agent(node, mode, wait=False)
+
+    def ready() -> bool:
+        if not _running(pid):
+            raise ControlPlaneError(f"agent on {node} (pid {pid}) exited")
+        try:
+            return _healthy(lab, node)
+        except LabError as exc:
+            raise ControlPlaneError(str(exc)) from exc
+
+    try:
+        wait_until(ready, timeout, min_interval=0.02)
+    except ControlPlaneError as exc:
+        raise ControlPlaneError(f"agent on {node} ({mode}) not healthy: {exc}; log tail:\n"
+                                + lab.logs(node, tail=10)) from None
+    seconds = time.monotonic() - start
+    usage = procstat.read(pid)
+    status, body = http_get(naming.node_netns(lab.name, node),
+                            f"http://{lab.topology.node(node).ip}:{AGENT_METRICS_PORT}/metrics", timeout=2.0)
+    return {"seconds": round(seconds, 4), "sync_metric_s": first_sync_seconds(body) if status == 200 else None,
+            "pid": pid, "cpu_seconds": round(usage.cpu_seconds, 3), "peak_rss_mib": round(usage.peak_rss_mib, 1)}
+
+
+@dataclass
+class Observer:
+    """Reads one node's kernel for one mode: the hook every latency measurement polls."""
+
+    lab: Lab
+    node: str
+    mode: str
+
+    def has(self, ip: str, port: int, service: str) -> bool:
+        spn = kernelstate.service_port_name(NAMESPACE, service)
+        return kernelstate.kernel_has_endpoint(self.lab, self.node, self.mode, ip, port, spn)
+
+    def endpoints(self) -> set[tuple[str, int]]:
+        return kernelstate.kernel_endpoints(self.lab, self.node, self.mode)
+
+
+def update_latency(services: BenchServices, observer: Observer, changes: int, timeout: float,
+                   settle: float = 0.02, on_sample: Callable[[int, float], None] | None = None) -> list[dict]:
+    """`changes` single-endpoint changes, one at a time: [{"ms", "check_ms", "service"}, ...]."""
+    targets = services.churn_targets()
+    samples = []
+    for k in range(changes):
+        service = targets[(services.next_target_index() + k) % len(targets)]
+        obj, (ip, port) = services.changed_slice(service)
+        start = time.monotonic()
+        services.write(obj)
+        try:
+            _, polls, check = wait_until(lambda: observer.has(ip, port, service), timeout)
+        except ControlPlaneError as exc:
+            raise ControlPlaneError(f"change {k + 1} ({service} -> {ip}:{port}) on {observer.node}: {exc}") from None
+        ms = (time.monotonic() - start) * 1000
+        samples.append({"ms": round(ms, 3), "check_ms": round(check * 1000, 3), "polls": polls, "service": service})
+        if on_sample:
+            on_sample(k, ms)
+        time.sleep(settle)  # let the agent finish its sync before the next change
+    services.advance_targets(changes)
+    return samples
+
+
+def burst(services: BenchServices, observer: Observer, count: int, timeout: float, threads: int = 4) -> dict[str, Any]:
+    """`count` changes written at once; seconds until the kernel holds every final endpoint."""
+    targets = services.churn_targets()
+    per_service: dict[str, list[dict]] = defaultdict(list)
+    final: dict[str, dict] = {}
+    for k in range(count):
+        service = targets[(services.next_target_index() + k) % len(targets)]
+        obj, _ = services.changed_slice(service)
+        services.remember(obj)  # the next change of this service builds on this one
+        final[service] = obj
+        per_service[service].append(obj)
+    # Each change puts a never-used address in; a service's last one is in the kernel only once
+    # that last change is programmed (stale entries a datapath frees lazily do not matter).
+    expected = set().union(*(services.expected_endpoints(o) for o in final.values()))
+
+    def write_all(objs: list[dict]) -> list[tuple[int, dict]]:
+        return [(services.write(obj), obj) for obj in objs]
+
+    start = time.monotonic()
+    written = [w for batch in services.rest.map(write_all, list(per_service.values()), threads=threads) for w in batch]
+    write_seconds = time.monotonic() - start
+    _, last = max(written, key=lambda w: w[0])
+    last_service = last["metadata"]["labels"][SERVICE_NAME_LABEL]
+    last_ip, last_port = last["endpoints"][0]["addresses"][0], last["ports"][0]["port"]
+    try:
+        _, polls, check = wait_until(lambda: observer.has(last_ip, last_port, last_service), timeout)
+        seconds = time.monotonic() - start
+        missing = expected - observer.endpoints()
+        if missing:  # not what the ordering argument promises: wait for the rest, and say so
+            wait_until(lambda: expected <= observer.endpoints(), timeout, min_interval=0.05)
+            seconds = time.monotonic() - start
+    except ControlPlaneError as exc:
+        raise ControlPlaneError(f"burst of {count} changes on {observer.node}: {exc}") from None
+    services.advance_targets(count)
+    return {"seconds": round(seconds, 4), "write_seconds": round(write_seconds, 4), "changes": count,
+            "services": len(final), "polls": polls, "check_ms": round(check * 1000, 3),
+            "missing_when_last_seen": len(missing)}

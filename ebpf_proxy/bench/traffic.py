@@ -1,0 +1,146 @@
+"""Data path points: new TCP connections/s with request latency, and UDP request/response rate.
+
+A point is one (mode, path, protocol) at one size: the load generator runs inside the source's
+netns (a pod, or the client outside the cluster) against the path's address, `repeats` times,
+the first run after a warm-up. Before each point the node namespaces' conntrack tables are
+flushed, so a point never pays for the entries an earlier one left (shared/PLATFORM.md pitfall 6).
+
+Clients open many short connections, so their namespaces get the whole ephemeral port range and
+TIME_WAIT reuse (per-netns sysctls, set on the lab's own namespaces only): without it a few
+seconds at 10k conn/s would exhaust the default 28k ports and measure port exhaustion instead.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ebpf_proxy.bench import loadgen, ports
+from ebpf_proxy.bench.loadgen import LoadResult, LoadSpec
+from ebpf_proxy.lab import nsexec
+from ebpf_proxy.lab.cluster import Lab
+from ebpf_proxy.lab.topology import Topology
+
+CLIENT_POD = "client-1"
+OUTSIDE = "outside"
+ENTRY_NODE = "worker1"  # where the outside client's NodePort traffic enters
+CLIENT_SYSCTLS = {"net.ipv4.ip_local_port_range": "1024 65535", "net.ipv4.tcp_tw_reuse": "1"}
+
+
+@dataclass(frozen=True)
+class Point:
+    metric: str  # "conn_rate" | "udp_rate"
+    path: str  # "clusterip" | "nodeport-cluster" | "nodeport-local" | "direct"
+    mode: str
+    source: str  # the lab place the load generator runs in
+    targets: tuple[str, ...]
+
+    @property
+    def proto(self) -> str:
+        return "tcp" if self.metric == "conn_rate" else "udp"
+
+
+@dataclass(frozen=True)
+class Settings:
+    duration: float
+    warmup: float
+    repeats: int
+    concurrency: int = 16
+    timeout_ms: int = 1000
+
+
+@dataclass
+class PointResult:
+    point: Point
+    runs: list[LoadResult] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # runs that cannot be trusted: the point failed
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.problems)
+
+    def raw(self, services: int) -> dict[str, Any]:
+        """The point as results.json keeps it: every run's full output, plus per-repeat figures."""
+        p = self.point
+        return {
+            "metric": p.metric, "path": p.path, "mode": p.mode, "services": services, "proto": p.proto,
+            "source": p.source, "targets": list(p.targets),
+            "unit": "conn/s" if p.metric == "conn_rate" else "req/s",
+            "values": [round(r.rate, 3) for r in self.runs],
+            "latency_ms": {k: [round(r.latency_ms(k), 3) for r in self.runs] for k in ("p50", "p90", "p99")},
+            "backends": _merge_backends(self.runs),
+            "runs": [r.raw for r in self.runs],
+            "problems": list(self.problems), "notes": list(self.notes), "failed": self.failed,
+        }
+
+
+def _merge_backends(runs: list[LoadResult]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for run in runs:
+        for pod, n in run.backends.items():
+            out[pod] = out.get(pod, 0) + n
+    return out
+
+
+def backend_addresses(topology: Topology) -> list[str]:
+    return [p.ip for p in sorted(topology.pods, key=lambda p: p.name) if p.labels.get("app") == "bench-backend"]
+
+
+def direct_points(topology: Topology) -> list[Point]:
+    """The physical-limit baseline: the client pod straight to both backend pod IPs."""
+    ips = backend_addresses(topology)
+    tcp = tuple(f"{ip}:{ports.tcp_port('direct', ports.DIRECT)}" for ip in ips)
+    udp = tuple(f"{ip}:{ports.udp_port('direct')}" for ip in ips)
+    return [Point("conn_rate", ports.DIRECT, "direct", CLIENT_POD, tcp),
+            Point("udp_rate", ports.DIRECT, "direct", CLIENT_POD, udp)]
+
+
+def proxy_points(mode: str, targets: dict[str, str]) -> list[Point]:
+    """`targets` from services.measured_targets: path -> VIP or node:nodePort."""
+    return [
+        Point("conn_rate", "clusterip", mode, CLIENT_POD, (targets["clusterip"],)),
+        Point("conn_rate", "nodeport-cluster", mode, OUTSIDE, (targets["nodeport-cluster"],)),
+        Point("conn_rate", "nodeport-local", mode, OUTSIDE, (targets["nodeport-local"],)),
+        Point("udp_rate", "clusterip", mode, CLIENT_POD, (targets["udp"],)),
+    ]
+
+
+def prepare_clients(lab: Lab) -> None:
+    for where in (CLIENT_POD, OUTSIDE):
+        for key, value in CLIENT_SYSCTLS.items():
+            nsexec.run(lab.netns_of(where), ["sysctl", "-q", "-w", f"{key}={value}"], check=True)
+
+
+def flush_conntrack(lab: Lab) -> bool:
+    """Empty every node's conntrack table; False (nothing done) when conntrack is not installed."""
+    if shutil.which("conntrack") is None:
+        return False
+    for node in lab.topology.nodes:
+        # exit 1 with "0 flow entries" when the table is empty or conntrack is not loaded there
+        nsexec.run(lab.netns_of(node.name), ["conntrack", "-F"], timeout=30)
+    return True
+
+
+def measure(lab: Lab, point: Point, settings: Settings, binary: Path,
+            on_run: Callable[[int, LoadResult], None] | None = None) -> PointResult:
+    """Run the point: conntrack flushed, warm-up, then `settings.repeats` measured runs.
+
+    A run with more than 1% of its operations failing (timeouts, resets, refusals) makes the point
+    failed: such a rate measures a broken path, not a fast or slow one."""
+    result = PointResult(point)
+    if not flush_conntrack(lab):
+        result.notes.append("conntrack not installed: tables not flushed between points")
+    netns = lab.netns_of(point.source)
+    for i in range(settings.repeats):
+        spec = LoadSpec(point.proto, point.targets, settings.duration,
+                        warmup=settings.warmup if i == 0 else min(settings.warmup, 0.25),
+                        concurrency=settings.concurrency, timeout_ms=settings.timeout_ms)
+        run = loadgen.run(netns, spec, binary)
+        result.runs.append(run)
+        result.problems.extend(f"run {i + 1}: {p}" for p in run.problems())
+        if on_run:
+            on_run(i, run)
+    return result

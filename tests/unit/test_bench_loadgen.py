@@ -1,0 +1,90 @@
+"""The load generator: its output parsing, its command line, and the C program itself on loopback.
+
+The last test compiles loadgen.c with the system cc and runs it for a fraction of a second
+against the lab's real echo server on 127.0.0.1 (no root, no netns): it checks the program and
+the parser agree on the format, and that what answered was our echo server. No timing is
+asserted; only that something completed without errors.
+"""
+
+import json
+import shutil
+import threading
+
+import pytest
+
+from ebpf_proxy.bench import loadgen
+from ebpf_proxy.bench.loadgen import LoadgenError, LoadSpec, parse_output
+from ebpf_proxy.lab.echo import EchoServer, Listen
+
+SAMPLE = {
+    "proto": "tcp", "duration_s": 1.0, "warmup_s": 0.5, "concurrency": 16, "targets": ["10.96.0.10:80"],
+    "started": 1010, "completed": 1000, "rate": 1000.0,
+    "latency_us": {"samples": 1000, "min": 100, "mean": 300.5, "p50": 250, "p90": 500, "p99": 900,
+                   "p999": 1500, "max": 2000},
+    "errors": {"connect": 0, "refused": 0, "reset": 0, "timeout": 0, "eof": 0, "bad_reply": 0, "other": 0},
+    "backends": {"backend-1": 510, "backend-2": 490},
+}
+
+
+def test_parse_output():
+    res = parse_output("warming up\n" + json.dumps(SAMPLE) + "\n")
+    assert res.rate == 1000.0 and res.completed == 1000
+    assert res.latency_ms("p99") == pytest.approx(0.9)
+    assert res.backends == {"backend-1": 510, "backend-2": 490}
+    assert res.problems() == []
+    assert res.raw == SAMPLE
+
+
+@pytest.mark.parametrize("text", ["", "not json", "[1, 2]", json.dumps({"proto": "tcp"}),
+                                  json.dumps({**SAMPLE, "latency_us": {"p50": 1}})])
+def test_parse_output_rejects_garbage(text):
+    with pytest.raises(LoadgenError):
+        parse_output(text)
+
+
+def test_problems_flag_errors_and_empty_runs():
+    errors = dict(SAMPLE["errors"], timeout=50)
+    assert parse_output(json.dumps({**SAMPLE, "errors": errors})).problems()
+    assert parse_output(json.dumps({**SAMPLE, "completed": 0})).problems()
+    few = dict(SAMPLE["errors"], reset=1)  # 1 error in 1001: within the 1% a point may lose
+    assert parse_output(json.dumps({**SAMPLE, "errors": few})).problems() == []
+
+
+def test_argv():
+    spec = LoadSpec("udp", ("10.0.0.1:53", "10.0.0.2:53"), duration=2, warmup=0.5, concurrency=8, timeout_ms=200)
+    argv = spec.argv("/bin/loadgen")
+    assert argv[:3] == ["/bin/loadgen", "--proto", "udp"]
+    assert argv.count("--target") == 2 and "10.0.0.2:53" in argv
+    assert argv[argv.index("--duration") + 1] == "2"
+    assert spec.deadline > 2.5
+    with pytest.raises(ValueError):
+        LoadSpec("sctp", ("1.2.3.4:1",), 1).argv("x")
+    with pytest.raises(ValueError):
+        LoadSpec("tcp", (), 1).argv("x")
+
+
+@pytest.fixture
+def echo():
+    server = EchoServer("lg-test", [Listen(0, "tcp"), Listen(0, "udp")], host="127.0.0.1")
+    server.bind()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield {proto: port for _host, port, proto in server.addresses}
+    server.stop()
+    thread.join(5)
+    server.close()
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+@pytest.mark.parametrize("proto", ["tcp", "udp"])
+def test_compiled_loadgen_against_the_echo_server(tmp_path, echo, proto):
+    binary = loadgen.build(directory=tmp_path)
+    assert loadgen.build(directory=tmp_path) == binary  # cached by the source's hash
+    spec = LoadSpec(proto, (f"127.0.0.1:{echo[proto]}",), duration=0.3, warmup=0.1, concurrency=4)
+    res = loadgen.run(None, spec, binary)
+    assert res.proto == proto
+    assert res.completed > 0 and res.rate > 0
+    assert res.error_count == 0
+    assert set(res.backends) == {"lg-test"}
+    assert sum(res.backends.values()) == res.completed
+    assert 0 < res.latency_us["p50"] <= res.latency_us["p99"] <= res.latency_us["max"]

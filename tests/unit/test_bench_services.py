@@ -1,0 +1,152 @@
+"""The bench's Services and EndpointSlices, against a fake API server (no lab)."""
+
+import threading
+
+import pytest
+
+from ebpf_proxy.bench import ports
+from ebpf_proxy.bench.rest import RestError, object_path
+from ebpf_proxy.bench.runner import TOPOLOGY
+from ebpf_proxy.bench.services import (BenchServices, CHURN_RANGE, FILLER_RANGE, filler_name, filler_slice,
+                                       measured_targets, range_address, service_object, slice_object)
+from ebpf_proxy.lab.topology import load_topology
+
+
+class FakeRest:
+    """Enough of bench.rest.Rest: objects in a dict, allocations like the lab's server."""
+
+    def __init__(self):
+        self.objects = {}
+        self.lock = threading.Lock()
+        self.writes = []
+        self.next_ip = 10
+        self.next_node_port = 30000
+        self.rv = 100
+
+    def _key(self, obj):
+        return obj["kind"], obj["metadata"]["name"]
+
+    def create(self, obj):
+        with self.lock:
+            key = self._key(obj)
+            if key in self.objects:
+                raise RestError("POST", "x", 409, "exists")
+            obj = {**obj, "spec": dict(obj.get("spec", {}))} if obj["kind"] == "Service" else obj
+            if obj["kind"] == "Service":
+                obj["spec"]["clusterIP"] = f"10.96.0.{self.next_ip}"
+                self.next_ip += 1
+                if obj["spec"]["type"] == "NodePort":
+                    obj["spec"]["ports"] = [{**obj["spec"]["ports"][0], "nodePort": self.next_node_port}]
+                    self.next_node_port += 1
+            self.objects[key] = obj
+            self.writes.append(("create", key))
+            return obj
+
+    def replace(self, obj):
+        with self.lock:
+            key = self._key(obj)
+            if key not in self.objects:
+                raise RestError("PUT", "x", 404, "not found")
+            self.objects[key] = obj
+            self.writes.append(("replace", key))
+            self.rv += 1
+            return {**obj, "metadata": {**obj["metadata"], "resourceVersion": str(self.rv)}}
+
+    def get(self, kind, name, namespace="default"):
+        return self.objects.get((kind, name))
+
+    def delete(self, kind, name, namespace="default"):
+        with self.lock:
+            return self.objects.pop((kind, name), None) is not None
+
+    def delete_by_label(self, kind, selector, namespace="default"):
+        with self.lock:
+            for key in [k for k, o in self.objects.items() if k[0] == kind and selector in o["metadata"]["labels"]]:
+                del self.objects[key]
+
+    def map(self, fn, items, threads=4):
+        return [fn(i) for i in items]
+
+    def count(self, kind, prefix=""):
+        return sum(1 for k in self.objects if k[0] == kind and k[1].startswith(prefix))
+
+
+@pytest.fixture
+def bench_services():
+    rest = FakeRest()
+    return rest, BenchServices(rest, load_topology(str(TOPOLOGY)), per_service=2)
+
+
+def test_objects_have_the_shape_the_agent_reads():
+    svc = service_object("s", "filler", svc_type="NodePort", etp="Local")
+    assert svc["spec"]["externalTrafficPolicy"] == "Local" and "selector" not in svc["spec"]
+    sl = slice_object("s", "filler", [("100.64.0.1", "worker1")], 7000)
+    assert sl["metadata"]["labels"]["kubernetes.io/service-name"] == "s"
+    assert sl["endpoints"][0]["conditions"]["ready"] is True
+    assert sl["ports"] == [{"name": "", "port": 7000, "protocol": "TCP"}]
+    assert object_path("EndpointSlice", "default", "x") == \
+        "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices/x"
+    assert object_path("Node", None) == "/api/v1/nodes"
+
+
+def test_filler_endpoints_are_all_distinct():
+    addrs = [e["addresses"][0] for i in range(300) for e in filler_slice(i, 3, ["a", "b"])["endpoints"]]
+    assert len(set(addrs)) == 900
+    assert range_address(FILLER_RANGE, 0) == "100.64.0.1"
+    with pytest.raises(ValueError):
+        range_address(CHURN_RANGE, CHURN_RANGE.num_addresses)
+
+
+def test_sizes_count_the_measured_services(bench_services):
+    rest, svc = bench_services
+    stats = svc.ensure_size(1)
+    assert stats.services == len(ports.MEASURED_SERVICES) and stats.created == 0
+    assert rest.count("Service") == len(ports.MEASURED_SERVICES)
+    stats = svc.ensure_size(100)
+    assert stats.created == 95 and rest.count("Service") == 100 and rest.count("EndpointSlice") == 100
+    assert rest.count("Service", "bench-f") == 95
+    stats = svc.ensure_size(50)
+    assert stats.deleted == 50 and rest.count("Service") == 50 and rest.count("EndpointSlice") == 50
+    svc.remove_all()
+    assert not rest.objects
+
+
+def test_measured_services_follow_the_mode(bench_services):
+    rest, svc = bench_services
+    svc.install_measured()
+    empty = rest.get("EndpointSlice", "bench-clusterip-bench")
+    assert empty["endpoints"] == []
+    svc.point_at_mode("iptables")
+    sl = rest.get("EndpointSlice", "bench-np-local-bench")
+    assert sl["ports"][0]["port"] == ports.tcp_port("iptables", "nodeport-local")
+    assert {e["addresses"][0] for e in sl["endpoints"]} == {"10.244.1.10", "10.244.2.10"}
+    assert {e["nodeName"] for e in sl["endpoints"]} == {"worker1", "worker2"}
+    udp = rest.get("EndpointSlice", "bench-udp-bench")
+    assert udp["ports"][0] == {"name": "", "port": ports.udp_port("iptables"), "protocol": "UDP"}
+    targets = measured_targets(svc.measured, svc.topology, "worker1")
+    assert targets["clusterip"].endswith(":80") and targets["udp"].endswith(":53")
+    assert targets["nodeport-cluster"].startswith("172.20.20.15:30")
+
+
+def test_changes_use_fresh_addresses_and_chain(bench_services):
+    rest, svc = bench_services
+    svc.ensure_size(10)
+    assert svc.churn_targets() == [filler_name(i) for i in range(5)]
+    name = filler_name(0)
+    first, (ip1, port1) = svc.changed_slice(name)
+    assert first["endpoints"][0]["addresses"] == [ip1] and port1 == ports.FILLER_PORT
+    assert first["endpoints"][1] == filler_slice(0, 2, ["worker1", "worker2"])["endpoints"][1]
+    svc.write(first)
+    assert rest.get("EndpointSlice", f"{name}-bench")["endpoints"][0]["addresses"] == [ip1]
+    second, (ip2, _) = svc.changed_slice(name)
+    assert ip2 != ip1 and second["endpoints"][1] == first["endpoints"][1]
+    assert svc.expected_endpoints(second) == {(ip2, port1), (first["endpoints"][1]["addresses"][0], port1)}
+
+
+def test_without_fillers_the_churn_service_changes(bench_services):
+    rest, svc = bench_services
+    svc.ensure_size(1)
+    assert svc.churn_targets() == [ports.SVC_CHURN]
+    obj, (ip, _) = svc.changed_slice(ports.SVC_CHURN)
+    svc.write(obj)
+    assert rest.get("EndpointSlice", "bench-churn-bench")["endpoints"][0]["addresses"] == [ip]
