@@ -6,8 +6,11 @@ when nothing changes. So:
 
 - `request()` asks for a sync as soon as allowed: syncs *start* at least `min_interval` apart, so
   a burst of 1,000 changes becomes one sync now plus one sync `min_interval` later;
-- a *full* sync runs at least every `max_interval` (kube-proxy's --sync-period), whether or not
-  anything changed, which repairs anything that drifted;
+- a sync runs at least every `max_interval` (kube-proxy's --sync-period) even when nothing
+  changed; it is a *partial* one (only what changed, usually nothing), as in kube-proxy;
+- a *full* sync (everything re-rendered and re-written, repairing anything that drifted) runs at
+  least every `full_interval` (kube-proxy's fullSyncPeriod, one hour): at 10,000 services a full
+  iptables restore takes over a minute on 2 cores, so it cannot be the 30-second tick;
 - a failed sync is retried after a backoff (doubling from `retry_initial`, capped at
   `max_interval`), and the retry and every sync until one succeeds are full.
 
@@ -26,21 +29,29 @@ from typing import Callable
 log = logging.getLogger(__name__)
 
 
+FULL_SYNC_PERIOD = 3600.0  # kube-proxy's iptables proxier: fullSyncPeriod = 1 * time.Hour
+
+
 class MonotonicClock:
     def now(self) -> float:
         return time.monotonic()
 
 
 class BoundedFrequencyRunner:
-    """Calls `fn(full)` no more often than `min_interval`, at least every `max_interval`."""
+    """Calls `fn(full)` no more often than `min_interval`, at least every `max_interval`, with
+    `full` true at least every `full_interval`."""
 
     def __init__(self, fn: Callable[[bool], None], min_interval: float, max_interval: float, *,
-                 clock: MonotonicClock | None = None, retry_initial: float = 1.0, name: str = "sync") -> None:
+                 clock: MonotonicClock | None = None, retry_initial: float = 1.0, name: str = "sync",
+                 full_interval: float = FULL_SYNC_PERIOD) -> None:
         if max_interval <= 0:
             raise ValueError(f"{name}: max_interval must be > 0, got {max_interval}")
+        if full_interval <= 0:
+            raise ValueError(f"{name}: full_interval must be > 0, got {full_interval}")
         self.fn = fn
         self.min_interval = max(0.0, min_interval)
         self.max_interval = max_interval
+        self.full_interval = full_interval
         self.clock = clock or MonotonicClock()
         self.retry_initial = max(retry_initial, self.min_interval, 1e-3)
         self.name = name
@@ -80,7 +91,7 @@ class BoundedFrequencyRunner:
         if self._retry_at is not None:
             return self._retry_at  # failing: only the backoff decides
         earliest = -math.inf if self._last_start is None else self._last_start + self.min_interval
-        periodic = -math.inf if self._last_full is None else self._last_full + self.max_interval
+        periodic = -math.inf if self._last_start is None else self._last_start + self.max_interval
         due = earliest if self._requested else periodic
         return max(due, earliest)
 
@@ -91,7 +102,7 @@ class BoundedFrequencyRunner:
             if self._stopped or now < self._due_at_locked():
                 return False
             full = (self._need_full or self._last_full is None
-                    or now - self._last_full >= self.max_interval)
+                    or now - self._last_full >= self.full_interval)
             self._requested = False
             self._last_start = now
         try:

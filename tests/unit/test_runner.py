@@ -87,15 +87,27 @@ def test_burst_of_a_thousand_changes_becomes_a_handful_of_syncs():
     assert all(b - a >= 1.0 - 1e-9 for a, b in zip(starts, starts[1:]))
 
 
-def test_periodic_full_resync_without_changes():
+def test_periodic_sync_without_changes_is_partial_and_full_comes_hourly():
     runner, clock, rec = make(min_interval=1.0, max_interval=30.0)
     drive(runner, clock, 95.0)
-    assert [full for _, full in rec.calls] == [True, True, True, True]
     assert [t - 100.0 for t, _ in rec.calls] == pytest.approx([0.0, 30.0, 60.0, 90.0])
+    assert [full for _, full in rec.calls] == [True, False, False, False]
+    drive(runner, clock, 3600.0)
+    fulls = [t - 100.0 for t, full in rec.calls if full]
+    assert fulls == pytest.approx([0.0, 3600.0])  # kube-proxy's fullSyncPeriod
+
+
+def test_periodic_tick_counts_from_the_last_sync_of_any_kind():
+    runner, clock, rec = make(min_interval=1.0, max_interval=30.0)
+    runner.run_if_due()
+    clock.advance(20.0)
+    runner.request()
+    runner.run_if_due()
+    assert runner.due_at() == pytest.approx(150.0)  # 30 s after the change's sync, not the first
 
 
 def test_partial_syncs_do_not_postpone_the_full_resync():
-    runner, clock, rec = make(min_interval=1.0, max_interval=10.0)
+    runner, clock, rec = make(min_interval=1.0, max_interval=10.0, full_interval=10.0)
     runner.run_if_due()
     for _ in range(12):  # a change every second
         clock.advance(1.0)
