@@ -234,7 +234,8 @@ class Agent:
             "masquerade_all": self.node_config.masquerade_all,
             "localhost_nodeports": self.node_config.localhost_nodeports})
         self.datapath = self._datapath_factory(self.mode, self.node_config, cgroup_path=self.config.cgroup_path or None,
-                                               bpffs=self.config.bpffs or None)
+                                               bpffs=self.config.bpffs or None,
+                                               backend=self.config.iptables_backend or None)
         self.metrics.set_datapath(self.mode)
         self.metrics.read_counters_from(self.datapath)
         hosts = self.node_config.node_ips if self.node_config.nodeport_addresses else ("0.0.0.0",)

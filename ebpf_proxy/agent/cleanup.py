@@ -10,6 +10,7 @@ failed: it cannot have installed anything from this installation either.
 from __future__ import annotations
 
 import logging
+import shutil
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -33,26 +34,36 @@ class CleanupResult:
         return f"{self.mode}: {self.outcome}" + (f" ({self.detail})" if self.detail else "")
 
 
+def _variants(modes: tuple[str, ...]) -> list[tuple[str, str, dict[str, str]]]:
+    """(mode, label, extra options): the iptables mode once per installed backend, since rules
+    left in either one (an earlier run may have picked the other) keep acting on packets."""
+    out: list[tuple[str, str, dict[str, str]]] = []
+    for mode in modes:
+        backends = [b for b in ("legacy", "nft") if shutil.which(f"iptables-{b}-restore")] if mode == "iptables" else []
+        out += [(mode, f"{mode} ({b})", {"backend": b}) for b in backends] or [(mode, mode, {})]
+    return out
+
+
 def cleanup_all(node_name: str, modes: tuple[str, ...] = KERNEL_MODES,
                 factory: Callable[..., Datapath] = create_datapath, **opts: Any) -> list[CleanupResult]:
     """Run `cleanup()` of each mode's datapath; one result per mode, never raises."""
     node = NodeConfig(node_name=node_name)
     results = []
-    for mode in modes:
+    for mode, label, extra in _variants(modes):
         try:
-            datapath = factory(mode, node, **opts)
+            datapath = factory(mode, node, **opts, **extra)
         except DatapathUnavailable as exc:
-            results.append(CleanupResult(mode, "skipped", str(exc)))
+            results.append(CleanupResult(label, "skipped", str(exc)))
             continue
         except Exception as exc:
-            results.append(CleanupResult(mode, "failed", f"cannot create the datapath: {exc}"))
+            results.append(CleanupResult(label, "failed", f"cannot create the datapath: {exc}"))
             continue
         try:
             datapath.cleanup()
         except Exception as exc:
-            results.append(CleanupResult(mode, "failed", str(exc)))
+            results.append(CleanupResult(label, "failed", str(exc)))
         else:
-            results.append(CleanupResult(mode, "cleaned"))
+            results.append(CleanupResult(label, "cleaned"))
         finally:
             try:
                 datapath.close()

@@ -52,6 +52,7 @@ class AgentConfig:
     mode: str = "auto"
     cgroup_path: str = ""
     bpffs: str = "/sys/fs/bpf"
+    iptables_backend: str = "auto"
     log_format: str = "text"
     log_level: str = "info"
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)  # attr → flag/field name
@@ -215,6 +216,7 @@ _FIELDS: dict[str, _Field] = {
     "mode": _Field("--mode", (("mode",),), _mode),
     "cgroup_path": _Field("--cgroup-path", (), _string),
     "bpffs": _Field("--bpffs", (), _string),
+    "iptables_backend": _Field("--iptables-backend", (), _choice(("auto", "legacy", "nft"))),
     "log_format": _Field("--log-format", (), _choice(LOG_FORMATS)),
     "log_level": _Field("--log-level", (), _choice(LOG_LEVELS)),
 }

@@ -77,12 +77,15 @@ def iptables_endpoints(save_text: str) -> set[tuple[str, int]]:
 
 
 def iptables_save(lab: Lab, node: str, table: str | None = None) -> str:
-    return _run(lab, node, ["iptables-save"] + (["-t", table] if table else []))
+    return lab.iptables_save(node, table)
 
 
 def iptables_chain(lab: Lab, node: str, table: str, chain: str) -> str | None:
     """`iptables -S CHAIN` of one chain; None when the chain does not exist."""
-    done = nsexec.run(lab.netns_of(node), ["iptables", "-w", "-t", table, "-S", chain], timeout=30)
+    for iptables in ("iptables-legacy", "iptables-nft"):  # whichever backend the agent picked
+        done = nsexec.run(lab.netns_of(node), [iptables, "-w", "-t", table, "-S", chain], timeout=30)
+        if done.returncode == 0:
+            break
     if done.returncode != 0:
         # iptables-nft 1.8.9 says "chain `X' in table `nat' is incompatible" for a chain that does
         # not exist; older versions and the legacy backend say "No chain/target/match".

@@ -61,6 +61,8 @@ def _bool_flag(*names: str, help: str):  # noqa: A002 (click's name)
               help="cgroup v2 directory whose sockets get eBPF socket load-balancing (ebpf mode).")
 @click.option("--bpffs", default=None, type=click.Path(file_okay=False),
               help="bpffs mount for pinned maps (default /sys/fs/bpf).")
+@click.option("--iptables-backend", default=None, metavar="auto|legacy|nft",
+              help="iptables mode: which backend (auto: the one already holding rules, else legacy).")
 @click.option("--log-format", default=None, metavar="|".join(LOG_FORMATS), help="text (default) or json.")
 @click.option("--log-level", default=None, metavar="|".join(LOG_LEVELS), help="debug, info (default), warning, error.")
 def run(config_file: str | None, **flags: str | None) -> None:

@@ -330,6 +330,16 @@ class Lab:
     def exec(self, where: str, argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
         return nsexec.run(self.netns_of(where), argv, cgroup=self.cgroup_of(where), **kwargs)
 
+    def iptables_save(self, where: str, table: str | None = None) -> str:
+        """iptables-save of both backends inside WHERE (the agent picks legacy or nft: see
+        datapath/iptables/backend.py), so a reader never misses rules kept in the other one."""
+        out = []
+        for save in ("iptables-legacy-save", "iptables-nft-save"):
+            done = self.exec(where, [save] + (["-t", table] if table else []), check=False)
+            if done.returncode == 0:
+                out.append(done.stdout)
+        return "".join(out)
+
     def probe(self, where: str, target: str, count: int = 1, source_ip: str | None = None,
               timeout: float = 1.0):
         from ebpf_proxy.lab.probe import probe

@@ -273,7 +273,7 @@ def test_zz_mode_switch_leaves_nothing_of_the_other_mode(lab):
         lab.set_mode("ebpf")
         lab.wait_converged()
     for node in nodes:
-        saved = lab.exec(node, ["iptables-save"], check=True).stdout
+        saved = lab.iptables_save(node)
         assert "KUBE-" not in saved, f"{node}: iptables chains left in ebpf mode"
         on = ours_on(lab, node)
         assert on["eth0"] == "tc,xdp" and all(v == "tc" for d, v in on.items() if d.startswith("lxc")), on

@@ -219,11 +219,11 @@ kubeProxyConfiguration:
         config = json.loads((state.lab_dir(name) / "kube-proxy-config.yaml").read_text())
         assert config["iptables"] == {"minSyncPeriod": "3s", "masqueradeAll": True}
         # masqueradeAll reached the agent: its rules masquerade even pod-sourced ClusterIP traffic
-        nat = lab.exec("solo", ["iptables-save", "-t", "nat"]).stdout
+        nat = lab.iptables_save("solo", "nat")
         assert "-A KUBE-SERVICES" in nat
         lab.apply_manifests(SERVICE.replace("my-nginx", "web"), "test")
         lab.wait_converged()
-        nat = lab.exec("solo", ["iptables-save", "-t", "nat"]).stdout
+        nat = lab.iptables_save("solo", "nat")
         svc_rule = next(line for line in nat.splitlines() if "10.96.200.10/32" in line and "KUBE-MARK-MASQ" in line)
         assert "! -s" not in svc_rule, f"masqueradeAll: every source is masqueraded, got {svc_rule}"
     finally:

@@ -129,7 +129,7 @@ def test_first_sync_programs_the_listed_state(agent_parts):
     listed(agent, services=[web_service(), service("broken", cluster_ip="not-an-ip")],
            slices=[web_slice(endpoint("10.244.1.5", NODE), endpoint("10.244.2.6", "n2"))], nodes=[node(NODE)])
     dp = agent.prepare_datapath()
-    assert dp.opts == {"mode": "iptables", "cgroup_path": None, "bpffs": "/sys/fs/bpf"}
+    assert dp.opts == {"mode": "iptables", "cgroup_path": None, "bpffs": "/sys/fs/bpf", "backend": "auto"}
     assert agent.node_config == NodeConfig(node_name=NODE, node_ips=("192.168.1.10", "10.244.1.1"),
                                            cluster_cidrs=("10.244.0.0/16",))
     assert agent.runner.run_if_due()
@@ -455,7 +455,8 @@ def test_auto_mode_picks_ebpf_when_the_probe_passes_and_the_datapath_exists(monk
     assert resolve_auto_mode() == "iptables"
 
 
-def test_cleanup_reports_each_mode():
+def test_cleanup_reports_each_mode(monkeypatch):
+    monkeypatch.setattr(agent_cleanup.shutil, "which", lambda name: f"/usr/sbin/{name}")
     cleaned = []
 
     class Cleans(FakeDatapath):
@@ -470,14 +471,15 @@ def test_cleanup_reports_each_mode():
             dp.cleanup = lambda: (_ for _ in ()).throw(RuntimeError("iptables-restore: exit 4"))
             return dp
         dp = Cleans(node)
-        dp.mode_name = mode
+        dp.mode_name = f"{mode}/{opts.get('backend')}"
         return dp
 
     results = agent_cleanup.cleanup_all(NODE, modes=("ebpf", "iptables", "broken"), factory=factory)
-    assert [(r.mode, r.outcome) for r in results] == [("ebpf", "skipped"), ("iptables", "cleaned"),
-                                                       ("broken", "failed")]
-    assert cleaned == ["iptables"]
-    assert results[2].line() == "broken: failed (iptables-restore: exit 4)"
+    # iptables once per installed backend: rules left in either keep acting on packets
+    assert [(r.mode, r.outcome) for r in results] == [("ebpf", "skipped"), ("iptables (legacy)", "cleaned"),
+                                                       ("iptables (nft)", "cleaned"), ("broken", "failed")]
+    assert cleaned == ["iptables/legacy", "iptables/nft"]
+    assert results[3].line() == "broken: failed (iptables-restore: exit 4)"
 
 
 @pytest.mark.parametrize("outcomes,code", [(["cleaned", "skipped"], 0), (["cleaned", "failed"], 1)])

@@ -20,7 +20,8 @@ from collections.abc import Sequence
 
 from ebpf_proxy.datapath.base import Datapath, SyncResult
 from ebpf_proxy.datapath.iptables import chains as ch
-from ebpf_proxy.datapath.iptables.apply import IptablesCommands, Runner
+from ebpf_proxy.datapath.iptables.apply import IptablesCommands, Runner, run_command
+from ebpf_proxy.datapath.iptables.backend import commands as backend_commands
 from ebpf_proxy.datapath.iptables.conntrack import ConntrackCleaner, stale_filters
 from ebpf_proxy.datapath.iptables.render import (
     RenderContext,
@@ -46,12 +47,21 @@ TCP_BE_LIBERAL = "net.netfilter.nf_conntrack_tcp_be_liberal"
 _MAX_DUPLICATE_JUMPS = 100  # bound on deleting the same jump rule repeatedly in cleanup()
 
 
+def _status_and_output(runner: Runner, cmd: Sequence[str]) -> tuple[int, str]:
+    try:
+        result = runner(cmd, None)
+    except OSError as exc:  # not installed, not executable
+        return 1, str(exc)
+    return result.returncode, result.stdout or ""
+
+
 class IptablesDatapath(Datapath):
     """kube-proxy's iptables mode behind the Datapath interface.
 
     `netns` runs every command (and the conntrack socket) in that named network namespace,
     through `nsenter --net` (no mount-namespace games, unlike `ip netns exec`); `command_prefix` overrides that prefix for the commands. The
-    command tuples choose the iptables flavour (e.g. `("iptables-legacy-restore",)`).
+    command tuples choose the iptables flavour (e.g. `("iptables-legacy-restore",)`); without them,
+    `backend` (auto, legacy, nft, default) does, auto as kube-proxy's iptables-wrapper (backend.py).
     `runner` and `conntrack` are injectable for tests.
     """
 
@@ -61,9 +71,10 @@ class IptablesDatapath(Datapath):
         self,
         node: NodeConfig,
         *,
-        iptables_restore: Sequence[str] = ("iptables-restore",),
-        iptables_save: Sequence[str] = ("iptables-save",),
-        iptables: Sequence[str] = ("iptables",),
+        iptables_restore: Sequence[str] | None = None,
+        iptables_save: Sequence[str] | None = None,
+        iptables: Sequence[str] | None = None,
+        backend: str | None = None,
         netns: str | None = None,
         command_prefix: Sequence[str] | None = None,
         conntrack: ConntrackCleaner | None = None,
@@ -73,6 +84,14 @@ class IptablesDatapath(Datapath):
         RenderContext.for_node(node)  # fail at construction on a config the renderer cannot express
         if command_prefix is None:
             command_prefix = ("nsenter", f"--net=/run/netns/{netns}") if netns else ()
+        if iptables_restore is None or iptables_save is None or iptables is None:
+            # an injected runner (tests) gets the system's plain commands unless told otherwise
+            chosen = backend or ("default" if runner is not None else "auto")
+            found = backend_commands(chosen, lambda cmd: _status_and_output(runner or run_command, cmd),
+                                     command_prefix)
+            iptables_restore = iptables_restore or found["iptables_restore"]
+            iptables_save = iptables_save or found["iptables_save"]
+            iptables = iptables or found["iptables"]
         self._cmd = IptablesCommands(
             iptables=iptables,
             iptables_save=iptables_save,
