@@ -187,6 +187,12 @@ struct ct4_key {
 #define CT4_F_CLOSING 0x04    /* TCP FIN or RST seen: closing timeout applies */
 #define CT4_F_SOCK_MASQ 0x08  /* a node socket masqueraded on egress (nat4_masq_local): no packet of it
 			       * crosses lb4_forward, so the SNAT halves keep it alive */
+/* TCP close tracking (ct4_tcp_state): when may a masquerade port be handed to a new connection? */
+#define CT4_F_FIN_ORIG 0x10   /* the client sent FIN */
+#define CT4_F_FIN_REPLY 0x20  /* the backend sent FIN */
+#define CT4_F_TIME_WAIT 0x40  /* the backend closed first: it keeps the tuple in TIME_WAIT (60 s) */
+#define CT4_F_DONE 0x80       /* over, and the backend holds nothing of it (RST, or it closed second
+			       * and the client acknowledged its FIN): its masquerade port is free */
 
 struct ct4_entry {
 	__u64 expires;    /* CT4_SVC: bpf_ktime_get_ns() deadline */

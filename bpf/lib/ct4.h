@@ -8,6 +8,20 @@
  * Lifetimes follow nf_conntrack's shape (seconds from epx_config): TCP before the first reply,
  * established, and after FIN/RST; UDP before and after the first reply. Every packet of the
  * connection, in either direction, pushes the deadline forward.
+ *
+ * Masquerade ports. A port toward one backend ip:port is busy while its connection lives, and a
+ * TCP connection lives tcp_close_timeout (10 s) past its last FIN, like conntrack's. Holding the
+ * port that long caps masquerade at ~450 new connections/s per backend (4536 ports / 10 s): at
+ * higher rates the allocator ran out and dropped SYNs (SNAT_NO_PORT), each one a client stalled
+ * for a 1 s SYN retransmit. So the close is tracked (ct4_tcp_state), and the port follows what
+ * the backend still holds, not the entry's lifetime:
+ *   - DONE (RST seen, or the client closed first and acknowledged the backend's FIN): the backend
+ *     has no socket left for the tuple, the port is free at once;
+ *   - TIME_WAIT (the backend closed first): the backend keeps the tuple 60 s, and a SYN into it
+ *     is refused unless its sequence number or timestamp is newer (PAWS). The entry lives that
+ *     long and the port is reused only when no other is free (as conntrack lets a new SYN reopen
+ *     a TIME_WAIT tuple), never dropped for it;
+ *   - any other live connection keeps its port: no free one among the probes is SNAT_NO_PORT.
  */
 #ifndef EPX_CT4_H
 #define EPX_CT4_H
@@ -16,6 +30,12 @@
 
 #define EPX_NSEC_PER_SEC 1000000000ULL
 #define CT4_SNAT_TRIES 8 /* random start, then linear probing, like MASQUERADE --random-fully */
+#define CT4_TIME_WAIT_SECS 60 /* Linux's TCP_TIMEWAIT_LEN: how long a backend that closed first keeps the tuple */
+
+/* What a masquerade port's current holder still needs it for (ct4_snat_port_use). */
+#define CT4_PORT_FREE 0      /* no live connection, or one the backend forgot (DONE) */
+#define CT4_PORT_TIME_WAIT 1 /* the backend may still hold the tuple in TIME_WAIT: reuse as a last resort */
+#define CT4_PORT_BUSY 2      /* a live connection */
 
 static __always_inline struct ct4_key ct4_key_make(__be32 saddr, __be32 daddr, __be16 sport, __be16 dport, __u8 proto,
 						   __u8 kind)
@@ -31,9 +51,12 @@ static __always_inline __u64 ct4_lifetime_ns(const struct lb4_config *cfg, __u8 
 	__u32 secs;
 
 	if (proto == IPPROTO_TCP) {
-		if (flags & CT4_F_CLOSING)
+		if (flags & CT4_F_CLOSING) {
 			secs = cfg->tcp_close_timeout;
-		else if (flags & CT4_F_SEEN_REPLY)
+			/* keep the port out of the way while the backend's TIME_WAIT lasts */
+			if ((flags & (CT4_F_TIME_WAIT | CT4_F_DONE)) == CT4_F_TIME_WAIT && secs < CT4_TIME_WAIT_SECS)
+				secs = CT4_TIME_WAIT_SECS;
+		} else if (flags & CT4_F_SEEN_REPLY)
 			secs = cfg->tcp_est_timeout;
 		else
 			secs = cfg->tcp_syn_timeout;
@@ -41,6 +64,25 @@ static __always_inline __u64 ct4_lifetime_ns(const struct lb4_config *cfg, __u8 
 		secs = (flags & CT4_F_SEEN_REPLY) ? cfg->udp_stream_timeout : cfg->udp_timeout;
 	}
 	return (__u64)secs * EPX_NSEC_PER_SEC;
+}
+
+/* TCP close tracking: `flags` after a segment with TCP flags `tcp`, from the backend (`reply`) or
+ * from the client. See the header comment for what DONE and TIME_WAIT mean to the port. */
+static __always_inline __u8 ct4_tcp_state(__u8 flags, __u8 tcp, int reply)
+{
+	if (tcp & EPX_TCP_RST)
+		return flags | CT4_F_CLOSING | CT4_F_DONE;
+	if (tcp & EPX_TCP_FIN) {
+		flags |= CT4_F_CLOSING | (reply ? CT4_F_FIN_REPLY : CT4_F_FIN_ORIG);
+		if (reply && !(flags & CT4_F_FIN_ORIG))
+			flags |= CT4_F_TIME_WAIT; /* the backend is the active closer */
+		return flags;
+	}
+	/* the client closed first and now acknowledges the backend's FIN: the backend's LAST_ACK ends */
+	if (!reply && (tcp & EPX_TCP_ACK) && (flags & (CT4_F_FIN_ORIG | CT4_F_FIN_REPLY | CT4_F_TIME_WAIT)) ==
+						     (CT4_F_FIN_ORIG | CT4_F_FIN_REPLY))
+		flags |= CT4_F_DONE;
+	return flags;
 }
 
 /* Account one packet of the connection: state flags, then a fresh deadline. */
@@ -51,8 +93,8 @@ static __always_inline void ct4_touch(struct ct4_entry *e, const struct lb4_conf
 
 	if (reply)
 		flags |= CT4_F_SEEN_REPLY;
-	if (p->proto == IPPROTO_TCP && (p->tcp_flags & (EPX_TCP_FIN | EPX_TCP_RST)))
-		flags |= CT4_F_CLOSING;
+	if (p->proto == IPPROTO_TCP && p->frag != EPX_FRAG_LATER)
+		flags = ct4_tcp_state(flags, p->tcp_flags, reply);
 	if (flags != e->flags)
 		e->flags = flags;
 	e->expires = now + ct4_lifetime_ns(cfg, p->proto, flags);
@@ -81,8 +123,35 @@ static __always_inline struct ct4_entry *ct4_owner(__be32 client, __be16 cport, 
 	return ct4_lookup_svc(&key, now);
 }
 
+/* What the connection holding the masquerade port of REV_SNAT entry `old` (key `key`) still needs
+ * it for: CT4_PORT_*. A holder that is gone, or that moved to another port or backend (its client
+ * reused the tuple), left the entry behind: the port is free. */
+static __always_inline __u32 ct4_snat_port_use(const struct ct4_entry *old, const struct ct4_key *key, __u8 proto,
+					       __u64 now)
+{
+	struct ct4_entry *owner = ct4_owner(old->nat_addr, old->nat_port, old, proto, now);
+
+	if (!owner || owner->snat_port != key->dport || owner->nat_addr != key->saddr || owner->nat_port != key->sport)
+		return CT4_PORT_FREE;
+	if (owner->flags & CT4_F_DONE)
+		return CT4_PORT_FREE;
+	if (owner->flags & CT4_F_TIME_WAIT)
+		return CT4_PORT_TIME_WAIT;
+	return CT4_PORT_BUSY;
+}
+
+/* Take over the REV_SNAT entry at `key` (its holder no longer needs it). Delete, then insert only
+ * if absent: of two CPUs reclaiming the same port at once, one gets it. Returns 0 when ours. */
+static __always_inline int ct4_snat_claim(struct ct4_key *key, struct ct4_entry *rev)
+{
+	epx_delete(epx_ct4, key);
+	return epx_insert(epx_ct4, key, rev);
+}
+
 /* Pick a masquerade port for (backend, snat addr) and insert the CT4_REV_SNAT entry.
- * Returns 0 with *port set, or a drop reason. */
+ * Random start, then linear probing: an unused port, or one whose holder is done with it, is
+ * taken at once; one the backend may still hold in TIME_WAIT only when the probes found nothing
+ * better. Returns 0 with *port set, or a drop reason. */
 static __always_inline __u32 ct4_snat_alloc(const struct pkt4 *p, const struct lb4_config *cfg, __be32 be_addr,
 					    __be16 be_port, __u64 now, __be16 *port)
 {
@@ -92,6 +161,7 @@ static __always_inline __u32 ct4_snat_alloc(const struct pkt4 *p, const struct l
 	struct ct4_key key = ct4_key_make(be_addr, cfg->snat_addr, be_port, 0, p->proto, CT4_REV_SNAT);
 	__u32 min = cfg->snat_port_min, max = cfg->snat_port_max;
 	__u32 range, start;
+	__be16 last_resort = 0;
 
 	if (!cfg->snat_addr)
 		return EPX_DROP_SNAT_NO_ADDR;
@@ -101,26 +171,27 @@ static __always_inline __u32 ct4_snat_alloc(const struct pkt4 *p, const struct l
 	start = bpf_get_prandom_u32();
 #pragma unroll
 	for (int i = 0; i < CT4_SNAT_TRIES; i++) {
-		struct ct4_entry *old, *owner;
+		struct ct4_entry *old;
+		__u32 use;
 
 		key.dport = epx_htons((__u16)(min + (start + i) % range));
-		if (epx_insert(epx_ct4, &key, &rev) == 0) {
-			*port = key.dport;
-			return 0;
-		}
-		/* taken: reclaim it if the connection that took it is gone */
+		if (epx_insert(epx_ct4, &key, &rev) == 0)
+			goto claimed;
 		old = epx_lookup(epx_ct4, &key);
-		if (!old)
-			continue;
-		owner = ct4_owner(old->nat_addr, old->nat_port, old, p->proto, now);
-		if (owner && owner->snat_port == key.dport && owner->nat_addr == be_addr && owner->nat_port == be_port)
-			continue;
-		if (epx_update(epx_ct4, &key, &rev) == 0) {
-			*port = key.dport;
-			return 0;
-		}
+		use = old ? ct4_snat_port_use(old, &key, p->proto, now) : CT4_PORT_FREE;
+		if (use == CT4_PORT_FREE && ct4_snat_claim(&key, &rev) == 0)
+			goto claimed;
+		if (use == CT4_PORT_TIME_WAIT && !last_resort)
+			last_resort = key.dport;
 	}
-	return EPX_DROP_SNAT_NO_PORT;
+	if (!last_resort)
+		return EPX_DROP_SNAT_NO_PORT;
+	key.dport = last_resort;
+	if (ct4_snat_claim(&key, &rev))
+		return EPX_DROP_SNAT_NO_PORT;
+claimed:
+	*port = key.dport;
+	return 0;
 }
 
 /* Record a new connection of `p` (still addressed to the frontend) to backend be_addr:be_port:

@@ -41,7 +41,31 @@ def pin_dir():
 
 
 @pytest.fixture(scope="session")
+def tmp_bpffs_factory():
+    """Fresh bpffs mounts under TEST_ROOT, as many as asked for; all unmounted and removed at the end."""
+    if os.geteuid() != 0:
+        pytest.skip("BPF tests need root")
+    made: list[Path] = []
+
+    def make(prefix: str) -> Path:
+        TEST_ROOT.mkdir(parents=True, exist_ok=True)
+        path = Path(tempfile.mkdtemp(prefix=f"{prefix}-{os.getpid()}-", dir=TEST_ROOT))
+        made.append(path)
+        loader.mount_bpffs(path)
+        return path
+
+    yield make
+    for path in made:
+        with contextlib.suppress(loader.LoadError):
+            loader.unmount_bpffs(path)
+        path.rmdir()
+    with contextlib.suppress(OSError):
+        TEST_ROOT.rmdir()  # only when no other test run is using it
+
+
+@pytest.fixture(scope="session")
 def datapath(pin_dir):
+    """The datapath as the agent loads it: compiled in a child process, opened from the pins."""
     loaded = loader.load(pin_dir, max_entries=SMALL_MAPS)
     yield loaded
     loaded.close()

@@ -54,9 +54,17 @@ def node():
             TEST_ROOT.rmdir()
 
 
-def _datapath(lab, cgroup: Path) -> EbpfDatapath:
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _datapath(lab, cgroup: Path, clock=None) -> EbpfDatapath:
     return EbpfDatapath(NODE, cgroup_path=str(cgroup), bpffs=str(lab.bpffs), pod_device_patterns=("vpod", "vbe"),
-                        max_entries=SMALL_MAPS)
+                        max_entries=SMALL_MAPS, **({"clock": clock} if clock else {}))
 
 
 def _sync(lab, dp: EbpfDatapath, state: ProxyState):
@@ -92,14 +100,18 @@ def _traffic_ok(lab, cgroup: Path) -> None:
 def test_life_cycle(node):
     lab, state = node, _state()
     cgroup = lab.cgroup()
-    dp = _datapath(lab, cgroup)
+    clock = _Clock()
+    dp = _datapath(lab, cgroup, clock)
     counts = _sync(lab, dp, state)
     assert counts["full_sync"] == 1 and counts["map_writes"] > 0 and counts["programs_compiled"] == 1
     assert counts["bpf_services"] == 4 and counts["bpf_backends"] == 2 and counts["bpf_devices"] == 3
     assert _attached(lab) == {"vpod": "tc", "vbe": "tc", "vout": "tc,xdp"}
     assert len(_cgroup_programs(cgroup)) == 3
     _traffic_ok(lab, cgroup)
-    assert dp.stats()["bpf_ct_entries"] > 0
+    assert counts["bpf_ct_entries"] == 0 and dp.stats()["bpf_ct_entries"] == 0, \
+        "the connection table is not read again on every call (a full one takes ~65 ms)"
+    clock.now += 10
+    assert dp.stats()["bpf_ct_entries"] > 0, "but at most ct_count_max_age seconds old"
     assert dp.counters()[s.Reason.FWD_NEW][0] >= 2
 
     maps = pins.open_maps(lab.bpffs)

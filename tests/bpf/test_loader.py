@@ -59,3 +59,48 @@ def test_pinned_programs_are_reused_only_with_their_maps(bpffs):
         assert [p.name for p in (bpffs / loader.PROGS_SUBDIR).iterdir()] == [loader.build_id(SOME, SMALL_MAPS)]
     finally:
         third.close()
+
+
+_AGENT_LIKE = r"""
+import json, sys
+from pathlib import Path
+from ebpf_proxy.datapath.ebpf import loader, libbpf
+loaded = loader.load(Path(sys.argv[1]), ("tc_ingress", "tc_egress"), json.loads(sys.argv[2]), reuse=True)
+with open("/proc/self/maps") as f:
+    mapped = sorted({line.split()[-1] for line in f if "libbcc" in line or "LLVM" in line})
+with open("/proc/self/status") as f:
+    hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+print(json.dumps({"compiled": loaded.compiled, "tables": len(loaded.tables), "mapped": mapped,
+                  "bcc_imported": "bcc" in sys.modules, "peak_rss_kib": hwm,
+                  "prog": libbpf.prog_info(loaded.prog_fds["tc_ingress"])[0].name.decode()}))
+"""
+
+
+def test_the_loading_process_never_maps_llvm(bpffs):
+    """The agent's load compiles in a child: the calling process neither imports bcc nor maps
+    libbcc/LLVM (PLATFORM.md pitfall 5: ~250 MiB that are never given back)."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _AGENT_LIKE, str(bpffs), json.dumps(SMALL_MAPS)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["compiled"] and report["prog"] == "tc_ingress"
+    assert report["tables"] == 0 and not report["bcc_imported"] and report["mapped"] == []
+    assert report["peak_rss_kib"] < 120 * 1024, f"peak RSS {report['peak_rss_kib'] // 1024} MiB"
+    assert (bpffs / loader.PROGS_SUBDIR / loader.build_id(SOME, SMALL_MAPS) / "tc_ingress").exists()
+
+
+def test_a_failed_compile_says_why(bpffs, tmp_path, monkeypatch):
+    import shutil
+
+    broken = tmp_path / "bpf"
+    shutil.copytree(loader.BPF_SRC_DIR, broken)
+    with open(broken / "tc_lb.c", "a") as f:
+        f.write('\n#error "broken on purpose by test_loader"\n')
+    monkeypatch.setattr(loader, "BPF_SRC_DIR", broken)
+    with pytest.raises(loader.LoadError, match="(?s)compiling the datapath failed.*error: \"broken on purpose by test_loader\""):
+        loader.load(bpffs, SOME, SMALL_MAPS)
+    assert not (bpffs / loader.PROGS_SUBDIR / loader.build_id(SOME, SMALL_MAPS)).exists()

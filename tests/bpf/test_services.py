@@ -74,6 +74,64 @@ def test_not_programmed():
     assert programs.entries(replace(WEB, protocol=Protocol.SCTP), (REMOTE,)) is None
 
 
+class _NullMaps:
+    """Maps that accept every write and hold nothing: ServicePrograms' own memory, measured alone."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+def test_endpoint_and_service_churn_leave_no_state_behind():
+    """Every change moves an endpoint to a never-seen address, and services come and go: the
+    agent's memory must stay what the current services need (it once kept every address ever
+    seen, and every deleted service's frontends)."""
+    import gc
+    import tracemalloc
+
+    programs = ServicePrograms(_NullMaps())
+    names = [replace(NAME, name=f"svc-{i}") for i in range(50)]
+
+    def churn(rounds: int, start: int) -> None:
+        for k in range(start, start + rounds):
+            name = names[k % len(names)]
+            udp = replace(name, protocol=Protocol.UDP)
+            ep = Endpoint(f"100.96.{k // 250 % 250}.{k % 250 + 1}", 8080, node_name="other")
+            programs.apply(name, programs.entries(replace(WEB, name=name), (ep, REMOTE)))
+            programs.apply(udp, programs.entries(replace(WEB, name=udp, protocol=Protocol.UDP), (ep,)))
+            programs.apply(udp, None)
+            programs.sync_done()
+
+    tracemalloc.start()
+    try:
+        churn(500, 0)  # warm up: every service exists, caches are built
+        gc.collect()
+        before = tracemalloc.get_traced_memory()[0]
+        churn(3000, 500)
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 20_000, f"{grown} bytes kept after 3000 changes"
+    assert set(programs.current) == set(names)
+
+
+def test_ids_are_never_reused():
+    programs = ServicePrograms(_NullMaps())
+    first = programs.entries(WEB, (LOCAL, REMOTE))
+    programs.apply(NAME, first)
+    again = programs.entries(WEB, (LOCAL, REMOTE, REMOTE2))
+    assert again.svc_id == first.svc_id, "a service port keeps its id"
+    assert {b.addr: i for i, b in again.backends.items() if b.addr != REMOTE2.ip} == \
+        {b.addr: i for i, b in first.backends.items()}, "and its endpoints theirs"
+    programs.apply(NAME, programs.entries(WEB, (LOCAL,)))
+    back = programs.entries(WEB, (LOCAL, REMOTE))
+    assert not set(back.backends) - {i for i, b in back.backends.items() if b.addr == REMOTE.ip} - set(first.backends)
+    assert [i for i, b in back.backends.items() if b.addr == REMOTE.ip][0] > max(again.backends), \
+        "a returning endpoint gets a fresh id"
+    programs.apply(NAME, None)
+    assert programs.entries(WEB, (LOCAL,)).svc_id > first.svc_id
+
+
 # ---- against the maps and the programs ----
 
 
@@ -151,6 +209,41 @@ def test_stale_udp_endpoint_connections_are_flushed(datapath, maps, programs):
     maps.reset_stats()
     run(datapath, "tc_egress", udp(REMOTE.ip, 8080, w.POD_CLIENT, 5000))
     assert counted(maps) == {s.Reason.PASS_NO_SERVICE: 1}
+
+
+@pytest.mark.bpf
+@pytest.mark.root
+def test_stale_udp_flush_reads_the_connection_table_once(datapath, maps, programs, monkeypatch):
+    dns = replace(WEB, name=replace(NAME, protocol=Protocol.UDP), protocol=Protocol.UDP, load_balancer_ips=())
+    other = replace(dns, name=replace(dns.name, name="other-dns"), cluster_ip="10.96.0.99", node_port=0,
+                    external_ips=())
+    sync(programs, dns, (REMOTE, REMOTE2))
+    sync(programs, other, (REMOTE,))
+    for port in range(5000, 5006):
+        run(datapath, "tc_ingress", udp(w.POD_CLIENT, port, w.VIP, 80))
+    run(datapath, "tc_ingress", udp(w.POD_CLIENT, 6000, "10.96.0.99", 80))
+    to_remote = sum(1 for c in maps.connections(kind=s.CT4_SVC) if c.daddr == w.VIP and c.nat_addr == REMOTE.ip)
+    reads = []
+    real = maps.connections
+    monkeypatch.setattr(maps, "connections", lambda **kw: reads.append(kw) or real(**kw))
+    removed = programs.flush_udp([(dns.name, REMOTE.ip), (other.name, REMOTE.ip)], [])
+    assert removed == to_remote + 1 and len(reads) == 1
+    left = real(kind=s.CT4_SVC)
+    assert left and all(c.nat_addr == REMOTE2.ip and c.daddr == w.VIP for c in left)
+    assert programs.flush_udp([], []) == 0 and len(reads) == 1, "nothing stale: the table is not read"
+
+
+@pytest.mark.bpf
+@pytest.mark.root
+def test_connections_of_a_deleted_udp_service_are_flushed_in_its_sync(datapath, maps, programs):
+    dns = replace(WEB, name=replace(NAME, protocol=Protocol.UDP), protocol=Protocol.UDP, load_balancer_ips=())
+    sync(programs, dns, (REMOTE,))
+    run(datapath, "tc_ingress", udp(w.POD_CLIENT, 5000, w.VIP, 80))
+    programs.apply(dns.name, None)  # the service and its endpoint go in one sync
+    assert programs.flush_udp_connections(dns.name, endpoint_ip=REMOTE.ip) == 1
+    programs.sync_done()
+    run(datapath, "tc_ingress", udp(w.POD_CLIENT, 5001, w.VIP, 80))  # nothing serves it now: untouched
+    assert programs.flush_udp_connections(dns.name) == 0, "forgotten once its sync is done"
 
 
 # ---- node facts ----

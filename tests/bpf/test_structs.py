@@ -8,6 +8,7 @@ import re
 import pytest
 
 from ebpf_proxy.datapath.ebpf import loader, structs
+from tests.bpf.conftest import SMALL_MAPS
 
 COMMON_H = loader.BPF_SRC_DIR / "lib" / "common.h"
 
@@ -19,12 +20,21 @@ def _layout(ctype: type) -> list[tuple[str, int, int]] | int:
     return [(name, getattr(ctype, name).offset, getattr(ctype, name).size) for name, *_ in ctype._fields_]
 
 
+@pytest.fixture(scope="module")
+def bcc_tables(tmp_bpffs_factory):
+    """bcc's reflection of maps.c: compiled in this process (the agent's loader compiles in a child
+    and keeps no tables), into a bpffs of its own, maps only."""
+    loaded = loader.load(tmp_bpffs_factory("structs"), programs=(), max_entries=SMALL_MAPS, in_process=True)
+    yield loaded.tables
+    loaded.close()
+
+
 @pytest.mark.bpf
 @pytest.mark.root
 @pytest.mark.parametrize("name", sorted(structs.MAPS))
-def test_map_layout_matches_bcc(datapath, name):
+def test_map_layout_matches_bcc(bcc_tables, name):
     spec = structs.MAPS[name]
-    table = datapath.tables[name]
+    table = bcc_tables[name]
     leaf = getattr(table, "sLeaf", table.Leaf)  # per-CPU tables: Leaf is the per-CPU array
     assert ctypes.sizeof(spec.key) == ctypes.sizeof(table.Key)
     assert ctypes.sizeof(spec.leaf) == ctypes.sizeof(leaf)

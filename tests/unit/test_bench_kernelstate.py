@@ -47,15 +47,6 @@ def test_hash_like_maps():
     assert not is_hash_like({"type": "array"}) and not is_hash_like({"type": "percpu_array"})
 
 
-def test_ebpf_endpoints_name_the_missing_hook(monkeypatch):
-    """Until the eBPF datapath exposes its backends, the bench says exactly what it needs."""
-    maps = pytest.importorskip("ebpf_proxy.datapath.ebpf.maps")
-    if hasattr(maps, "programmed_backends"):
-        pytest.skip("the hook exists")
-    with pytest.raises(NotImplementedError, match="programmed_backends"):
-        kernelstate.kernel_endpoints(None, "worker1", "ebpf")
-
-
 def test_no_kernel_state_for_direct():
     with pytest.raises(ValueError):
         kernelstate.kernel_endpoints(None, "worker1", "direct")

@@ -32,7 +32,7 @@ class Snapshot:
 
     frontends: dict[int, dict[Frontend, int]] = field(default_factory=lambda: defaultdict(dict))  # id -> fe -> flags
     affinity: dict[int, int] = field(default_factory=dict)  # id -> affinity timeout
-    slots: dict[tuple[int, int], dict[int, int]] = field(default_factory=lambda: defaultdict(dict))
+    slots: dict[tuple[int, int, int], int] = field(default_factory=dict)  # (id, scope, slot) -> backend id
     backends: dict[int, Backend] = field(default_factory=dict)
     ranges: dict[int, set[str]] = field(default_factory=lambda: defaultdict(set))
     owner: dict[Frontend, int] = field(default_factory=dict)  # frontend -> service id
@@ -47,35 +47,35 @@ def read(maps: Maps) -> Snapshot:
         snap.affinity[svc.id] = svc.affinity_timeout
         snap.owner[fe] = svc.id
     for svc_id, scope, slot, backend_id in maps.slots():
-        snap.slots[(svc_id, scope)][slot] = backend_id
+        snap.slots[(svc_id, scope, slot)] = backend_id
     snap.backends = maps.backends()
     for svc_id, cidr in maps.source_ranges():
         snap.ranges[svc_id].add(cidr)
     svc_ids = {*snap.frontends, *(k[0] for k in snap.slots), *snap.ranges}
-    backend_ids = {*snap.backends, *(b for slots in snap.slots.values() for b in slots.values())}
+    backend_ids = {*snap.backends, *snap.slots.values()}
     for svc_id, backend_id in maps.affinity_ids():
         svc_ids.add(svc_id)
         backend_ids.add(backend_id)
-    backend_ids.update(c.backend_id for c in maps.connections() if c.kind == s.CT4_SVC)
+    backend_ids.add(maps.max_connection_backend_id())
     snap.max_svc_id = max(svc_ids, default=0)
     snap.max_backend_id = max(backend_ids, default=0)
     return snap
 
 
-def _contiguous(slots: dict[int, int]) -> tuple[int, ...]:
+def _contiguous(snap: Snapshot, svc_id: int, scope: int) -> tuple[int, ...]:
     out = []
-    while len(out) in slots:
-        out.append(slots[len(out)])
+    while (bid := snap.slots.get((svc_id, scope, len(out)))) is not None:
+        out.append(bid)
     return tuple(out)
 
 
 def entries_of(snap: Snapshot, svc_id: int) -> ServiceEntries:
     """What service `svc_id` holds in the maps, as ServiceEntries (slots 0..n-1 without holes)."""
-    cluster = _contiguous(snap.slots.get((svc_id, s.LB4_SCOPE_CLUSTER), {}))
-    local = _contiguous(snap.slots.get((svc_id, s.LB4_SCOPE_LOCAL), {}))
+    cluster = _contiguous(snap, svc_id, s.LB4_SCOPE_CLUSTER)
+    local = _contiguous(snap, svc_id, s.LB4_SCOPE_LOCAL)
     return ServiceEntries(
         svc_id=svc_id,
-        frontends=dict(snap.frontends.get(svc_id, {})),
+        frontends=snap.frontends.get(svc_id) or {},  # not copied: the snapshot is thrown away
         affinity_timeout=snap.affinity.get(svc_id, 0),
         backends={bid: snap.backends[bid] for bid in (*cluster, *local) if bid in snap.backends},
         cluster_slots=cluster,
@@ -101,19 +101,19 @@ def adopt(programs: ServicePrograms, state: ProxyState) -> int:
         programs.take_over(name, claimed[svc_id])
 
     writes = 0
-    for svc_id in sorted(set(snap.frontends) - set(claimed)):
-        writes += programs.remove(entries_of(snap, svc_id))
+    orphans = [entries_of(snap, svc_id) for svc_id in sorted(set(snap.frontends) - set(claimed))]
+    for entries in orphans:
+        writes += programs.remove(entries)
     # what no service's entries cover: holes' slots, slots of services without frontends,
     # unreferenced backends, source ranges of services that are gone
-    kept_slots = {(e.svc_id, scope, i) for e in claimed.values()
-                  for scope, slots in ((s.LB4_SCOPE_CLUSTER, e.cluster_slots), (s.LB4_SCOPE_LOCAL, e.local_slots))
-                  for i in range(len(slots))}
-    for (svc_id, scope), slots in snap.slots.items():
-        for slot in slots:
-            if (svc_id, scope, slot) not in kept_slots and (svc_id in claimed or svc_id not in snap.frontends):
+    for svc_id, scope, slot in list(snap.slots):
+        owner = claimed.get(svc_id)
+        if owner is not None:
+            if slot >= len(owner.cluster_slots if scope == s.LB4_SCOPE_CLUSTER else owner.local_slots):
                 writes += maps.delete_slot(svc_id, scope, slot)
+        elif svc_id not in snap.frontends:
+            writes += maps.delete_slot(svc_id, scope, slot)
     kept_backends = {bid for e in claimed.values() for bid in e.backends}
-    orphans = [e for svc_id, e in ((i, entries_of(snap, i)) for i in snap.frontends) if svc_id not in claimed]
     removed_backends = {bid for e in orphans for bid in e.backends}
     for bid in set(snap.backends) - kept_backends - removed_backends:
         writes += maps.delete_backend(bid)

@@ -2,8 +2,9 @@
 
 First sync (per process):
   1. bpffs at `bpffs` (mounted if it is not one), pinned maps under <bpffs>/ebpf-proxy/
-     re-opened (or created), programs compiled against them with bcc (kernel headers prepared
-     first) -- or, after a restart of the same build, the pinned programs re-opened (loader.py);
+     re-opened (or created), programs compiled against them with bcc in a short-lived child
+     process that pins them (kernel headers prepared first; LLVM never enters the agent) -- or,
+     after a restart of the same build, the pinned programs re-opened (loader.py);
   2. take over what the maps hold (adopt.py): after an agent restart nothing is flushed or
      renumbered, connections and affinity survive, and only differences are written;
   3. node facts into the maps (addresses, cluster CIDRs, masquerade address and settings), then
@@ -24,7 +25,8 @@ own); call `cleanup()` from that namespace too.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from ebpf_proxy.datapath.base import Datapath, SyncResult
@@ -37,6 +39,7 @@ from ebpf_proxy.model import ChangeSet, NodeConfig, ProxyState
 log = logging.getLogger(__name__)
 
 DEFAULT_BPFFS = "/sys/fs/bpf"
+CT_COUNT_MAX_AGE = 10.0  # seconds a count of the connection table is reported before it is taken again
 
 
 class EbpfDatapath(Datapath):
@@ -55,6 +58,8 @@ class EbpfDatapath(Datapath):
         xdp_mode: str = "generic",
         watch_devices: bool = True,
         max_entries: Mapping[str, int] | None = None,
+        ct_count_max_age: float = CT_COUNT_MAX_AGE,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(node)
         if xdp_mode not in ("generic", "native", "off"):
@@ -72,6 +77,8 @@ class EbpfDatapath(Datapath):
         self._devices: devices.Devices | None = None
         self._watcher: devices.LinkWatcher | None = None
         self._attached = False
+        self._ct_count_max_age, self._clock = ct_count_max_age, clock
+        self._ct_count: tuple[float, int] | None = None  # (when, entries)
 
     # -- sync -----------------------------------------------------------------------------
 
@@ -95,10 +102,12 @@ class EbpfDatapath(Datapath):
         elif changes.full:
             counts["devices_attached"] = self._reconcile_devices()
         # as kube-proxy: stale UDP conntrack goes after the new endpoints are in place
-        for name, ip in sorted(changes.stale_udp_endpoints):
-            counts["conntrack_deleted"] += self._programs.flush_udp_connections(name, endpoint_ip=ip)
-        for name in sorted(changes.stale_udp_services):
-            counts["conntrack_deleted"] += self._programs.flush_udp_connections(name)
+        if changes.stale_udp_endpoints or changes.stale_udp_services:
+            counts["conntrack_deleted"] += self._programs.flush_udp(changes.stale_udp_endpoints,
+                                                                    changes.stale_udp_services)
+        self._programs.sync_done()
+        if changes.full or first:
+            self._ct_count = None  # full syncs report a fresh count
         counts.update(self.stats())
         log.debug("ebpf sync: %s", counts)
         return SyncResult(counts=counts)
@@ -146,20 +155,29 @@ class EbpfDatapath(Datapath):
     # -- stats ----------------------------------------------------------------------------
 
     def stats(self) -> dict[str, int]:
-        """Map sizes and drop counters: services and backends from memory, connections and
-        counters from the maps (one key walk of the connection table)."""
+        """Map sizes: services and backends from memory, connections from the connection table.
+        Counting a full table (262,144 entries) reads all of it (~65 ms), and every sync asks twice
+        (its counts, the agent's metrics): so the count is kept for up to `ct_count_max_age`
+        seconds rather than taken on every sync, where it delayed the next change."""
         if self._programs is None or self._maps is None:
             return {}
         current = self._programs.current.values()
         out = {
             "bpf_services": sum(len(e.frontends) for e in current),
             "bpf_backends": sum(len(e.backends) for e in current),
-            "bpf_ct_entries": self._maps.count("epx_ct4"),
+            "bpf_ct_entries": self._ct_entries(),
             "bpf_devices": len(self._devices.attached) if self._devices else 0,
         }
         # Per-reason counters are not here: the agent exports them live, read at scrape time
         # (ebpf_proxy_datapath_packets_total), not as a snapshot taken after the last sync.
         return out
+
+    def _ct_entries(self) -> int:
+        assert self._maps is not None
+        now = self._clock()
+        if self._ct_count is None or now - self._ct_count[0] >= self._ct_count_max_age:
+            self._ct_count = (now, self._maps.count("epx_ct4"))
+        return self._ct_count[1]
 
     def counters(self) -> dict[s.Reason, tuple[int, int]]:
         """(packets, bytes) per reason since the maps were created (every program, every CPU)."""
@@ -204,3 +222,4 @@ class EbpfDatapath(Datapath):
         self._programs = None
         self._devices = None
         self._attached = False
+        self._ct_count = None

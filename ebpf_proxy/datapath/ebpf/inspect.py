@@ -25,7 +25,7 @@ from ebpf_proxy.datapath.ebpf import structs as s
 from ebpf_proxy.datapath.ebpf.datapath import DEFAULT_BPFFS
 from ebpf_proxy.datapath.ebpf.maps import Maps
 
-BPF_F_RDONLY = 1 << 3  # include/uapi/linux/bpf.h: the fd may read the map, not write it
+BPF_F_RDONLY = libbpf.BPF_F_RDONLY
 
 VERDICTS = ("drop", "reject", "pass", "translate", "none")
 
@@ -150,18 +150,9 @@ def locate(bpffs: str | Path | None = None) -> Path:
     return found[0] if found else pins.pin_dir(DEFAULT_BPFFS)
 
 
-class _ObjGetOpts(ctypes.Structure):
-    # struct bpf_obj_get_opts (libbpf >= 0.8): sz, file_flags; later members read as zero.
-    _fields_ = [("sz", ctypes.c_size_t), ("file_flags", ctypes.c_uint32)]
-
-
 def _open_readonly(path: Path) -> int:
     """An fd of the map pinned at `path` that can read but not write. Raises OSError."""
-    opts = _ObjGetOpts(sz=ctypes.sizeof(_ObjGetOpts), file_flags=BPF_F_RDONLY)
-    fd = libbpf.lib().bpf_obj_get_opts(str(path).encode(), ctypes.byref(opts))
-    if fd < 0:
-        raise OSError(-fd, os.strerror(-fd), str(path))
-    return fd
+    return libbpf.obj_get_readonly(str(path))
 
 
 def _open_all(pin_dir: Path, by_default: bool) -> dict[str, int]:

@@ -306,6 +306,25 @@ def obj_get(path: str) -> int:
     return fd
 
 
+BPF_F_RDONLY = 1 << 3  # include/uapi/linux/bpf.h: the fd may read the map, not write it
+
+
+class _ObjGetOpts(ctypes.Structure):
+    # struct bpf_obj_get_opts (libbpf >= 0.8): sz, file_flags; later members read as zero.
+    _fields_ = [("sz", ctypes.c_size_t), ("file_flags", ctypes.c_uint32)]
+
+
+def obj_get_readonly(path: str) -> int:
+    """Open a pinned map for reading only (BPF_F_RDONLY: writes through the fd fail). Raises OSError
+    (with the path as its filename)."""
+    opts = _ObjGetOpts(sz=ctypes.sizeof(_ObjGetOpts), file_flags=BPF_F_RDONLY)
+    fd = lib().bpf_obj_get_opts(path.encode(), ctypes.byref(opts))
+    if fd < 0:
+        code = -fd
+        raise OSError(code, os.strerror(code), path)
+    return fd
+
+
 def num_possible_cpus() -> int:
     """Per-CPU map values hold one slot per possible CPU."""
     n = lib().libbpf_num_possible_cpus()
@@ -360,6 +379,37 @@ def map_count_batched(fd: int, key_size: int, value_size: int, chunk: int = 4096
                 return total
             raise _error(ret)
         token_in = ctypes.create_string_buffer(token_out.raw, len(token_out.raw))
+
+
+def map_batches(fd: int, key_type: type, value_type: type, chunk: int = 4096):
+    """A hash map's entries `chunk` at a time (BPF_MAP_LOOKUP_BATCH): yields (keys, values, n) with
+    ctypes arrays that the next batch overwrites (copy what you keep). Raises OSError
+    (EINVAL/EOPNOTSUPP: the map type cannot batch). A map written meanwhile yields each entry at
+    most once, as a key walk does."""
+    keys = (key_type * chunk)()
+    values = (value_type * chunk)()
+    token_in = None
+    token_out = ctypes.create_string_buffer(max(ctypes.sizeof(key_type), 8))
+    while True:
+        count = ctypes.c_uint32(chunk)
+        ret = lib().bpf_map_lookup_batch(fd, token_in, token_out, keys, values, ctypes.byref(count), None)
+        if ret < 0 and -ret != errno.ENOENT:
+            raise _error(ret)
+        if count.value:
+            yield keys, values, count.value
+        if ret < 0:  # ENOENT: that was the last batch
+            return
+        token_in = ctypes.create_string_buffer(token_out.raw, len(token_out.raw))
+
+
+def map_items_batched(fd: int, key_type: type, value_type: type, chunk: int = 4096):
+    """Every (key, value) of a hash map, read `chunk` per syscall (see map_batches), as fresh ctypes
+    objects of `key_type` and `value_type` (as a key walk gives them)."""
+    copy_key = key_type.from_buffer_copy if issubclass(key_type, ctypes.Structure) else key_type
+    copy_value = value_type.from_buffer_copy if issubclass(value_type, ctypes.Structure) else value_type
+    for keys, values, n in map_batches(fd, key_type, value_type, chunk):
+        for i in range(n):
+            yield copy_key(keys[i]), copy_value(values[i])
 
 
 def map_next_key(fd: int, key: ctypes._CData | None, next_key: ctypes._CData) -> bool:

@@ -10,9 +10,15 @@ upgrade changed common.h) is unpinned first, so bcc recreates it instead of misr
 
 The loaded programs are pinned too, under <pin_dir>/progs/<build id>/ (the id hashes the C
 sources, map capacities and kernel release). A restarted agent of the same build re-opens them
-instead of compiling: no LLVM in the process, a restart in well under a second, and the very
-programs that are attached stay attached. They are reused only if every map they use is still
-the one pinned next to them (a recreated map means: compile again).
+instead of compiling: a restart in well under a second, and the very programs that are attached
+stay attached. They are reused only if every map they use is still the one pinned next to them
+(a recreated map means: compile again).
+
+The compile itself runs in a short-lived child process (compile.py) that pins what it built and
+exits; the caller then opens the pins, as after a restart. bcc's LLVM never enters the agent:
+importing bcc costs ~60 MiB of RSS, a compile leaves ~250 MiB behind, and neither is returned
+(shared/PLATFORM.md, pitfall 5). `in_process=True` compiles here instead and keeps bcc's tables
+(the child itself, and the tests that compare structs.py with bcc's reflection of the C).
 """
 
 from __future__ import annotations
@@ -20,9 +26,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -231,15 +240,20 @@ def _pin_programs(pin_dir: Path, bid: str, prog_fds: Mapping[str, int]) -> None:
         libbpf.obj_pin(fd, str(target / name))
 
 
+COMPILE_TIMEOUT = 300.0  # seconds: a compile takes ~3 s; a stuck one must not hang the agent forever
+
+
 def load(
     pin_dir: Path,
     programs: Iterable[str] = PROGRAMS,
     max_entries: Mapping[str, int] | None = None,
     reuse: bool = False,
+    in_process: bool = False,
 ) -> Loaded:
-    """Compile bpf/maps.c (pinning maps in `pin_dir`, a directory on bpffs) and the given
-    programs, and pin the programs. With `reuse`, re-open this build's pinned programs instead
-    when they are there and still use the pinned maps (no compile)."""
+    """The datapath's maps (pinned in `pin_dir`, a directory on bpffs) and the given programs,
+    compiled from bpf/ and pinned. With `reuse`, this build's pinned programs are re-opened instead
+    when they are there and still use the pinned maps (no compile). The compile runs in a child
+    process (see the module docstring) unless `in_process`; only then are bcc's tables kept."""
     programs = list(programs)
     sizes = {**MAX_ENTRIES, **(max_entries or {})}
     if not on_bpffs(pin_dir):
@@ -250,7 +264,56 @@ def load(
         if loaded is not None:
             log.info("re-opened the pinned programs of build %s (no compile)", bid)
             return loaded
-    toolchain.ensure_kernel_headers()
+    toolchain.ensure_kernel_headers()  # here: its errors keep their type and message
+    if in_process:
+        return _compile_here(pin_dir, programs, sizes, bid)
+    report = _compile_in_child(pin_dir, programs, max_entries or {}, bid)
+    loaded = _open_pinned(pin_dir, bid, programs, sizes)
+    if loaded is None:
+        raise LoadError(f"the compiler process pinned build {bid} under {pin_dir}, but its pins cannot be "
+                        "opened (removed meanwhile?)")
+    loaded.compiled = True
+    log.info("compiled build %s in a child process (%.1f s, its peak RSS %.0f MiB)", bid,
+             report.get("seconds", 0.0), report.get("peak_rss_mib", 0.0))
+    return loaded
+
+
+def _compile_in_child(pin_dir: Path, programs: list[str], max_entries: Mapping[str, int], bid: str) -> dict:
+    """Run compile.py in a fresh interpreter; returns its report. Raises LoadError with its error."""
+    argv = [sys.executable, "-m", "ebpf_proxy.datapath.ebpf.compile", "--pin-dir", str(pin_dir),
+            "--src-dir", str(BPF_SRC_DIR), "--build", bid]
+    argv += [f"--program={name}" for name in programs]
+    argv += [f"--max-entries={name}={n}" for name, n in sorted(max_entries.items())]
+    env = dict(os.environ)
+    # the child imports this very package, wherever it was imported from here
+    package_root = str(Path(__file__).resolve().parents[3])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=COMPILE_TIMEOUT, env=env,
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise LoadError(f"compiling the datapath took longer than {COMPILE_TIMEOUT:.0f} s (killed)") from None
+    except OSError as exc:
+        raise LoadError(f"cannot start the compiler process {sys.executable}: {exc}") from exc
+    for line in done.stderr.splitlines():
+        log.debug("compiler: %s", line)
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    try:
+        report = json.loads(lines[-1]) if lines else {}
+    except ValueError:
+        report = {}
+    if done.returncode == 0 and report.get("ok"):
+        return report
+    stderr = [line for line in done.stderr.splitlines() if line.strip()]
+    error = report.get("error") or (stderr[-1] if stderr else f"exit status {done.returncode}")
+    # bcc's exception names only the file; the compiler's own diagnostics are on stderr
+    diagnostics = [line.strip() for line in stderr if "error:" in line and line.strip() not in error][-5:]
+    raise LoadError("compiling the datapath failed: " + "\n  ".join([error, *diagnostics]))
+
+
+def _compile_here(pin_dir: Path, programs: list[str], sizes: Mapping[str, int], bid: str) -> Loaded:
+    """Compile bpf/maps.c (pinning maps in `pin_dir`) and the programs with bcc in this process,
+    and pin the programs under build `bid`."""
     try:
         from bcc import BPF, BPFAttachType  # noqa: PLC0415 (the package imports without bcc)
     except ImportError as exc:

@@ -14,6 +14,7 @@ import errno
 import ipaddress
 import os
 import socket
+import struct
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -48,7 +49,7 @@ def port_int(raw: int) -> int:
 # ---- Python-side values ----
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Frontend:
     """Where a service is reached: addr None means its nodePort on every node address."""
 
@@ -57,7 +58,7 @@ class Frontend:
     proto: int = socket.IPPROTO_TCP
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Service:
     id: int
     count: int  # cluster slots
@@ -66,7 +67,7 @@ class Service:
     flags: int = 0  # structs.LB4_F_*
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Backend:
     addr: str
     port: int
@@ -74,7 +75,7 @@ class Backend:
     in_local: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class NodeSettings:
     """epx_config: the node's masquerade address, port range, flags and conntrack timeouts.
 
@@ -97,7 +98,7 @@ class NodeSettings:
     host_netns_cookie: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Connection:
     """One epx_ct4 entry, decoded."""
 
@@ -116,6 +117,63 @@ class Connection:
     snat_port: int
     flags: int
     expires_ns: int
+
+
+_NO_BATCH = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, 524)  # 524: ENOTSUPP (kernel): the map type cannot batch
+
+
+def _walk(fd: int, key_type: type) -> Iterator:
+    key = None
+    while True:
+        nxt = key_type()
+        if not libbpf.map_next_key(fd, key, nxt):
+            return
+        yield nxt
+        key = nxt
+
+
+def count_entries(fd: int, name: str) -> int:
+    """Entries in hash/LRU/LPM map `name` behind `fd`: batched reads where the map type allows,
+    else a key walk."""
+    spec = s.MAPS[name]
+    try:
+        return libbpf.map_count_batched(fd, ctypes.sizeof(spec.key), ctypes.sizeof(spec.leaf))
+    except OSError as exc:
+        if exc.errno not in _NO_BATCH:
+            raise
+    return sum(1 for _ in _walk(fd, spec.key))
+
+
+def _connection(k: s.CT4Key, v: s.CT4Entry) -> Connection:
+    return Connection(
+        kind=k.kind, proto=k.proto,
+        saddr=ip_str(k.saddr), sport=port_int(k.sport), daddr=ip_str(k.daddr), dport=port_int(k.dport),
+        nat_addr=ip_str(v.nat_addr), nat_port=port_int(v.nat_port),
+        svc_addr=ip_str(v.svc_addr), svc_port=port_int(v.svc_port), backend_id=v.backend_id,
+        snat_addr=ip_str(v.snat_addr), snat_port=port_int(v.snat_port), flags=v.flags,
+        expires_ns=v.expires,
+    )
+
+
+def stream_items(fd: int, name: str) -> Iterator[tuple]:
+    """Every (key, value) of map `name` behind `fd`, streamed: batched reads where the map type
+    allows (4096 entries per syscall, nothing held but the batch), else a key walk."""
+    spec = s.MAPS[name]
+    batches = libbpf.map_items_batched(fd, spec.key, spec.leaf)
+    try:
+        first = next(batches, None)
+    except OSError as exc:
+        if exc.errno not in _NO_BATCH:
+            raise
+    else:
+        if first is not None:
+            yield first
+            yield from batches
+        return
+    for key in list(_walk(fd, spec.key)):
+        value = spec.leaf()
+        if libbpf.map_lookup(fd, key, value):
+            yield key, value
 
 
 def _frontend_key(fe: Frontend) -> s.LB4Key:
@@ -173,20 +231,10 @@ class Maps:
 
     def keys(self, name: str) -> Iterator:
         """Every key of a map (as its structs mirror)."""
-        key_type = s.MAPS[name].key
-        key = None
-        while True:
-            nxt = key_type()
-            if not libbpf.map_next_key(self._fd(name), key, nxt):
-                return
-            yield nxt
-            key = nxt
+        return _walk(self._fd(name), s.MAPS[name].key)
 
     def _items(self, name: str) -> Iterator[tuple]:
-        for key in list(self.keys(name)):
-            value = self._get(name, key)
-            if value is not None:
-                yield key, value
+        return stream_items(self._fd(name), name)
 
     def clear(self, name: str) -> int:
         """Delete every entry of a hash/LRU/LPM map; returns how many."""
@@ -283,13 +331,7 @@ class Maps:
 
     def count(self, name: str) -> int:
         """Entries in a hash/LRU/LPM map: batched reads where the map type allows, else a key walk."""
-        spec = s.MAPS[name]
-        try:
-            return libbpf.map_count_batched(self._fd(name), ctypes.sizeof(spec.key), ctypes.sizeof(spec.leaf))
-        except OSError as exc:
-            if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, 524):  # 524: ENOTSUPP (kernel)
-                raise
-        return sum(1 for _ in self.keys(name))
+        return count_entries(self._fd(name), name)
 
     def delete_service(self, fe: Frontend) -> bool:
         return libbpf.map_delete(self._fd("epx_svc"), _frontend_key(fe))
@@ -349,20 +391,46 @@ class Maps:
 
     # -- connections --
 
-    def connections(self) -> list[Connection]:
+    def _ct_batches(self) -> Iterator[tuple]:
+        """epx_ct4 as (keys, values, n) batches whose arrays the next batch overwrites: a table of
+        262,144 entries is read in 64 syscalls and never decoded whole (a key walk where the
+        kernel cannot batch)."""
+        fd = self._fd("epx_ct4")
+        batches = libbpf.map_batches(fd, s.CT4Key, s.CT4Entry)
+        try:
+            first = next(batches, None)
+        except OSError as exc:  # the first read tells whether the kernel can batch this map
+            if exc.errno not in _NO_BATCH:
+                raise
+        else:
+            if first is not None:
+                yield first
+                yield from batches
+            return
+        for key in list(_walk(fd, s.CT4Key)):
+            value = s.CT4Entry()
+            if libbpf.map_lookup(fd, key, value):
+                yield (key,), (value,), 1
+
+    def connections(self, kind: int | None = None, proto: int | None = None) -> list[Connection]:
+        """The epx_ct4 entries (only those of `kind` and `proto` when given), decoded. Filtering
+        happens on the raw batches: asking for a few entries of a full table decodes only those."""
         out = []
-        for k, v in self._items("epx_ct4"):
-            out.append(
-                Connection(
-                    kind=k.kind, proto=k.proto,
-                    saddr=ip_str(k.saddr), sport=port_int(k.sport), daddr=ip_str(k.daddr), dport=port_int(k.dport),
-                    nat_addr=ip_str(v.nat_addr), nat_port=port_int(v.nat_port),
-                    svc_addr=ip_str(v.svc_addr), svc_port=port_int(v.svc_port), backend_id=v.backend_id,
-                    snat_addr=ip_str(v.snat_addr), snat_port=port_int(v.snat_port), flags=v.flags,
-                    expires_ns=v.expires,
-                )
-            )
+        for keys, values, n in self._ct_batches():
+            for i in range(n):
+                k = keys[i]
+                if (kind is None or k.kind == kind) and (proto is None or k.proto == proto):
+                    out.append(_connection(k, values[i]))
         return out
+
+    def max_connection_backend_id(self) -> int:
+        """The highest backend id a connection (CT4_SVC entry) refers to; 0 when none does."""
+        best = 0
+        for keys, values, n in self._ct_batches():
+            for i in range(n):
+                if keys[i].kind == s.CT4_SVC and values[i].backend_id > best:
+                    best = values[i].backend_id
+        return best
 
     def delete_connection(self, c: Connection) -> bool:
         key = s.CT4Key(
@@ -409,3 +477,88 @@ class Maps:
                 self.clear(name)
         self._put("epx_config", s.u32(0), s.LB4Config())
         self.reset_stats()
+
+
+# ---- read-only queries of a running datapath (the bench, debugging): pins only, no compile ----
+
+PIN_SUBDIR = "ebpf-proxy"  # pins.PIN_SUBDIR (pins imports this module, so it is not imported here)
+
+
+class PinnedMapError(RuntimeError):
+    """A pinned map cannot be read as this build's: missing, or of another layout."""
+
+
+def _pinned_map(bpffs_dir: str | Path, name: str) -> Path:
+    """Where map `name` is pinned for the datapath whose bpffs is `bpffs_dir` (the agent's --bpffs;
+    its pin directory <bpffs>/ebpf-proxy/ is accepted too)."""
+    root = Path(bpffs_dir)
+    for candidate in (root / PIN_SUBDIR / name, root / name):
+        if candidate.exists():
+            return candidate
+    raise PinnedMapError(f"no map {name} pinned under {root / PIN_SUBDIR}: is an ebpf-mode agent running there?")
+
+
+def _open_checked(path: Path) -> int:
+    """A read-only fd of the map at `path`, after checking its key/value sizes against structs."""
+    spec = s.MAPS[path.name]
+    fd = libbpf.obj_get_readonly(str(path))
+    try:
+        info = libbpf.map_info(fd)
+        want = (ctypes.sizeof(spec.key), ctypes.sizeof(spec.leaf))
+        if (info.key_size, info.value_size) != want:
+            raise PinnedMapError(f"{path}: key/value size {info.key_size}/{info.value_size}, this build reads "
+                                 f"{want[0]}/{want[1]}: pinned by another version of ebpf-proxy")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def programmed_backends(bpffs_dir: str | Path) -> set[tuple[str, int]]:
+    """Every backend (ip, port) the datapath pinned under `bpffs_dir` holds in epx_backend, read
+    read-only from the pin (no compile, no agent involved). The sync writes a backend before the
+    slots that expose it, so an endpoint in this set is one step from taking traffic; it leaves
+    the set only after no slot points at it any more. Raises PinnedMapError, or OSError."""
+    fd = _open_checked(_pinned_map(bpffs_dir, "epx_backend"))
+    try:
+        try:
+            return _backend_addrs_batched(fd)
+        except OSError as exc:
+            if exc.errno not in _NO_BATCH:
+                raise
+        return {(ip_str(v.addr), port_int(v.port)) for _, v in stream_items(fd, "epx_backend")}
+    finally:
+        os.close(fd)
+
+
+_BACKEND_ADDR = struct.Struct("!4sH2x")  # struct lb4_backend: addr, port (network order), flags, pad
+
+
+def _backend_addrs_batched(fd: int) -> set[tuple[str, int]]:
+    """(ip, port) of every epx_backend entry, unpacked from the raw batches: the bench polls this
+    while it times a change, so it must cost little (20,000 backends: ~17 ms, 27 ms decoded
+    field by field)."""
+    assert _BACKEND_ADDR.size == ctypes.sizeof(s.LB4Backend)
+    out: set[tuple[str, int]] = set()
+    ntoa = socket.inet_ntoa
+    for _, values, n in libbpf.map_batches(fd, s.u32, s.LB4Backend):
+        raw = ctypes.string_at(values, n * _BACKEND_ADDR.size)
+        out.update((ntoa(addr), port) for addr, port in _BACKEND_ADDR.iter_unpack(raw))
+    return out
+
+
+# Maps whose entries exist only when written: their counts are the datapath's state (arrays
+# always hold max_entries slots).
+COUNTED_MAPS = tuple(name for name in s.MAPS if name not in ("epx_config", "epx_stats"))
+
+
+def entry_counts(bpffs_dir: str | Path) -> dict[str, int]:
+    """Entries in each hash-like map pinned under `bpffs_dir` (map name -> count), read-only."""
+    out = {}
+    for name in COUNTED_MAPS:
+        fd = _open_checked(_pinned_map(bpffs_dir, name))
+        try:
+            out[name] = count_entries(fd, name)
+        finally:
+            os.close(fd)
+    return out

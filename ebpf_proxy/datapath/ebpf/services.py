@@ -3,8 +3,13 @@ one version of it to the next with as few writes as possible.
 
 The endpoint sets come from model.categorize, the same function the iptables datapath uses, so
 both datapaths choose among the same backends. Ids are allocated here and never reused within a
-process: a service port keeps its id, and a backend id names one (service port, endpoint) for as
-long as it exists, so CT and affinity entries that outlive it can never point at someone else.
+process: a service port keeps its id while it exists, and a backend id names one (service port,
+endpoint) for as long as that endpoint stays, so CT and affinity entries that outlive it can never
+point at someone else. (An endpoint that leaves and comes back gets a new id.)
+
+Memory: the only per-service state is `current`, one compact ServiceEntries per service port (the
+ids live in it), about 1 KiB each; nothing is kept for what was deleted, so endpoint and service
+churn never accumulate (10,000 service ports: ~9 MiB).
 
 Slots are kept stable: a backend keeps its slot while it stays, a leaving backend's slot is
 taken by a newcomer or by the last slot's backend, so one endpoint change costs a few writes,
@@ -28,7 +33,7 @@ from ebpf_proxy.model.types import Endpoint, Protocol, ServicePort, ServicePortN
 SUPPORTED = (Protocol.TCP, Protocol.UDP)  # SCTP's CRC32c cannot be updated incrementally in BPF
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ServiceEntries:
     """Everything one service port puts in the maps (ids already allocated)."""
 
@@ -61,6 +66,7 @@ def stable_slots(previous: tuple[int, ...], wanted: Iterable[int]) -> tuple[int,
 
 
 LOCALHOST = "127.0.0.1"
+_NO_RANGES: frozenset[str] = frozenset()
 
 
 def node_settings(node: NodeConfig, host_netns_cookie: int = 0, snat_addr: str | None = None,
@@ -113,12 +119,12 @@ class ServicePrograms:
 
     def __init__(self, maps: Maps) -> None:
         self.maps = maps
-        self._svc_ids: dict[ServicePortName, int] = {}
-        self._backend_ids: dict[tuple[ServicePortName, str, int], int] = {}
         self._next_svc = itertools.count(1)
         self._next_backend = itertools.count(1)
         self.current: dict[ServicePortName, ServiceEntries] = {}
-        self._last_frontends: dict[ServicePortName, set[Frontend]] = {}  # kept after deletion
+        # frontends of UDP service ports deleted since the last completed sync: their stale
+        # connections are flushed after the deletion (ChangeSet.stale_udp_*), see sync_done()
+        self._deleted_udp: dict[ServicePortName, tuple[Frontend, ...]] = {}
 
     def reserve_ids(self, max_svc_id: int, max_backend_id: int) -> None:
         """Hand out only ids above these (ids found in the maps after a restart)."""
@@ -128,11 +134,7 @@ class ServicePrograms:
     def take_over(self, name: ServicePortName, entries: ServiceEntries) -> None:
         """Adopt entries the maps already hold for `name` (read back after a restart) as what
         `name` currently has: the next apply() writes only the difference, ids stay."""
-        self._svc_ids[name] = entries.svc_id
-        for bid, be in entries.backends.items():
-            self._backend_ids[(name, be.addr, be.port)] = bid
         self.current[name] = entries
-        self._last_frontends[name] = set(entries.frontends)
 
     def remove(self, entries: ServiceEntries) -> int:
         """Delete entries no service port claims (found in the maps after a restart)."""
@@ -142,19 +144,16 @@ class ServicePrograms:
         """The map entries for `svc`, or None when it is not programmed (headless, SCTP, IPv6)."""
         if svc.cluster_ip is None or svc.protocol not in SUPPORTED or ipaddress.ip_address(svc.cluster_ip).version != 4:
             return None
-        name = svc.name
-        if name not in self._svc_ids:
-            self._svc_ids[name] = next(self._next_svc)
+        old = self.current.get(svc.name)
         sets = categorize(svc, endpoints)
         cluster, local = set(sets.cluster), set(sets.local)
+        known = {(be.addr, be.port): bid for bid, be in old.backends.items()} if old else {}
         backends: dict[int, Backend] = {}
         ids: dict[Endpoint, int] = {}
         for ep in sets.all_reachable:
-            key = (name, ep.ip, ep.port)
-            if key not in self._backend_ids:
-                self._backend_ids[key] = next(self._next_backend)
-            ids[ep] = self._backend_ids[key]
-            backends[ids[ep]] = Backend(ep.ip, ep.port, in_cluster=ep in cluster, in_local=ep in local)
+            bid = known.get((ep.ip, ep.port)) or next(self._next_backend)
+            ids[ep] = bid
+            backends[bid] = Backend(ep.ip, ep.port, in_cluster=ep in cluster, in_local=ep in local)
 
         base = (s.LB4_F_HAS_ENDPOINTS if sets.has_any else 0)
         base |= s.LB4_F_ETP_LOCAL if svc.external_policy_local else 0
@@ -165,21 +164,21 @@ class ServicePrograms:
         if svc.node_port:
             frontends[Frontend(None, svc.node_port, proto)] = external
         for ip in svc.external_ips:
-            frontends[Frontend(ip, svc.port, proto)] = external
+            if ipaddress.ip_address(ip).version == 4:
+                frontends[Frontend(ip, svc.port, proto)] = external
         ranges = frozenset(svc.load_balancer_source_ranges)
         for ip in svc.load_balancer_ips:
-            frontends[Frontend(ip, svc.port, proto)] = external | (s.LB4_F_SOURCE_RANGES if ranges else 0)
-        frontends = {fe: f for fe, f in frontends.items() if fe.addr is None or ipaddress.ip_address(fe.addr).version == 4}
+            if ipaddress.ip_address(ip).version == 4:
+                frontends[Frontend(ip, svc.port, proto)] = external | (s.LB4_F_SOURCE_RANGES if ranges else 0)
 
-        old = self.current.get(name)
         return ServiceEntries(
-            svc_id=self._svc_ids[name],
+            svc_id=old.svc_id if old else next(self._next_svc),
             frontends=frontends,
             affinity_timeout=svc.affinity_timeout_seconds,
             backends=backends,
             cluster_slots=stable_slots(old.cluster_slots if old else (), (ids[ep] for ep in sets.cluster)),
             local_slots=stable_slots(old.local_slots if old else (), (ids[ep] for ep in sets.local)),
-            source_ranges=_normalized(ranges) if svc.load_balancer_ips else frozenset(),
+            source_ranges=_normalized(ranges) if svc.load_balancer_ips else _NO_RANGES,
         )
 
     def apply(self, name: ServicePortName, new: ServiceEntries | None) -> int:
@@ -190,10 +189,16 @@ class ServicePrograms:
         writes = self._write(old, new)
         if new:
             self.current[name] = new
-            self._last_frontends[name] = set(new.frontends)
+            self._deleted_udp.pop(name, None)
         else:
-            self.current.pop(name, None)
+            del self.current[name]
+            if name.protocol is Protocol.UDP:
+                self._deleted_udp[name] = tuple(old.frontends)  # type: ignore[union-attr]
         return writes
+
+    def sync_done(self) -> None:
+        """The sync that deleted service ports has flushed their connections: forget them."""
+        self._deleted_udp.clear()
 
     def _write(self, old: ServiceEntries | None, new: ServiceEntries | None) -> int:
         writes = 0
@@ -254,16 +259,31 @@ class ServicePrograms:
 
     def flush_udp_connections(self, name: ServicePortName, endpoint_ip: str | None = None) -> int:
         """Forget UDP connections to `name` (only those to `endpoint_ip` if given), as kube-proxy
-        clears conntrack for stale UDP endpoints. Deleting a connection's CT4_SVC entry is enough:
-        its translation halves are honoured only while it exists. Returns how many were removed."""
-        frontends = self._last_frontends.get(name, set())
+        clears conntrack for stale UDP endpoints; `name` may have been deleted in this sync.
+        Returns how many were removed."""
+        if endpoint_ip is None:
+            return self.flush_udp((), (name,))
+        return self.flush_udp(((name, endpoint_ip),), ())
+
+    def flush_udp(self, endpoints: Iterable[tuple[ServicePortName, str]], services: Iterable[ServicePortName]) -> int:
+        """Forget the UDP connections of every (service port, endpoint IP) in `endpoints` and of
+        every service port in `services`, in one read of the connection table (a full table is
+        262,144 entries: one read per stale endpoint would cost a sync ~65 ms each). Deleting a
+        connection's CT4_SVC entry is enough: its translation halves are honoured only while it
+        exists. Returns how many were removed."""
         udp = IPPROTO["UDP"]
+        # (frontend port, frontend addr or None for a nodePort) -> endpoint IPs to flush (None: all)
+        wanted: dict[tuple[int, str | None], set[str | None]] = {}
+        for name, ip in [*endpoints, *((name, None) for name in services)]:
+            entries = self.current.get(name)
+            for fe in (tuple(entries.frontends) if entries else self._deleted_udp.get(name, ())):
+                if fe.proto == udp:
+                    wanted.setdefault((fe.port, fe.addr), set()).add(ip)
+        if not wanted:
+            return 0
         removed = 0
-        for conn in self.maps.connections():
-            if conn.kind != s.CT4_SVC or conn.proto != udp:
-                continue
-            if endpoint_ip is not None and conn.nat_addr != endpoint_ip:
-                continue
-            if any(fe.port == conn.dport and fe.proto == udp and fe.addr in (None, conn.daddr) for fe in frontends):
+        for conn in self.maps.connections(kind=s.CT4_SVC, proto=udp):
+            ips = wanted.get((conn.dport, conn.daddr), set()) | wanted.get((conn.dport, None), set())
+            if None in ips or conn.nat_addr in ips:
                 removed += self.maps.delete_connection(conn)
         return removed

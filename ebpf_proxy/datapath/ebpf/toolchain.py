@@ -18,6 +18,7 @@ import platform
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -154,12 +155,29 @@ class Report:
         return [head] + [f"  {'ok' if c.ok else 'MISSING':8} {c.name:18} {c.detail}" for c in self.checks]
 
 
+_BCC_CHECK = (
+    "import json, pathlib, sys\n"
+    "try:\n"
+    "    import bcc\n"
+    "except Exception as exc:\n"
+    "    print(json.dumps({'error': f'{type(exc).__name__}: {exc}'})); sys.exit(0)\n"
+    "print(json.dumps({'version': getattr(bcc, '__version__', '?'), 'path': str(pathlib.Path(bcc.__file__).parent)}))\n"
+)
+
+
 def _check_bcc() -> Check:
+    """Whether bcc imports, asked of a child interpreter: importing bcc maps libbcc and LLVM, ~60 MiB
+    of RSS a long-running agent would never get back (the compile runs in a child too, loader.py)."""
     try:
-        import bcc  # noqa: PLC0415 (optional at import time: the probe must run without it)
-    except ImportError as exc:
-        return Check("bcc", False, f"python bcc not importable ({exc}): install the Debian package python3-bpfcc")
-    return Check("bcc", True, f"bcc {getattr(bcc, '__version__', '?')} at {Path(bcc.__file__).parent}")
+        done = subprocess.run([sys.executable, "-c", _BCC_CHECK], capture_output=True, text=True, timeout=60,
+                              stdin=subprocess.DEVNULL)
+        found = json.loads(done.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError) as exc:
+        return Check("bcc", False, f"could not ask {sys.executable} whether bcc imports: {exc}")
+    if "error" in found:
+        return Check("bcc", False, f"python bcc not importable ({found['error']}): install the Debian package "
+                                   "python3-bpfcc")
+    return Check("bcc", True, f"bcc {found['version']} at {found['path']}")
 
 
 def _check_headers(prepare: bool) -> Check:
