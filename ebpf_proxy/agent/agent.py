@@ -20,7 +20,7 @@ import logging
 import signal
 import threading
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Container, Iterable, Mapping
 
 from ebpf_proxy.agent.config import AgentConfig
 from ebpf_proxy.agent.health import ProxierHealth, ServiceHealthServers, healthz_server
@@ -31,8 +31,8 @@ from ebpf_proxy.agent.runner import BoundedFrequencyRunner, MonotonicClock
 from ebpf_proxy.datapath import Datapath, create_datapath, resolve_auto_mode
 from ebpf_proxy.k8s import convert
 from ebpf_proxy.k8s.invalid import Invalid
-from ebpf_proxy.k8s.watch import Backoff, Handler, ListWatch, Reflector
-from ebpf_proxy.model import ChangeTracker, NodeConfig, ProxyState
+from ebpf_proxy.k8s.watch import Backoff, Handler, ListWatch, Reflector, keep_metadata
+from ebpf_proxy.model import ChangeTracker, Endpoint, NodeConfig, ProxyState, ServicePortName
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +198,10 @@ class Agent:
             api = make_api_client(self.config.kubeconfig, self.config.master)
             collections = agent_collections(api, self.node_name)
         for kind, handler in self.handlers().items():
-            reflector = Reflector(collections[kind], handler, backoff=self._backoff(), reporter=self.report_invalid)
+            # the handlers turn each object into the model at once: the cache needs only what a
+            # delete after a relist names (keep_metadata), not ~50 MB of API objects at 10,000 Services
+            reflector = Reflector(collections[kind], handler, backoff=self._backoff(), reporter=self.report_invalid,
+                                  keep=keep_metadata)
             self.reflectors.append(reflector)
             reflector.start()
 
@@ -312,7 +315,7 @@ class Agent:
         ports = {(spn.namespace, spn.name): svc.health_check_node_port
                  for spn, svc in state.services.items() if svc.health_check_node_port}
         self.service_health.sync_services(ports)
-        self.service_health.sync_endpoints(local_ready_endpoints(state))
+        self.service_health.sync_endpoints(local_ready_endpoints(state, ports))
 
     # ---- the whole run ---------------------------------------------------------------------------
 
@@ -370,11 +373,20 @@ class Agent:
         log.info("stopped", extra={"node": self.node_name})
 
 
-def local_ready_endpoints(state: ProxyState) -> dict[tuple[str, str], int]:
+def local_ready_endpoints(state: ProxyState, services: Container[tuple[str, str]] | None = None
+                          ) -> dict[tuple[str, str], int]:
     """(namespace, name) → ready local endpoints over all its ports, as kube-proxy's
-    EndpointsMap.LocalReadyEndpoints counts them for health-check NodePorts."""
+    EndpointsMap.LocalReadyEndpoints counts them for health-check NodePorts. `services` limits
+    the count to those (the ones with a health-check server): counting every endpoint of
+    10,000 Services on every sync took longer than programming the change itself."""
+    if services is None:
+        items: Iterable[tuple[ServicePortName, tuple[Endpoint, ...]]] = state.endpoints.items()
+    elif not services:
+        return {}
+    else:
+        items = ((spn, state.endpoints_of(spn)) for spn in state.services if (spn.namespace, spn.name) in services)
     counts: dict[tuple[str, str], int] = {}
-    for spn, eps in state.endpoints.items():
+    for spn, eps in items:
         n = sum(1 for ep in eps if ep.is_local and ep.ready)
         if n:
             key = (spn.namespace, spn.name)

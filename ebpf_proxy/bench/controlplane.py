@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
 
-from ebpf_proxy.bench import kernelstate, procstat
-from ebpf_proxy.bench.services import NAMESPACE, SERVICE_NAME_LABEL, BenchServices
+from ebpf_proxy.bench import kernelstate, ports, procstat
+from ebpf_proxy.bench.services import NAMESPACE, ROLE_LABEL, SERVICE_NAME_LABEL, BenchServices
 from ebpf_proxy.lab import naming
 from ebpf_proxy.lab.cluster import AGENT_HEALTHZ_PORT, AGENT_METRICS_PORT, Lab, LabError
 from ebpf_proxy.lab.nshttp import http_get
@@ -123,10 +123,25 @@ class Observer:
     lab: Lab
     node: str
     mode: str
+    # service name -> its ClusterIP (read from the API server, see prepare()); a Service's
+    # ClusterIP never changes, so one LIST serves every measurement of a size
+    cluster_ips: dict[str, str] = field(default_factory=dict)
+
+    def prepare(self, services: BenchServices, names: Iterable[str]) -> None:
+        """Learn the ClusterIPs of `names` before a clock starts, so that has() polls only the
+        kernel: the ebpf check then reads one frontend instead of dumping every backend."""
+        if self.mode != "ebpf" or all(n in self.cluster_ips for n in names):
+            return
+        for svc in services.rest.list("Service", NAMESPACE, label_selector=ROLE_LABEL):
+            ip = (svc.get("spec") or {}).get("clusterIP")
+            if ip and ip != "None":
+                self.cluster_ips[svc["metadata"]["name"]] = ip
 
     def has(self, ip: str, port: int, service: str) -> bool:
         spn = kernelstate.service_port_name(NAMESPACE, service)
-        return kernelstate.kernel_has_endpoint(self.lab, self.node, self.mode, ip, port, spn)
+        cluster_ip = self.cluster_ips.get(service)
+        frontend = (cluster_ip, ports.SERVICE_PORT) if cluster_ip else None
+        return kernelstate.kernel_has_endpoint(self.lab, self.node, self.mode, ip, port, spn, frontend)
 
     def endpoints(self) -> set[tuple[str, int]]:
         return kernelstate.kernel_endpoints(self.lab, self.node, self.mode)
@@ -140,6 +155,7 @@ def update_latency(services: BenchServices, observer: Observer, changes: int, ti
     for k in range(changes):
         service = targets[(services.next_target_index() + k) % len(targets)]
         obj, (ip, port) = services.changed_slice(service)
+        observer.prepare(services, [service])
         start = time.monotonic()
         services.write(obj)
         try:
@@ -169,6 +185,7 @@ def burst(services: BenchServices, observer: Observer, count: int, timeout: floa
     # Each change puts a never-used address in; a service's last one is in the kernel only once
     # that last change is programmed (stale entries a datapath frees lazily do not matter).
     expected = set().union(*(services.expected_endpoints(o) for o in final.values()))
+    observer.prepare(services, final)
 
     def write_all(objs: list[dict]) -> list[tuple[int, dict]]:
         return [(services.write(obj), obj) for obj in objs]

@@ -16,7 +16,9 @@ Per mode:
   bpftool, or by the datapath's own `maps.entry_counts(bpffs_dir)` when it has one). Which endpoints are
   programmed needs the backend map's layout, which only the eBPF datapath knows: the bench calls
   `ebpf_proxy.datapath.ebpf.maps.programmed_backends(bpffs_dir) -> set[(ip, port)]`; until that
-  exists the eBPF control-plane figures are reported as unavailable, with this reason.
+  exists the eBPF control-plane figures are reported as unavailable, with this reason. Dumping
+  every backend takes ~40 ms at 10,000 Services, so when the Service's frontend is known the
+  check reads only its entry, slots and backends (`maps.frontend_backends`): well under 1 ms.
 """
 
 from __future__ import annotations
@@ -178,14 +180,22 @@ def kernel_endpoints(lab: Lab, node: str, mode: str) -> set[tuple[str, int]]:
 
 
 def kernel_has_endpoint(lab: Lab, node: str, mode: str, ip: str, port: int,
-                        service: ServicePortName | None = None) -> bool:
+                        service: ServicePortName | None = None, frontend: tuple[str, int] | None = None) -> bool:
     """Is (ip, port) programmed on `node` (as an endpoint of `service`, when given)?
-    The hook the control-plane measurements poll."""
+    The hook the control-plane measurements poll, so each mode asks the narrowest question its
+    kernel answers: iptables the endpoint's own KUBE-SEP chain (the kernel still hands over the
+    whole table, which is iptables' cost), ebpf the service's frontend (ClusterIP, port) entry and
+    its slots, a few map lookups at any size."""
     if mode == "iptables":
         if service is not None:
             rules = iptables_chain(lab, node, "nat", sep_chain(service, ip, port))
             return rules is not None and _dnat_to(rules, ip, port)
         return _dnat_to(iptables_save(lab, node, "nat"), ip, port)
+    if mode == "ebpf" and frontend is not None:
+        maps = _ebpf_maps_module()
+        protocol = (service.protocol if service is not None else Protocol.TCP).value
+        backends = maps.frontend_backends(bpffs_dir(lab, node), frontend[0], frontend[1], maps.IPPROTO[protocol])
+        return backends is not None and (ip, port) in backends
     return (ip, port) in kernel_endpoints(lab, node, mode)
 
 

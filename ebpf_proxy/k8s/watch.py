@@ -16,6 +16,12 @@ stream is read as dicts and every case above is handled in one place.
 
 A failed LIST never changes the cache: an API outage must not look like "every service was deleted".
 
+The cache holds what `keep` retains of each object (client-go's informer transform): all of it by
+default; the agent keeps only the metadata a delete needs, since its handlers turn every object
+into the model at once and never look back at the API form (at 10,000 Services and slices the
+full objects are ~50 MB of dicts). A LIST's items may be any iterable, such as pages decoded one
+at a time (k8s.client.ListPages), so a relist never holds every decoded object at once either.
+
 Tests drive `Reflector` with any object that has `kind`, `list()` and `watch(rv)` (see `ListWatch`),
 a fake `wait` (no sleeping) and a fake clock.
 """
@@ -26,7 +32,8 @@ import logging
 import random
 import threading
 import time
-from typing import Any, Callable, Iterable, Protocol
+from collections.abc import Iterable
+from typing import Any, Callable, Protocol
 
 from ebpf_proxy.k8s import invalid as inv
 from ebpf_proxy.k8s.convert import object_ref
@@ -45,8 +52,9 @@ class ListWatch(Protocol):
 
     kind: str
 
-    def list(self) -> tuple[list[Any], str]:
-        """All objects and the list's resourceVersion. Raises on any failure (HTTP status in `.status`)."""
+    def list(self) -> tuple[Iterable[Any], str]:
+        """All objects (an iterable the Reflector walks twice) and the list's resourceVersion.
+        Raises on any failure (HTTP status in `.status`)."""
 
     def watch(self, resource_version: str) -> Iterable[Any]:
         """Raw watch events ({"type": ..., "object": {...}}) from `resource_version` on. May have
@@ -60,10 +68,23 @@ class Handler:
         """A new object."""
 
     def on_update(self, old: dict, new: dict) -> None:
-        """An object changed (its resourceVersion moved)."""
+        """An object changed (its resourceVersion moved). `old` is what the cache kept of it."""
 
     def on_delete(self, obj: dict) -> None:
-        """An object is gone (last known state)."""
+        """An object is gone: the DELETED event's object, or after a relist what the cache kept."""
+
+
+def keep_all(obj: dict) -> dict:
+    """The default cache transform: the whole object."""
+    return obj
+
+
+def keep_metadata(obj: dict) -> dict:
+    """The cache transform for handlers that need no more than a deleted object's identity."""
+    meta = obj.get("metadata")
+    if not isinstance(meta, dict):
+        return {}
+    return {"metadata": {k: meta[k] for k in ("name", "namespace", "resourceVersion", "uid") if k in meta}}
 
 
 class Backoff:
@@ -111,8 +132,9 @@ class Reflector:
 
     def __init__(self, lw: ListWatch, handler: Handler, *, backoff: Backoff | None = None,
                  clock: Callable[[], float] = time.monotonic, wait: Callable[[float], bool] | None = None,
-                 reporter: Reporter | None = None) -> None:
+                 reporter: Reporter | None = None, keep: Callable[[dict], dict] = keep_all) -> None:
         self.lw = lw
+        self.keep = keep
         self.kind = lw.kind
         self.handler = handler
         self.backoff = backoff or Backoff()
@@ -263,7 +285,7 @@ class Reflector:
                 del self.cache[key]
                 self._call(self.handler.on_delete, obj)
         else:
-            self.cache[key] = obj
+            self.cache[key] = self.keep(obj)
             if old is None:
                 self._call(self.handler.on_add, obj)
             else:
@@ -274,23 +296,33 @@ class Reflector:
             self.resource_version = rv
         return None
 
-    def _replace(self, items: list[Any]) -> None:
-        """A (re)list: deliver the difference between the new list and the cache."""
-        new: dict[str, dict] = {}
-        for i, item in enumerate(items if isinstance(items, list) else []):
+    def _replace(self, items: Iterable[Any]) -> None:
+        """A (re)list: deliver the difference between the new list and the cache, deletions first.
+
+        Two passes over `items`: the names (what is gone), then each object delivered and what
+        `keep` retains of it cached, so a lazy iterable is never held decoded all at once."""
+        if isinstance(items, (str, bytes, dict)) or not isinstance(items, Iterable):
+            items = []
+        listed: set[str] = set()
+        for item in items:
+            ref = object_ref(item)
+            if ref is not None:
+                listed.add(str(ref))
+        old, self.cache = self.cache, {}
+        for key in sorted(old.keys() - listed):
+            self._call(self.handler.on_delete, old[key])
+        for i, item in enumerate(items):
             ref = object_ref(item)
             if ref is None:
                 self._invalid("?", f"items[{i}].metadata.name", inv.MALFORMED, "listed object without a usable name")
                 continue
-            new[str(ref)] = item
-        old, self.cache = self.cache, new
-        for key in sorted(old.keys() - new.keys()):
-            self._call(self.handler.on_delete, old[key])
-        for key, obj in new.items():
-            if key not in old:
-                self._call(self.handler.on_add, obj)
-            elif _rv(old[key]) != _rv(obj) or (_rv(obj) is None and old[key] != obj):
-                self._call(self.handler.on_update, old[key], obj)
+            key = str(ref)
+            kept = self.cache[key] = self.keep(item)
+            before = old.get(key)
+            if before is None:
+                self._call(self.handler.on_add, item)
+            elif _rv(before) != _rv(item) or (_rv(item) is None and before != kept):
+                self._call(self.handler.on_update, before, item)
 
     def _call(self, fn: Callable[..., None], *args: dict) -> None:
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 
@@ -13,6 +14,7 @@ from ebpf_proxy.datapath.ebpf.maps import (
     PinnedMapError,
     be16,
     entry_counts,
+    frontend_backends,
     programmed_backends,
 )
 from ebpf_proxy.datapath.ebpf.services import ServicePrograms
@@ -44,6 +46,28 @@ def test_programmed_backends_of_a_sync(pin_dir, maps):
     moved = (eps[0], Endpoint("100.96.0.9", 8080, node_name="n2", ready=True))
     programs.apply(name, programs.entries(svc, moved))
     assert programmed_backends(pin_dir) == {("10.244.1.5", 8080), ("100.96.0.9", 8080)}
+
+
+def test_frontend_backends_reads_one_service(pin_dir, maps):
+    """The bench's per-change check: the frontend's cluster slots and nothing else, before and
+    after an endpoint moves; another service's backends never show; an unknown frontend is None."""
+    programs = ServicePrograms(maps)
+    web = ServicePortName("default", "web", "", Protocol.TCP)
+    dns = ServicePortName("default", "dns", "", Protocol.UDP)
+    web_svc = ServicePort(name=web, cluster_ip="10.96.5.5", port=80, protocol=Protocol.TCP)
+    dns_svc = ServicePort(name=dns, cluster_ip="10.96.5.5", port=80, protocol=Protocol.UDP)
+    eps = (Endpoint("10.244.1.5", 8080, node_name="n1", ready=True),
+           Endpoint("10.244.2.6", 8080, node_name="n2", ready=True))
+    programs.apply(web, programs.entries(web_svc, eps))
+    programs.apply(dns, programs.entries(dns_svc, (Endpoint("10.244.3.7", 53, node_name="n1", ready=True),)))
+    assert frontend_backends(pin_dir, "10.96.5.5", 80) == {("10.244.1.5", 8080), ("10.244.2.6", 8080)}
+    assert frontend_backends(pin_dir, "10.96.5.5", 80, socket.IPPROTO_UDP) == {("10.244.3.7", 53)}
+    moved = (eps[0], Endpoint("100.96.0.9", 8080, node_name="n2", ready=True))
+    programs.apply(web, programs.entries(web_svc, moved))
+    assert frontend_backends(pin_dir, "10.96.5.5", 80) == {("10.244.1.5", 8080), ("100.96.0.9", 8080)}
+    assert frontend_backends(pin_dir, "10.96.5.6", 80) is None
+    programs.apply(web, None)
+    assert frontend_backends(pin_dir, "10.96.5.5", 80) is None
 
 
 def test_batched_read_spans_many_batches(maps):
@@ -79,3 +103,5 @@ def test_queries_name_what_is_missing(tmp_path):
         programmed_backends(tmp_path)
     with pytest.raises(PinnedMapError, match="epx_svc"):
         entry_counts(tmp_path)
+    with pytest.raises(PinnedMapError, match="epx_svc"):
+        frontend_backends(tmp_path, "10.96.0.1", 80)

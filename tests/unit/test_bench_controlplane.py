@@ -51,6 +51,9 @@ class FakeKernel:
                 out |= {(e["addresses"][0], obj["ports"][0]["port"]) for e in obj["endpoints"]}
         return out
 
+    def prepare(self, services, names):
+        pass
+
     def has(self, ip, port, service):
         obj = self.rest.get("EndpointSlice", f"{service}-bench")
         return (ip, port) in self.endpoints() and any(e["addresses"] == [ip] for e in obj["endpoints"])
@@ -80,6 +83,9 @@ def test_update_latency_times_out_when_the_kernel_never_changes(setup):
 
     class Stuck:
         node = "worker1"
+
+        def prepare(self, services, names):
+            pass
 
         def has(self, ip, port, service):
             return False
@@ -123,6 +129,27 @@ def test_burst_waits_for_every_endpoint_when_the_last_one_comes_early(setup):
 
     out = controlplane.burst(services, LastFirst(rest), count=10, timeout=5, threads=1)
     assert out["missing_when_last_seen"] > 0
+
+
+def test_ebpf_observer_checks_the_frontend_it_learnt_before_the_clock(setup, monkeypatch):
+    """In ebpf mode the check reads one service's frontend (ClusterIP, port): prepare() learns
+    the ClusterIPs with one LIST, before a measurement starts, and not again while they are known."""
+    rest, services, _ = setup
+    asked = []
+    monkeypatch.setattr(controlplane.kernelstate, "kernel_has_endpoint",
+                        lambda lab, node, mode, ip, port, spn, frontend=None: asked.append((spn.name, frontend)) or True)
+    lists = []
+    real_list = rest.list
+    monkeypatch.setattr(rest, "list", lambda *a, **kw: lists.append(a) or real_list(*a, **kw))
+    observer = controlplane.Observer(None, "worker1", "ebpf")
+    controlplane.update_latency(services, observer, changes=3, timeout=5, settle=0)
+    assert len(lists) == 1, "one LIST for every change"
+    assert len(asked) == 3 and len({ip for _, (ip, _) in asked}) == 3
+    for name, frontend in asked:
+        assert frontend == (rest.get("Service", name)["spec"]["clusterIP"], 80)
+    iptables = controlplane.Observer(None, "worker1", "iptables")
+    iptables.prepare(services, ["bench-f00000"])
+    assert iptables.cluster_ips == {} and len(lists) == 1, "iptables checks by chain name: nothing to learn"
 
 
 def test_procstat_parsing_and_reading():

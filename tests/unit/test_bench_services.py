@@ -64,6 +64,12 @@ class FakeRest:
             for key in [k for k, o in self.objects.items() if k[0] == kind and selector in o["metadata"]["labels"]]:
                 del self.objects[key]
 
+    def list(self, kind, namespace="default", label_selector=""):
+        """Only the selector the bench uses: a label key that must exist."""
+        with self.lock:
+            return [o for k, o in self.objects.items()
+                    if k[0] == kind and (not label_selector or label_selector in o["metadata"]["labels"])]
+
     def map(self, fn, items, threads=4):
         return [fn(i) for i in items]
 

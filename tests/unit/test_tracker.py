@@ -235,3 +235,46 @@ def test_state_is_a_snapshot():
     t.commit()
     t.delete_service("default", "web")
     assert set(state.services) == {HTTP, DNS}
+
+
+def test_state_endpoints_are_those_of_existing_service_ports_after_any_sequence():
+    """take() hands out endpoints kept in step with every change (not filtered per sync): after
+    any mix of service and slice changes, they are exactly the merged endpoints of the service
+    ports that exist, as a from-scratch filter computes them."""
+    import random
+
+    rng = random.Random(7)
+    names = ["a", "b", "c"]
+    ports = {n: [ServicePortName("default", n, p, Protocol.TCP) for p in ("http", "admin")] for n in names}
+    t = ChangeTracker()
+    slices: dict[str, dict] = {}
+    services: dict[str, list] = {}
+    for step in range(400):
+        n = rng.choice(names)
+        op = rng.random()
+        if op < 0.3:
+            chosen = [p for p in ports[n] if rng.random() < 0.7]
+            t.update_service("default", n, [sp(p) for p in chosen])
+            services[n] = chosen
+        elif op < 0.45:
+            t.delete_service("default", n)
+            services[n] = []
+        elif op < 0.85:
+            sl_name = f"{n}-{rng.randint(0, 1)}"
+            eps = {p: (ep(f"10.0.{step % 250}.{rng.randint(1, 3)}"),) for p in ports[n] if rng.random() < 0.7}
+            t.update_slice("default", sl_name, n, eps)
+            slices[sl_name] = eps
+        else:
+            sl_name = f"{n}-{rng.randint(0, 1)}"
+            t.delete_slice("default", sl_name)
+            slices.pop(sl_name, None)
+        state, _ = t.take()
+        t.commit()
+        expected = {}
+        for n2 in names:
+            for p in services.get(n2, []):
+                merged = sorted({e for s_name in sorted(slices) if s_name.startswith(f"{n2}-")
+                                 for e in slices[s_name].get(p, ())})
+                if merged:
+                    expected[p] = tuple(merged)
+        assert state.endpoints == expected, f"step {step}"

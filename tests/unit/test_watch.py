@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from ebpf_proxy.k8s.client import KubeListWatch, ListError
-from ebpf_proxy.k8s.watch import Backoff, Handler, Reflector
+from ebpf_proxy.k8s.watch import Backoff, Handler, Reflector, keep_metadata
 from tests.unit.kobjects import service
 
 
@@ -383,3 +383,41 @@ def test_kube_watch_stream_yields_dicts_and_fails_on_garbage():
     assert next(stream)["type"] == "BOOKMARK"
     with pytest.raises(ListError, match="unparsable"):
         next(stream)
+
+
+class Pages:
+    """A re-iterable LIST result, like k8s.client.ListPages: counts how often it is walked."""
+
+    def __init__(self, items):
+        self.items, self.passes = items, 0
+
+    def __iter__(self):
+        self.passes += 1
+        return iter([json.loads(json.dumps(i)) for i in self.items])  # fresh objects each pass
+
+
+def test_the_cache_keeps_what_keep_retains_and_relists_still_deliver_deletes():
+    """The agent's cache keeps only metadata: watch events and relists are delivered as before
+    (full objects to add/update, deletions first), and a delete after a relist names the object."""
+    first = Pages([service("a", rv="5"), service("b", rv="6")])
+    second = Pages([service("a", rv="5"), service("c", rv="40")])
+    clock = FakeClock()
+    fake = FakeListWatch([(first, "10"), (second, "50")], [[ev("MODIFIED", "a", "11"), Advance(10), gone()],
+                                                            [Advance(300)]], clock)
+    full: list[dict] = []
+
+    class Keeper(Recorder):
+        def on_add(self, obj):
+            full.append(obj)
+            super().on_add(obj)
+
+    rec = Keeper()
+    reflector = Reflector(fake, rec, backoff=Backoff(rng=lambda: 0.5), clock=clock, wait=lambda s: False,
+                          keep=keep_metadata)
+    fake.reflector = reflector
+    reflector.run()
+    assert rec.events == [("add", "a", "5"), ("add", "b", "6"), ("update", "a", "11"),
+                          ("delete", "b"), ("update", "a", "5"), ("add", "c", "40")]
+    assert all("spec" in obj for obj in full), "handlers get whole objects"
+    assert reflector.cache["default/c"] == {"metadata": {"name": "c", "namespace": "default", "resourceVersion": "40"}}
+    assert first.passes == 2 and second.passes == 2, "one pass for the names, one to deliver"

@@ -531,6 +531,31 @@ def programmed_backends(bpffs_dir: str | Path) -> set[tuple[str, int]]:
         os.close(fd)
 
 
+def frontend_backends(bpffs_dir: str | Path, addr: str | None, port: int,
+                      proto: int = socket.IPPROTO_TCP) -> set[tuple[str, int]] | None:
+    """The backends (ip, port) the cluster slots of one frontend lead to, read read-only from the
+    pins: the frontend's epx_svc entry, its slots, their epx_backend entries. A few lookups
+    whatever the number of services (programmed_backends() dumps every backend: ~40 ms at
+    20,000), so the bench can poll it while timing one change without the poll dominating the
+    figure. None when the frontend is not programmed. Raises PinnedMapError, or OSError."""
+    fds = {name: _open_checked(_pinned_map(bpffs_dir, name)) for name in ("epx_svc", "epx_slot", "epx_backend")}
+    try:
+        svc = s.LB4Service()
+        if not libbpf.map_lookup(fds["epx_svc"], _frontend_key(Frontend(addr, port, proto)), svc):
+            return None
+        out: set[tuple[str, int]] = set()
+        backend_id, backend = s.u32(), s.LB4Backend()
+        for slot in range(svc.count):
+            key = s.LB4SlotKey(svc_id=svc.id, slot=slot, scope=s.LB4_SCOPE_CLUSTER)
+            if libbpf.map_lookup(fds["epx_slot"], key, backend_id) and \
+                    libbpf.map_lookup(fds["epx_backend"], backend_id, backend):
+                out.add((ip_str(backend.addr), port_int(backend.port)))
+        return out
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
 _BACKEND_ADDR = struct.Struct("!4sH2x")  # struct lb4_backend: addr, port (network order), flags, pad
 
 
