@@ -155,6 +155,10 @@ class EndpointSliceController:
         self._synced = False
         self._pod_labels: dict[tuple[str, str], dict[str, str]] = {}
         self._retry: set[ServiceKey] = set()
+        # Services that may have managed slices: a selector-less Service not in here needs no
+        # work, and asking the store would scan every slice (10,000 Services created at once
+        # then cost O(N^2) and kept the API server busy for minutes after the bench's installs)
+        self._with_slices: set[ServiceKey] = set()
         self.writes = 0  # slices created, updated or deleted (tests check "no spurious writes")
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -231,7 +235,9 @@ class EndpointSliceController:
         services, _ = self.store.list("Service")
         keys = {(s["metadata"]["namespace"], s["metadata"]["name"]) for s in services}
         slices, _ = self.store.list("EndpointSlice", label_selector={MANAGED_BY_LABEL: MANAGED_BY})
-        keys |= {(s["metadata"]["namespace"], s["metadata"]["labels"].get(SERVICE_NAME_LABEL, "")) for s in slices}
+        self._with_slices = {(s["metadata"]["namespace"], s["metadata"]["labels"].get(SERVICE_NAME_LABEL, ""))
+                             for s in slices}
+        keys |= self._with_slices
         for key in sorted(keys):
             self._reconcile_safely(key)
 
@@ -281,13 +287,18 @@ class EndpointSliceController:
             if exc.code != 404:
                 raise
             svc = None
+        spec = (svc or {}).get("spec") or {}
+        unmanaged = svc is None or not spec.get("selector") or spec.get("type") == "ExternalName"
+        if unmanaged and (namespace, name) not in self._with_slices:
+            return
+        self._with_slices.add((namespace, name))
         existing, _ = self.store.list(
             "EndpointSlice", namespace, label_selector={SERVICE_NAME_LABEL: name, MANAGED_BY_LABEL: MANAGED_BY}
         )
-        spec = (svc or {}).get("spec") or {}
-        if svc is None or not spec.get("selector") or spec.get("type") == "ExternalName":
+        if unmanaged:
             for slice_ in existing:
                 self._delete(slice_)
+            self._with_slices.discard((namespace, name))
             return
         pods, _ = self.store.list("Pod", namespace, label_selector=spec["selector"])
         wanted = desired_slices(svc, pods, self.max_endpoints_per_slice)

@@ -162,6 +162,19 @@ def test_selectorless_services_are_left_to_the_user(store, controller):
     assert only["metadata"]["resourceVersion"] == user_slice["metadata"]["resourceVersion"]
 
 
+def test_selectorless_services_cost_no_slice_scan(store, controller, monkeypatch):
+    """The bench creates 10,000 selector-less Services at once: reconciling each must not scan
+    every EndpointSlice (that was O(N^2) and kept the API server busy for minutes), while a
+    Service that had managed slices still gets them removed when its selector goes (see below)."""
+    scans = []
+    real_list = store.list
+    monkeypatch.setattr(store, "list", lambda kind, *a, **kw: (scans.append(kind), real_list(kind, *a, **kw))[1])
+    for i in range(20):
+        service(store, f"manual-{i}")
+    assert controller.wait_synced()
+    assert "EndpointSlice" not in scans
+
+
 def test_service_without_pods_gets_an_empty_placeholder(store, controller):
     service(store, selector={"app": "none"})
     (slice_,) = slices(store, controller)
