@@ -43,7 +43,7 @@ class NodeState:
     eligible: bool = True  # False while the node is being deleted: /healthz then answers 503
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Slice:
     service_key: str
     endpoints: dict[ServicePortName, tuple[Endpoint, ...]]

@@ -25,7 +25,7 @@ class Protocol(str, enum.Enum):
         return self.value.lower()
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True, order=True, slots=True)
 class ServicePortName:
     """Identifies one port of one service, like kube-proxy's `ServicePortName` (ns/name:port)."""
 
@@ -44,7 +44,7 @@ class ServicePortName:
         return f"{self.namespace}/{self.name}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ServicePort:
     """One port of a Service, with every field that changes how a packet is handled."""
 
@@ -80,7 +80,7 @@ class ServicePort:
         return self.affinity_timeout_seconds > 0
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True, order=True, slots=True)
 class Endpoint:
     """One backend address:port of a service port, with EndpointSlice conditions already defaulted."""
 
