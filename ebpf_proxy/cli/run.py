@@ -26,6 +26,22 @@ SIGTERM stops the agent and leaves the datapath in place; `ebpf-proxy cleanup` r
 
 BOOL = "[=BOOL]"
 
+# Imported by the official client when installed, for its dynamic client's schema validation,
+# which the agent never uses: with jsonschema and pydantic's extras it is ~16 MB of the agent's
+# RSS. A deployment installs the agent without it (it is a test dependency, in pyproject's
+# `test` extra); a development venv (the lab, the bench) has it, so the agent keeps it out of
+# its own process to measure, and run, as deployed.
+UNUSED_CLIENT_EXTRAS = ("kubernetes_validate",)
+
+
+def _leave_out_unused_client_extras() -> None:
+    """Make the client's optional `import kubernetes_validate` fail, as where it is not installed
+    (a None entry in sys.modules is Python's way to say "no such module"). Only before the client
+    is loaded: afterwards it would change nothing."""
+    if "kubernetes" not in sys.modules:
+        for name in UNUSED_CLIENT_EXTRAS:
+            sys.modules.setdefault(name, None)
+
 
 def _bool_flag(*names: str, help: str):  # noqa: A002 (click's name)
     """A Go-style bool flag: `--flag` or `--flag=false`, so kube-proxy command lines work unchanged."""
@@ -73,6 +89,7 @@ def run(config_file: str | None, **flags: str | None) -> None:
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     setup_logging(config.log_format, config.log_level)
+    _leave_out_unused_client_extras()
     agent = Agent(config)
     agent.install_signal_handlers()
     sys.exit(agent.run())

@@ -97,7 +97,7 @@ class WatchStream:
 
 class ListPages:
     """The items of a paged LIST as the pages' JSON text, decoded one page at a time whenever it is
-    iterated. The text of 10,000 Services is a tenth of their decoded dicts, and the Reflector
+    iterated. The text of 10,000 Services is a quarter of their decoded dicts, and the Reflector
     turns each object into the model and drops it, so the agent's peak memory no longer holds a
     whole decoded LIST. Every page was decoded and checked once when it arrived, so iterating
     cannot fail."""

@@ -197,6 +197,7 @@ class Reflector:
                     continue
                 list_gone_retried = False
                 self._replace(items)
+                del items  # not held while the watch below runs for minutes (the LIST's pages)
                 self.resource_version = rv if isinstance(rv, str) else ""
                 self.lists += 1
                 self.backoff.reset()

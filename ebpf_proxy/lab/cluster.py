@@ -17,12 +17,15 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ebpf_proxy.lab import naming, netns, nsexec, state
 from ebpf_proxy.lab import topology as topo
-from ebpf_proxy.lab.kubeapi import KubeApi, load_manifests
 from ebpf_proxy.lab.nshttp import http_get
+
+if TYPE_CHECKING:  # kubeapi brings the kubernetes client: imported where used, so that the CLI
+    # (every `ebpf-proxy` command, the agent's `run` included) starts without it
+    from ebpf_proxy.lab.kubeapi import KubeApi
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +168,8 @@ class Lab:
         return self.dir / "kubeconfig"
 
     def api(self) -> KubeApi:
+        from ebpf_proxy.lab.kubeapi import KubeApi
+
         return KubeApi(self.data["apiserver"]["url"])
 
     def _register_nodes(self) -> None:
@@ -264,6 +269,8 @@ class Lab:
 
     # ---- manifests -------------------------------------------------------------------------------
     def apply_manifests(self, text: str, source: str) -> list[str]:
+        from ebpf_proxy.lab.kubeapi import load_manifests
+
         docs = load_manifests(text, source)
         done = []
         api = self.api()
@@ -295,6 +302,8 @@ class Lab:
         return f"pod/{name}"
 
     def delete_manifests(self, text: str, source: str) -> list[str]:
+        from ebpf_proxy.lab.kubeapi import load_manifests
+
         docs = load_manifests(text, source)
         done = []
         api = self.api()
