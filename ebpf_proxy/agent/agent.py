@@ -31,7 +31,7 @@ from ebpf_proxy.agent.runner import BoundedFrequencyRunner, MonotonicClock
 from ebpf_proxy.datapath import Datapath, create_datapath, resolve_auto_mode
 from ebpf_proxy.k8s import convert
 from ebpf_proxy.k8s.invalid import Invalid
-from ebpf_proxy.k8s.watch import Backoff, Handler, ListWatch, Reflector, keep_metadata
+from ebpf_proxy.k8s.watch import Backoff, Handler, ListWatch, Reflector, keep_version
 from ebpf_proxy.model import ChangeTracker, Endpoint, NodeConfig, ProxyState, ServicePortName
 
 log = logging.getLogger(__name__)
@@ -199,9 +199,9 @@ class Agent:
             collections = agent_collections(api, self.node_name)
         for kind, handler in self.handlers().items():
             # the handlers turn each object into the model at once: the cache needs only what a
-            # delete after a relist names (keep_metadata), not ~50 MB of API objects at 10,000 Services
+            # delete after a relist names (keep_version), not ~50 MB of API objects at 10,000 Services
             reflector = Reflector(collections[kind], handler, backoff=self._backoff(), reporter=self.report_invalid,
-                                  keep=keep_metadata)
+                                  keep=keep_version)
             self.reflectors.append(reflector)
             reflector.start()
 

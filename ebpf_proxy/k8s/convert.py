@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,7 +146,7 @@ def object_ref(obj: Any) -> ObjectRef | None:
     name, namespace = meta.get("name"), meta.get("namespace", "")
     if not isinstance(name, str) or not name or not isinstance(namespace, (str, type(None))):
         return None
-    return ObjectRef(namespace or "", name)
+    return ObjectRef(sys.intern(namespace or ""), name)  # a few namespaces, thousands of objects
 
 
 def _ref_text(obj: Any) -> str:
@@ -440,7 +441,8 @@ def _slice_endpoint(ep: Any, path: str, node_name: str) -> tuple:
     ready = _get(conditions, "ready", f"{path}.conditions.ready", bool, True)
     serving = _get(conditions, "serving", f"{path}.conditions.serving", bool, ready)
     terminating = _get(conditions, "terminating", f"{path}.conditions.terminating", bool, False)
-    node = _get(ep, "nodeName", f"{path}.nodeName", str, None) or None
+    # interned: a handful of node names, each repeated by thousands of endpoints
+    node = sys.intern(_get(ep, "nodeName", f"{path}.nodeName", str, None) or "") or None
     return str(ip), node, ready, serving, terminating, node is not None and node == node_name
 
 

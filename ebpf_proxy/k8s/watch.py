@@ -17,9 +17,10 @@ stream is read as dicts and every case above is handled in one place.
 A failed LIST never changes the cache: an API outage must not look like "every service was deleted".
 
 The cache holds what `keep` retains of each object (client-go's informer transform): all of it by
-default; the agent keeps only the metadata a delete needs, since its handlers turn every object
-into the model at once and never look back at the API form (at 10,000 Services and slices the
-full objects are ~50 MB of dicts). A LIST's items may be any iterable, such as pages decoded one
+default; the agent keeps only the resourceVersion (`keep_version`), since its handlers turn every
+object into the model at once and never look back at the API form (at 10,000 Services and
+slices the full objects are ~50 MB of dicts, their metadata alone ~8 MB). A delete found by a
+relist then names the object by its namespace/name and last resourceVersion. A LIST's items may be any iterable, such as pages decoded one
 at a time (k8s.client.ListPages), so a relist never holds every decoded object at once either.
 
 Tests drive `Reflector` with any object that has `kind`, `list()` and `watch(rv)` (see `ListWatch`),
@@ -79,12 +80,23 @@ def keep_all(obj: dict) -> dict:
     return obj
 
 
-def keep_metadata(obj: dict) -> dict:
-    """The cache transform for handlers that need no more than a deleted object's identity."""
-    meta = obj.get("metadata")
-    if not isinstance(meta, dict):
-        return {}
-    return {"metadata": {k: meta[k] for k in ("name", "namespace", "resourceVersion", "uid") if k in meta}}
+def keep_version(obj: dict) -> str:
+    """The cache transform for handlers that need no more than a deleted object's identity: its
+    resourceVersion (the cache key is its namespace/name)."""
+    return _rv(obj) or ""
+
+
+def _kept_rv(kept: Any) -> str | None:
+    return (kept or None) if isinstance(kept, str) else _rv(kept)
+
+
+def _deleted(key: str, kept: Any) -> dict:
+    """What on_delete gets for an object a relist no longer lists: what the cache kept of it, or
+    (kept as its version) its identity rebuilt from the cache key, as "namespace/name"."""
+    if not isinstance(kept, str):
+        return kept
+    namespace, _, name = key.rpartition("/")
+    return {"metadata": {"name": name, "namespace": namespace, "resourceVersion": kept}}
 
 
 class Backoff:
@@ -132,7 +144,7 @@ class Reflector:
 
     def __init__(self, lw: ListWatch, handler: Handler, *, backoff: Backoff | None = None,
                  clock: Callable[[], float] = time.monotonic, wait: Callable[[float], bool] | None = None,
-                 reporter: Reporter | None = None, keep: Callable[[dict], dict] = keep_all) -> None:
+                 reporter: Reporter | None = None, keep: Callable[[dict], Any] = keep_all) -> None:
         self.lw = lw
         self.keep = keep
         self.kind = lw.kind
@@ -311,7 +323,7 @@ class Reflector:
                 listed.add(str(ref))
         old, self.cache = self.cache, {}
         for key in sorted(old.keys() - listed):
-            self._call(self.handler.on_delete, old[key])
+            self._call(self.handler.on_delete, _deleted(key, old[key]))
         for i, item in enumerate(items):
             ref = object_ref(item)
             if ref is None:
@@ -322,7 +334,7 @@ class Reflector:
             before = old.get(key)
             if before is None:
                 self._call(self.handler.on_add, item)
-            elif _rv(before) != _rv(item) or (_rv(item) is None and before != kept):
+            elif _kept_rv(before) != _rv(item) or (_rv(item) is None and before != kept):
                 self._call(self.handler.on_update, before, item)
 
     def _call(self, fn: Callable[..., None], *args: dict) -> None:

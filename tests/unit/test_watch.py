@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from ebpf_proxy.k8s.client import KubeListWatch, ListError
-from ebpf_proxy.k8s.watch import Backoff, Handler, Reflector, keep_metadata
+from ebpf_proxy.k8s.watch import Backoff, Handler, Reflector, keep_version
 from tests.unit.kobjects import service
 
 
@@ -397,7 +397,7 @@ class Pages:
 
 
 def test_the_cache_keeps_what_keep_retains_and_relists_still_deliver_deletes():
-    """The agent's cache keeps only metadata: watch events and relists are delivered as before
+    """The agent's cache keeps only versions: watch events and relists are delivered as before
     (full objects to add/update, deletions first), and a delete after a relist names the object."""
     first = Pages([service("a", rv="5"), service("b", rv="6")])
     second = Pages([service("a", rv="5"), service("c", rv="40")])
@@ -406,18 +406,26 @@ def test_the_cache_keeps_what_keep_retains_and_relists_still_deliver_deletes():
                                                             [Advance(300)]], clock)
     full: list[dict] = []
 
+    deleted: list[dict] = []
+
     class Keeper(Recorder):
         def on_add(self, obj):
             full.append(obj)
             super().on_add(obj)
 
+        def on_delete(self, obj):
+            deleted.append(obj)
+            super().on_delete(obj)
+
     rec = Keeper()
     reflector = Reflector(fake, rec, backoff=Backoff(rng=lambda: 0.5), clock=clock, wait=lambda s: False,
-                          keep=keep_metadata)
+                          keep=keep_version)
     fake.reflector = reflector
     reflector.run()
     assert rec.events == [("add", "a", "5"), ("add", "b", "6"), ("update", "a", "11"),
                           ("delete", "b"), ("update", "a", "5"), ("add", "c", "40")]
     assert all("spec" in obj for obj in full), "handlers get whole objects"
-    assert reflector.cache["default/c"] == {"metadata": {"name": "c", "namespace": "default", "resourceVersion": "40"}}
+    assert reflector.cache == {"default/a": "5", "default/c": "40"}, "only versions are kept"
+    assert deleted == [{"metadata": {"name": "b", "namespace": "default", "resourceVersion": "6"}}], \
+        "a delete found by a relist names the object"
     assert first.passes == 2 and second.passes == 2, "one pass for the names, one to deliver"
