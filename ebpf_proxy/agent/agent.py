@@ -20,7 +20,7 @@ import logging
 import signal
 import threading
 import time
-from typing import Any, Callable, Container, Iterable, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 from ebpf_proxy.agent.config import AgentConfig
 from ebpf_proxy.agent.health import ProxierHealth, ServiceHealthServers, healthz_server
@@ -32,7 +32,7 @@ from ebpf_proxy.datapath import Datapath, create_datapath, resolve_auto_mode
 from ebpf_proxy.k8s import convert
 from ebpf_proxy.k8s.invalid import Invalid
 from ebpf_proxy.k8s.watch import Backoff, Handler, ListWatch, Reflector, keep_version
-from ebpf_proxy.model import ChangeTracker, Endpoint, NodeConfig, ProxyState, ServicePortName
+from ebpf_proxy.model import ChangeTracker, NodeConfig, ProxyState
 
 log = logging.getLogger(__name__)
 
@@ -373,23 +373,18 @@ class Agent:
         log.info("stopped", extra={"node": self.node_name})
 
 
-def local_ready_endpoints(state: ProxyState, services: Container[tuple[str, str]] | None = None
-                          ) -> dict[tuple[str, str], int]:
+def local_ready_endpoints(state: ProxyState, services: Collection[tuple[str, str]]) -> dict[tuple[str, str], int]:
     """(namespace, name) → ready local endpoints over all its ports, as kube-proxy's
-    EndpointsMap.LocalReadyEndpoints counts them for health-check NodePorts. `services` limits
-    the count to those (the ones with a health-check server): counting every endpoint of
-    10,000 Services on every sync took longer than programming the change itself."""
-    if services is None:
-        items: Iterable[tuple[ServicePortName, tuple[Endpoint, ...]]] = state.endpoints.items()
-    elif not services:
-        return {}
-    else:
-        items = ((spn, state.endpoints_of(spn)) for spn in state.services if (spn.namespace, spn.name) in services)
+    EndpointsMap.LocalReadyEndpoints counts them for health-check NodePorts, for `services` only
+    (the ones with a health-check server, the only ones it is asked for): counting every
+    endpoint of 10,000 Services on every sync took longer than programming the change itself."""
     counts: dict[tuple[str, str], int] = {}
-    for spn, eps in items:
-        n = sum(1 for ep in eps if ep.is_local and ep.ready)
-        if n:
-            key = (spn.namespace, spn.name)
-            counts[key] = counts.get(key, 0) + n
+    if not services:
+        return counts
+    for spn in state.services:
+        key = (spn.namespace, spn.name)
+        if key in services:
+            n = sum(1 for ep in state.endpoints_of(spn) if ep.is_local and ep.ready)
+            if n:
+                counts[key] = counts.get(key, 0) + n
     return counts
-

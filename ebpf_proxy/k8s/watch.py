@@ -20,8 +20,9 @@ The cache holds what `keep` retains of each object (client-go's informer transfo
 default; the agent keeps only the resourceVersion (`keep_version`), since its handlers turn every
 object into the model at once and never look back at the API form (at 10,000 Services and
 slices the full objects are ~50 MB of dicts, their metadata alone ~8 MB). A delete found by a
-relist then names the object by its namespace/name and last resourceVersion. A LIST's items may be any iterable, such as pages decoded one
-at a time (k8s.client.ListPages), so a relist never holds every decoded object at once either.
+relist then names the object by its namespace/name and last resourceVersion. A LIST's items may
+be any iterable, such as pages decoded one at a time (k8s.client.ListPages), so a relist never
+holds every decoded object at once either.
 
 Tests drive `Reflector` with any object that has `kind`, `list()` and `watch(rv)` (see `ListWatch`),
 a fake `wait` (no sleeping) and a fake clock.
