@@ -30,9 +30,11 @@ BPF_TABLE_PINNED("lpm_trie", struct lb4_range_key, __u32, epx_src_range, EPX_SRC
 		 BPF_F_NO_PREALLOC);
 /* this node's addresses (what a NodePort listens on, what "from the node" means) */
 BPF_TABLE_PINNED("hash", __be32, __u32, epx_node_addr, EPX_NODE_ADDR_MAX, EPX_PIN(epx_node_addr));
-/* --cluster-cidr prefixes ("from a pod") */
+/* the CIDR local-traffic detector's prefixes (--cluster-cidr, or the Node's podCIDRs): "from a pod" */
 BPF_TABLE_PINNED("lpm_trie", struct lpm4_key, __u32, epx_pod_cidr, EPX_POD_CIDR_MAX, EPX_PIN(epx_pod_cidr),
 		 BPF_F_NO_PREALLOC);
+/* ifindex -> EPX_IF_*: pod devices, and what the interface local-traffic detectors match */
+BPF_TABLE_PINNED("hash", __u32, __u32, epx_iface, EPX_IFACE_MAX, EPX_PIN(epx_iface));
 /* connections (see ct4_key in common.h) */
 BPF_TABLE_PINNED("lru_hash", struct ct4_key, struct ct4_entry, epx_ct4, EPX_CT4_MAX, EPX_PIN(epx_ct4));
 /* first-fragment ports, for the later fragments of the same datagram */

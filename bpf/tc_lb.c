@@ -58,8 +58,11 @@ int tc_ingress(struct __sk_buff *skb)
 	if (reason == EPX_REJECT) {
 		__u32 len = skb->len;
 
-		/* a local pod's packet may be CHECKSUM_PARTIAL (see icmp4.h) */
-		if (icmp4_reject(skb, &p, lb4_origin(p.saddr) == EPX_ORIGIN_POD))
+		/* a local pod's packet may be CHECKSUM_PARTIAL (see icmp4.h): it came in on a pod
+		 * device, or its source is in the detector's pod CIDR */
+		int partial_safe = (lb4_iface_flags(skb->ifindex) & EPX_IF_POD) || lb4_in_pod_cidr(p.saddr);
+
+		if (icmp4_reject(skb, &p, partial_safe))
 			return tc_done(skb, EPX_DROP_REJECT_FAILED);
 		stats_count(EPX_REJECT, len);
 		return bpf_redirect(skb->ifindex, 0);

@@ -43,7 +43,7 @@ int xdp_lb(struct xdp_md *ctx)
 	cfg = epx_lookup(epx_config, &zero);
 	if (!svc || !cfg)
 		return XDP_PASS;
-	reason = lb4_policy(svc, p.saddr, lb4_origin(p.saddr), cfg->flags, &c);
+	reason = lb4_policy(svc, p.saddr, lb4_origin(p.saddr, ctx->ingress_ifindex, cfg->flags), cfg->flags, &c);
 	if (!xdp_early_drop(reason))
 		return XDP_PASS;
 	stats_count(reason, data_end - data);

@@ -79,7 +79,7 @@ enum epx_reason {
 #define EPX_ICMP_QUOTE_MAX (EPX_MAX_IP_HLEN + 8) /* quoted IP header + first 8 L4 bytes */
 
 /* Where a packet comes from, as kube-proxy's rules distinguish it. */
-#define EPX_ORIGIN_POD 0      /* source inside --cluster-cidr */
+#define EPX_ORIGIN_POD 0      /* a pod of this node, as the local-traffic detector says (lb4_local_pod) */
 #define EPX_ORIGIN_NODE 1     /* source is one of this node's addresses */
 #define EPX_ORIGIN_EXTERNAL 2 /* anything else */
 #define EPX_ORIGIN_LOCALHOST 3 /* a node process to 127.0.0.0/8:<nodePort> (socket LB only) */
@@ -238,8 +238,19 @@ struct sock4_rev {
 /* ---- node configuration: a single-entry array ---- */
 #define CFG_F_MASQ_ALL 0x01            /* --masquerade-all */
 #define CFG_F_LOCALHOST_NODEPORTS 0x02 /* socket LB: NodePorts answer on 127.0.0.0/8 too */
-#define CFG_F_NO_CLUSTER_CIDR 0x04     /* no --cluster-cidr: kube-proxy cannot tell pods from the rest and
-					* adds no "masquerade off-cluster clusterIP traffic" rule */
+/* The local-traffic detector (--detect-local-mode): by source CIDR (epx_pod_cidr: ClusterCIDR,
+ * NodeCIDR) when neither flag is set, by ingress interface (epx_iface: BridgeInterface,
+ * InterfaceNamePrefix), or none: kube-proxy's no-op detector, which cannot tell pods from the
+ * rest and so writes neither its "masquerade off-cluster clusterIP traffic" rule nor its
+ * "pod traffic to an eTP=Local external destination goes to every endpoint" rule. */
+#define CFG_F_DETECT_NONE 0x04
+#define CFG_F_DETECT_IFACE 0x08
+
+/* ---- devices: ifindex -> EPX_IF_* (epx_iface), written by the agent as devices come and go ---- */
+#define EPX_IF_POD 0x01   /* a pod's veth (its packets may be CHECKSUM_PARTIAL, see icmp4.h) */
+#define EPX_IF_LOCAL 0x02 /* interface detectors: a packet arriving here enters the IP layer through
+			   * the bridge (BridgeInterface) or a device named with the prefix
+			   * (InterfaceNamePrefix): kube-proxy's `-i` match says "local" */
 
 struct lb4_config {
 	__be32 snat_addr;        /* masquerade source: this node's primary address */

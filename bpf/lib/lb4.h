@@ -1,6 +1,7 @@
 /* Service load balancing: kube-proxy's iptables-mode decisions (shared SEMANTICS.md) for IPv4.
  *
  * lb4_lookup_service  frontend -> service (exact frontend, else NodePort on a node address)
+ * lb4_local_pod       kube-proxy's local-traffic detector (source CIDR or ingress interface)
  * lb4_origin          pod / node / external, as kube-proxy's rules tell sources apart
  * lb4_policy          endpoint set (cluster or local), masquerade, or REJECT / DROP
  * lb4_select_backend  session affinity, else a uniformly random slot
@@ -27,11 +28,35 @@ static __always_inline struct lb4_service *lb4_lookup_service(__be32 daddr, __be
 	return epx_lookup(epx_svc, &key);
 }
 
-static __always_inline __u8 lb4_origin(__be32 saddr)
+static __always_inline int lb4_in_pod_cidr(__be32 saddr)
 {
 	struct lpm4_key key = { .prefixlen = 32, .addr = saddr };
 
-	if (epx_lookup(epx_pod_cidr, &key))
+	return epx_lookup(epx_pod_cidr, &key) != NULL;
+}
+
+static __always_inline __u32 lb4_iface_flags(__u32 ifindex)
+{
+	__u32 *flags = epx_lookup(epx_iface, &ifindex);
+
+	return flags ? *flags : 0;
+}
+
+/* kube-proxy's LocalTrafficDetector.IfLocal, from what the packet carries: its source address
+ * (ClusterCIDR, NodeCIDR: `-s CIDR`) or the device it arrived on (BridgeInterface,
+ * InterfaceNamePrefix: `-i NAME`, the agent marks the matching devices in epx_iface). */
+static __always_inline int lb4_local_pod(__be32 saddr, __u32 ifindex, __u32 cfg_flags)
+{
+	if (cfg_flags & CFG_F_DETECT_NONE)
+		return 0;
+	if (cfg_flags & CFG_F_DETECT_IFACE)
+		return !!(lb4_iface_flags(ifindex) & EPX_IF_LOCAL);
+	return lb4_in_pod_cidr(saddr);
+}
+
+static __always_inline __u8 lb4_origin(__be32 saddr, __u32 ifindex, __u32 cfg_flags)
+{
+	if (lb4_local_pod(saddr, ifindex, cfg_flags))
 		return EPX_ORIGIN_POD;
 	if (epx_lookup(epx_node_addr, &saddr))
 		return EPX_ORIGIN_NODE;
@@ -58,9 +83,10 @@ static __always_inline __u32 lb4_policy(const struct lb4_service *svc, __be32 sa
 		return EPX_DROP_SOURCE_RANGE; /* rule 11 */
 
 	if (!(svc->flags & LB4_F_EXTERNAL)) {
-		/* clusterIP: masquerade what does not come from a pod (rules 1, 2). Without a cluster
-		 * CIDR kube-proxy has no rule telling pods apart, and masquerades none of it. */
-		c->masq = masq_all || (origin != EPX_ORIGIN_POD && !(cfg_flags & CFG_F_NO_CLUSTER_CIDR));
+		/* clusterIP: masquerade what does not come from a pod (rules 1, 2); with
+		 * --masquerade-all, everything. Without a detector kube-proxy has no rule telling pods
+		 * apart, and masquerades none of it. */
+		c->masq = masq_all || (origin != EPX_ORIGIN_POD && !(cfg_flags & CFG_F_DETECT_NONE));
 		if (svc->flags & LB4_F_ITP_LOCAL) { /* rule 12 */
 			c->scope = LB4_SCOPE_LOCAL;
 			return svc->local_count ? 0 : EPX_DROP_NO_LOCAL_INTERNAL;
@@ -75,8 +101,10 @@ static __always_inline __u32 lb4_policy(const struct lb4_service *svc, __be32 sa
 		return svc->count ? 0 : EPX_REJECT;
 	}
 	switch (origin) {
-	case EPX_ORIGIN_POD: /* rules 6, 11: short-circuited to the service, as clusterIP traffic */
-		c->masq = masq_all;
+	case EPX_ORIGIN_POD: /* rules 6, 11: short-circuited to every endpoint, source kept: kube-proxy's
+			      * KUBE-EXT "pod traffic" jump skips the clusterIP's masquerade rule (it
+			      * matches the clusterIP as destination), so --masquerade-all does not apply */
+		c->masq = 0;
 		c->scope = LB4_SCOPE_CLUSTER;
 		return svc->count ? 0 : EPX_REJECT;
 	case EPX_ORIGIN_NODE:	   /* rule 7 */
@@ -166,7 +194,7 @@ static __always_inline __u32 lb4_forward(struct __sk_buff *skb, struct pkt4 *p, 
 		return EPX_PASS_NO_SERVICE;
 	if (p->frag == EPX_FRAG_LATER)
 		return EPX_PASS_FRAG_UNKNOWN; /* its first fragment made no connection */
-	reason = lb4_policy(svc, p->saddr, lb4_origin(p->saddr), cfg->flags, &c);
+	reason = lb4_policy(svc, p->saddr, lb4_origin(p->saddr, skb->ifindex, cfg->flags), cfg->flags, &c);
 	if (reason)
 		return reason;
 	reason = lb4_select_backend(svc, c.scope, p->saddr, now, &backend_id, &be);

@@ -162,9 +162,14 @@ class Agent:
             return
         fresh = self._build_node_config()
         if fresh != self.node_config:
-            log.warning("this node's addresses changed since the agent started; restart the agent to use them",
+            # kube-proxy exits when a NodeCIDR detector's podCIDRs change; we keep serving with the
+            # programmed configuration and say what differs
+            log.warning("this node's addresses or podCIDRs changed since the agent started; restart the agent "
+                        "to use them",
                         extra={"node": self.node_name, "node_ips": ",".join(fresh.node_ips),
-                               "programmed_node_ips": ",".join(self.node_config.node_ips)})
+                               "programmed_node_ips": ",".join(self.node_config.node_ips),
+                               "detect_local": str(fresh.detector),
+                               "programmed_detect_local": str(self.node_config.detector)})
 
     def _count_probe(self, endpoint: str, status: int) -> None:
         counter = self.metrics.healthz if endpoint == "healthz" else self.metrics.livez
@@ -235,6 +240,7 @@ class Agent:
             "cluster_cidrs": ",".join(self.node_config.cluster_cidrs),
             "nodeport_addresses": ",".join(self.node_config.nodeport_addresses) or "all",
             "masquerade_all": self.node_config.masquerade_all,
+            "detect_local": str(self.node_config.detector),
             "localhost_nodeports": self.node_config.localhost_nodeports})
         self.datapath = self._datapath_factory(self.mode, self.node_config, cgroup_path=self.config.cgroup_path or None,
                                                bpffs=self.config.bpffs or None,

@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 CONFIG_API_VERSION = "kubeproxy.config.k8s.io/v1alpha1"
 CONFIG_KIND = "KubeProxyConfiguration"
 MODES = ("auto", "ebpf", "iptables")
+# kube-proxy's --detect-local-mode values (LocalMode in the model)
+DETECT_LOCAL_MODES = ("ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNamePrefix")
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 PRIMARY = "primary"  # --nodeport-addresses primary: the node's primary IP (from its Node object)
@@ -42,6 +44,9 @@ class AgentConfig:
     nodeport_addresses: tuple[str, ...] = ()  # CIDRs, or ("primary",); empty: every local address
     masquerade_all: bool = False
     masquerade_bit: int = 14
+    detect_local_mode: str = "ClusterCIDR"
+    pod_bridge_interface: str = ""
+    pod_interface_name_prefix: str = ""
     localhost_nodeports: bool = True
     min_sync_period: float = 1.0
     sync_period: float = 30.0
@@ -188,6 +193,16 @@ def _mode(value: Any, where: str) -> str:
     return text
 
 
+def _detect_local_mode(value: Any, where: str) -> str:
+    """kube-proxy's getDetectLocalMode: empty means ClusterCIDR, anything unknown is an error."""
+    text = _string(value, where)
+    if text == "":
+        return "ClusterCIDR"
+    if text not in DETECT_LOCAL_MODES:
+        raise ConfigError(f"{where}: unknown detect-local-mode {text!r} (use one of {', '.join(DETECT_LOCAL_MODES)})")
+    return text
+
+
 def _duration(value: Any, where: str) -> float:
     return parse_duration(value, where)
 
@@ -205,6 +220,10 @@ _FIELDS: dict[str, _Field] = {
     "nodeport_addresses": _Field("--nodeport-addresses", (("nodePortAddresses",),), _nodeport_addresses),
     "masquerade_all": _Field("--masquerade-all", (("iptables", "masqueradeAll"),), _bool),
     "masquerade_bit": _Field("--iptables-masquerade-bit", (("iptables", "masqueradeBit"),), _masquerade_bit),
+    "detect_local_mode": _Field("--detect-local-mode", (("detectLocalMode",),), _detect_local_mode),
+    "pod_bridge_interface": _Field("--pod-bridge-interface", (("detectLocal", "bridgeInterface"),), _string),
+    "pod_interface_name_prefix": _Field("--pod-interface-name-prefix", (("detectLocal", "interfaceNamePrefix"),),
+                                        _string),
     "localhost_nodeports": _Field("--iptables-localhost-nodeports", (("iptables", "localhostNodePorts"),), _bool),
     # v1alpha1 keeps the periods under `iptables:`; newer kube-proxy versions also have them top-level.
     "min_sync_period": _Field("--min-sync-period", (("iptables", "minSyncPeriod"), ("minSyncPeriod",)), _duration),
@@ -226,10 +245,11 @@ _KNOWN_PATHS = {path for f in _FIELDS.values() for path in f.file_paths}
 # we do not touch, client tuning): accepted so that an existing ConfigMap loads, logged at debug.
 _IGNORED_TOP = {
     "featureGates", "bindAddress", "bindAddressHardFail", "enableProfiling", "showHiddenMetricsForVersion",
-    "ipvs", "nftables", "winkernel", "detectLocal", "oomScoreAdj", "conntrack", "configSyncPeriod",
+    "ipvs", "nftables", "winkernel", "oomScoreAdj", "conntrack", "configSyncPeriod",
     "portRange", "logging", "windowsRunAsService", "udpIdleTimeout",
 }
-_NESTED = {"clientConnection": {"acceptContentTypes", "contentType", "qps", "burst"}, "iptables": set()}
+_NESTED = {"clientConnection": {"acceptContentTypes", "contentType", "qps", "burst"}, "iptables": set(),
+           "detectLocal": {"clusterCIDRs"}}
 
 
 def _file_values(path: str) -> dict[str, tuple[Any, str]]:
@@ -264,10 +284,6 @@ def _file_values(path: str) -> dict[str, tuple[Any, str]]:
                     log.debug("config: ignoring %s.%s (not used by ebpf-proxy)", key, sub, extra={"field": f"{key}.{sub}"})
                 else:
                     log.warning("config: unknown field %s.%s ignored", key, sub, extra={"field": f"{key}.{sub}"})
-        elif key == "detectLocalMode":
-            if value not in (None, "", "ClusterCIDR"):
-                log.warning("config: detectLocalMode %r is not supported; using ClusterCIDR", value,
-                            extra={"field": key})
         elif key in _IGNORED_TOP:
             log.debug("config: ignoring %s (not used by ebpf-proxy)", key, extra={"field": key})
         else:
@@ -306,6 +322,12 @@ def _validate(config: AgentConfig) -> None:
                           f"{config.source_of('min_sync_period')} ({config.min_sync_period:g}s)")
     if not config.node_name:
         raise ConfigError(f"{config.source_of('hostname_override')}: the node name is empty")
+    # kube-proxy's validateKubeProxyDetectLocalConfiguration: the interface modes need their name
+    needs = {"BridgeInterface": "pod_bridge_interface", "InterfaceNamePrefix": "pod_interface_name_prefix"}
+    attr = needs.get(config.detect_local_mode)
+    if attr and not getattr(config, attr):
+        raise ConfigError(f"{config.source_of(attr)}: must not be empty when "
+                          f"{config.source_of('detect_local_mode')} is {config.detect_local_mode}")
 
 
 def config_fields() -> list[str]:

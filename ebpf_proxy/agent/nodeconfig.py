@@ -23,7 +23,7 @@ import socket
 from typing import Sequence
 
 from ebpf_proxy.agent.config import PRIMARY, AgentConfig
-from ebpf_proxy.model import NodeConfig, NodeState
+from ebpf_proxy.model import LocalDetector, LocalMode, NodeConfig, NodeState
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,29 @@ def nodeport_cidrs(config: AgentConfig, node: NodeState | None) -> tuple[str, ..
     log.warning("--nodeport-addresses primary: this node's Node object has no InternalIP/ExternalIP yet; "
                 "using every local address", extra={"field": config.source_of("nodeport_addresses")})
     return ()
+
+
+def local_detector(config: AgentConfig, node: NodeState | None) -> LocalDetector:
+    """kube-proxy's getLocalDetector: the detector --detect-local-mode asks for, or the no-op one
+    when its mode has nothing to match on (ClusterCIDR without --cluster-cidr, NodeCIDR on a
+    Node without spec.podCIDRs), with one log line saying so, as kube-proxy logs it."""
+    mode = LocalMode(config.detect_local_mode)
+    if mode is LocalMode.CLUSTER_CIDR:
+        if not config.cluster_cidrs:
+            log.info("detect-local-mode set to ClusterCIDR, but no cluster CIDR defined: defaulting to no-op "
+                     "detect-local (ClusterIP traffic from outside is not masqueraded)",
+                     extra={"field": config.source_of("cluster_cidrs")})
+            return LocalDetector()
+        return LocalDetector(mode, config.cluster_cidrs)
+    if mode is LocalMode.NODE_CIDR:
+        if node is None or not node.pod_cidrs:
+            log.info("detect-local-mode set to NodeCIDR, but no PodCIDR defined at node: defaulting to no-op "
+                     "detect-local", extra={"node": config.node_name})
+            return LocalDetector()
+        return LocalDetector(mode, node.pod_cidrs)
+    if mode is LocalMode.BRIDGE_INTERFACE:
+        return LocalDetector(mode, interface=config.pod_bridge_interface)
+    return LocalDetector(mode, interface=config.pod_interface_name_prefix)
 
 
 def build_node_config(config: AgentConfig, local_ips: Sequence[str], node: NodeState | None) -> NodeConfig:
@@ -75,4 +98,5 @@ def build_node_config(config: AgentConfig, local_ips: Sequence[str], node: NodeS
         masquerade_all=config.masquerade_all,
         masquerade_bit=config.masquerade_bit,
         localhost_nodeports=localhost,
+        local_detector=local_detector(config, node),
     )

@@ -7,7 +7,7 @@ import sys
 import click
 
 from ebpf_proxy.agent.agent import Agent
-from ebpf_proxy.agent.config import LOG_FORMATS, LOG_LEVELS, MODES, ConfigError, load_config
+from ebpf_proxy.agent.config import DETECT_LOCAL_MODES, LOG_FORMATS, LOG_LEVELS, MODES, ConfigError, load_config
 from ebpf_proxy.agent.logs import setup_logging
 
 EPILOG = """\b
@@ -56,7 +56,13 @@ def _bool_flag(*names: str, help: str):  # noqa: A002 (click's name)
               help="The pod network, comma-separated CIDRs; traffic from outside it to a ClusterIP is masqueraded.")
 @click.option("--nodeport-addresses", default=None,
               help="Comma-separated CIDRs of node addresses that accept NodePorts, or 'primary'; default: all.")
-@_bool_flag("--masquerade-all", help="SNAT all service traffic.")
+@click.option("--detect-local-mode", default=None, metavar="|".join(DETECT_LOCAL_MODES),
+              help="How traffic from this node's pods is told apart (default ClusterCIDR).")
+@click.option("--pod-bridge-interface", default=None, metavar="NAME",
+              help="--detect-local-mode BridgeInterface: the bridge pods are attached to.")
+@click.option("--pod-interface-name-prefix", default=None, metavar="PREFIX",
+              help="--detect-local-mode InterfaceNamePrefix: the name prefix of pod interfaces.")
+@_bool_flag("--masquerade-all", help="SNAT all traffic to ClusterIPs and to eTP=Cluster external destinations.")
 @click.option("--iptables-masquerade-bit", "masquerade_bit", default=None, metavar="INT",
               help="The fwmark bit for traffic to masquerade, 0..31 (default 14).")
 @_bool_flag("--iptables-localhost-nodeports", "localhost_nodeports",

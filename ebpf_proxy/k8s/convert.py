@@ -510,4 +510,26 @@ def _node_info(obj: dict, ref: ObjectRef, reporter: Reporter | None) -> NodeStat
     for taint in _get(spec, "taints", "spec.taints", list, []):
         if isinstance(taint, dict) and taint.get("key") == TO_BE_DELETED_TAINT:
             eligible = False
-    return NodeState(name=ref.name, addresses=addresses, primary_ip=primary, eligible=eligible)
+    return NodeState(name=ref.name, addresses=addresses, primary_ip=primary, eligible=eligible,
+                     pod_cidrs=_pod_cidrs(spec, ref, reporter))
+
+
+def _pod_cidrs(spec: dict, ref: ObjectRef, reporter: Reporter | None) -> tuple[str, ...]:
+    """spec.podCIDRs (kube-controller-manager keeps spec.podCIDR equal to its first entry; an
+    older object may have only that). A malformed entry is skipped and reported."""
+    raw = _get(spec, "podCIDRs", "spec.podCIDRs", list, [])
+    where = "spec.podCIDRs"
+    if not raw and spec.get("podCIDR"):
+        raw, where = [spec["podCIDR"]], "spec.podCIDR"
+    out: list[str] = []
+    for i, value in enumerate(raw):
+        path = f"{where}[{i}]" if where == "spec.podCIDRs" else where
+        try:
+            if not isinstance(value, str):
+                raise _Reject(path, inv.WRONG_TYPE, f"expected string, got {_describe(value)}")
+            out.append(str(ipaddress.ip_network(value.strip(), strict=False)))
+        except ValueError:
+            _reject(reporter, "Node", str(ref), _Reject(path, inv.INVALID_CIDR, f"{value!r} is not a CIDR"), "cidr")
+        except _Reject as err:
+            _reject(reporter, "Node", str(ref), err, "cidr")
+    return tuple(dict.fromkeys(out))

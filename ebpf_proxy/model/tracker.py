@@ -41,6 +41,7 @@ class NodeState:
     addresses: tuple[str, ...] = ()  # IPv4 InternalIPs, then ExternalIPs
     primary_ip: str | None = None  # first IPv4 InternalIP, else first IPv4 ExternalIP
     eligible: bool = True  # False while the node is being deleted: /healthz then answers 503
+    pod_cidrs: tuple[str, ...] = ()  # spec.podCIDRs: what --detect-local-mode NodeCIDR matches
 
 
 @dataclass(frozen=True, slots=True)

@@ -97,21 +97,93 @@ class Endpoint:
         return f"{self.ip}:{self.port}"
 
 
+class LocalMode(str, enum.Enum):
+    """kube-proxy's --detect-local-mode: how traffic from this node's pods is told apart."""
+
+    CLUSTER_CIDR = "ClusterCIDR"  # source inside --cluster-cidr
+    NODE_CIDR = "NodeCIDR"  # source inside the Node's spec.podCIDRs
+    BRIDGE_INTERFACE = "BridgeInterface"  # arrived through --pod-bridge-interface
+    INTERFACE_NAME_PREFIX = "InterfaceNamePrefix"  # arrived through a device named --pod-interface-name-prefix*
+
+
+@dataclass(frozen=True)
+class LocalDetector:
+    """kube-proxy's LocalTrafficDetector: "does this packet come from a pod of this node?".
+
+    kube-proxy asks it twice (pkg/proxy/iptables/proxier.go): traffic to a clusterIP that is
+    *not* local is masqueraded, and local traffic to an externalTrafficPolicy=Local NodePort,
+    externalIP or load-balancer IP is short-circuited to every endpoint. When the mode has
+    nothing to match on (ClusterCIDR without --cluster-cidr, NodeCIDR on a Node without
+    podCIDRs) kube-proxy uses a no-op detector, which is `mode=None`: neither rule exists then.
+
+    `cidrs` are what the CIDR modes match sources against (IPv4 and IPv6 as given); `interface`
+    is the bridge's name (BridgeInterface) or the name prefix (InterfaceNamePrefix).
+    """
+
+    mode: LocalMode | None = None
+    cidrs: tuple[str, ...] = ()
+    interface: str = ""
+
+    def __post_init__(self) -> None:
+        for cidr in self.cidrs:
+            ipaddress.ip_network(cidr, strict=False)  # ValueError names the bad CIDR
+        if self.mode in (LocalMode.BRIDGE_INTERFACE, LocalMode.INTERFACE_NAME_PREFIX) and not self.interface:
+            raise ValueError(f"detect-local-mode {self.mode.value} needs an interface name")
+
+    @property
+    def implemented(self) -> bool:
+        return self.mode is not None
+
+    @property
+    def by_cidr(self) -> bool:
+        return self.mode in (LocalMode.CLUSTER_CIDR, LocalMode.NODE_CIDR)
+
+    @property
+    def by_interface(self) -> bool:
+        return self.mode in (LocalMode.BRIDGE_INTERFACE, LocalMode.INTERFACE_NAME_PREFIX)
+
+    def matches_l3_device(self, name: str) -> bool:
+        """Whether a packet that enters the IP layer through device `name` is local (interface modes).
+        A bridged pod's packets enter through the bridge, not through the pod's veth port."""
+        if self.mode is LocalMode.BRIDGE_INTERFACE:
+            return name == self.interface
+        if self.mode is LocalMode.INTERFACE_NAME_PREFIX:
+            return name.startswith(self.interface)
+        return False
+
+    def __str__(self) -> str:
+        if self.mode is None:
+            return "none (no-op)"
+        return f"{self.mode.value} {','.join(self.cidrs) if self.by_cidr else self.interface}"
+
+    @classmethod
+    def cluster_cidr(cls, cidrs: tuple[str, ...]) -> "LocalDetector":
+        """kube-proxy's default: ClusterCIDR with --cluster-cidr, a no-op detector without one."""
+        return cls(LocalMode.CLUSTER_CIDR, tuple(cidrs)) if cidrs else cls()
+
+
 @dataclass(frozen=True)
 class NodeConfig:
     """What a datapath needs to know about the node it runs on (kube-proxy's flags and node state)."""
 
     node_name: str
     node_ips: tuple[str, ...] = ()  # every LOCAL address usable for NodePorts (after --nodeport-addresses)
-    cluster_cidrs: tuple[str, ...] = ()  # --cluster-cidr; empty: unknown (then masquerade all off-pod)
+    cluster_cidrs: tuple[str, ...] = ()  # --cluster-cidr (the pod network; finds routed pod veths)
     nodeport_addresses: tuple[str, ...] = ()  # CIDRs; empty: all local addresses
     masquerade_all: bool = False
     masquerade_bit: int = 14  # mark 0x4000, as kube-proxy
     localhost_nodeports: bool = True
+    # None: kube-proxy's default, ClusterCIDR over `cluster_cidrs` (no-op when there are none)
+    local_detector: LocalDetector | None = None
 
     def __post_init__(self) -> None:
         for cidr in (*self.cluster_cidrs, *self.nodeport_addresses):
             ipaddress.ip_network(cidr, strict=False)  # ValueError names the bad CIDR
+
+    @property
+    def detector(self) -> LocalDetector:
+        """The local-traffic detector in force (see LocalDetector)."""
+        return self.local_detector if self.local_detector is not None else LocalDetector.cluster_cidr(self.cluster_cidrs)
 
     def in_cluster_cidr(self, ip: str) -> bool:
         addr = ipaddress.ip_address(ip)

@@ -10,8 +10,10 @@ import pytest
 from pyroute2 import IPRoute
 
 from ebpf_proxy.datapath.ebpf import devices, libbpf
-from ebpf_proxy.datapath.ebpf.devices import EXTERNAL, POD, Device, Link, Route, classify
+from ebpf_proxy.datapath.ebpf import structs as s
+from ebpf_proxy.datapath.ebpf.devices import EXTERNAL, POD, Device, Link, Route, classify, iface_flags
 from ebpf_proxy.lab._setns import run_in_netns
+from ebpf_proxy.model import LocalDetector, LocalMode
 from tests.bpf import netlab
 from tests.netns_util import nsenter
 
@@ -71,6 +73,21 @@ def _wait(condition, what: str, timeout: float = 10) -> None:
 
 @pytest.mark.bpf
 @pytest.mark.root
+def test_iface_flags_mark_pod_devices_and_what_the_interface_detectors_match():
+    """kube-proxy's `-i` sees the device a packet enters the IP layer through: for a pod on a
+    bridge, the bridge, so a bridge port is local exactly when its bridge is."""
+    links = [Link(1, "lo", loopback=True), Link(2, "eth0"), Link(3, "cbr0", "bridge"),
+             Link(4, "veth1", "veth", peer_elsewhere=True, master=3), Link(5, "cali9", "veth", peer_elsewhere=True)]
+    devs = classify(links, [], [], ("veth*", "cali*"))
+    bridge = LocalDetector(LocalMode.BRIDGE_INTERFACE, interface="cbr0")
+    assert iface_flags(links, devs, bridge) == {3: s.EPX_IF_LOCAL, 4: s.EPX_IF_POD | s.EPX_IF_LOCAL, 5: s.EPX_IF_POD}
+    prefix = LocalDetector(LocalMode.INTERFACE_NAME_PREFIX, interface="cali")
+    assert iface_flags(links, devs, prefix) == {4: s.EPX_IF_POD, 5: s.EPX_IF_POD | s.EPX_IF_LOCAL}
+    prefix_veth = LocalDetector(LocalMode.INTERFACE_NAME_PREFIX, interface="veth")
+    assert iface_flags(links, devs, prefix_veth)[4] == s.EPX_IF_POD  # enters through cbr0, not veth1
+    assert iface_flags(links, devs, LocalDetector()) == {4: s.EPX_IF_POD, 5: s.EPX_IF_POD}
+
+
 def test_attach_follow_and_detach(datapath):
     with netlab.NetLab() as lab:
         node = lab.ns["node"]

@@ -8,10 +8,17 @@ from dataclasses import replace
 import pytest
 
 from ebpf_proxy.datapath.ebpf import structs as s
-from ebpf_proxy.datapath.ebpf.maps import Backend, Frontend
+from ebpf_proxy.datapath.ebpf.maps import DETECT_CIDR, DETECT_IFACE, DETECT_NONE, Backend, Frontend
 from ebpf_proxy.datapath.ebpf.adopt import adopt
-from ebpf_proxy.datapath.ebpf.services import ServicePrograms, node_addresses, node_settings, program_node, stable_slots
-from ebpf_proxy.model import NodeConfig, ProxyState
+from ebpf_proxy.datapath.ebpf.services import (
+    ServicePrograms,
+    detector_cidrs,
+    node_addresses,
+    node_settings,
+    program_node,
+    stable_slots,
+)
+from ebpf_proxy.model import LocalDetector, LocalMode, NodeConfig, ProxyState
 from ebpf_proxy.model.types import Endpoint, Protocol, ServicePort, ServicePortName
 from tests.bpf import world as w
 from tests.bpf.packets import TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, counted, endpoints, run, tcp, udp
@@ -252,8 +259,13 @@ def test_connections_of_a_deleted_udp_service_are_flushed_in_its_sync(datapath, 
 def test_node_settings_and_addresses():
     assert node_settings(NODE, snat_addr="192.0.2.7").snat_addr == "192.0.2.7"
     assert node_settings(NODE).snat_addr == w.NODE_IP, "without a device answer: the first node IP"
-    assert node_settings(NODE).has_cluster_cidr
-    assert not node_settings(replace(NODE, cluster_cidrs=())).has_cluster_cidr
+    assert node_settings(NODE).local_detect == DETECT_CIDR
+    assert node_settings(replace(NODE, cluster_cidrs=())).local_detect == DETECT_NONE
+    bridge = LocalDetector(LocalMode.BRIDGE_INTERFACE, interface="cbr0")
+    assert node_settings(replace(NODE, local_detector=bridge)).local_detect == DETECT_IFACE
+    node_cidr = LocalDetector(LocalMode.NODE_CIDR, ("10.244.3.0/24",))
+    assert detector_cidrs(replace(NODE, local_detector=node_cidr)) == ["10.244.3.0/24"]
+    assert detector_cidrs(replace(NODE, local_detector=bridge)) == []
     assert node_addresses(NODE) == [w.NODE_IP, w.NODE_IP2, "127.0.0.1"]
     assert node_addresses(replace(NODE, localhost_nodeports=False)) == [w.NODE_IP, w.NODE_IP2]
 

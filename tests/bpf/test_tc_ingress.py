@@ -16,7 +16,7 @@ from scapy.layers.l2 import ARP, Ether
 from scapy.packet import Packet
 
 from ebpf_proxy.datapath.ebpf import structs as s
-from ebpf_proxy.datapath.ebpf.maps import NodeSettings
+from ebpf_proxy.datapath.ebpf.maps import DETECT_IFACE, DETECT_NONE, NodeSettings
 from tests.bpf import world as w
 from tests.bpf.packets import (
     MAC_NODE,
@@ -51,6 +51,7 @@ class Case:
     backends: tuple[tuple[str, int], ...] = ()  # DNAT targets allowed (new connections)
     masq: bool = False
     settings: NodeSettings = w.SETTINGS
+    ifaces: dict[int, int] | None = None  # epx_iface contents
 
     @property
     def verdict(self) -> int:
@@ -117,15 +118,43 @@ CASES = [
     Case("iTP=Local from a pod: local endpoints only", w.web(flags=HAS | ITP, cluster=()), tcp(w.POD_CLIENT, 40000, w.VIP, 80), R.FWD_NEW, LOCAL),
     Case("iTP=Local, no local endpoint: dropped", w.web(flags=HAS | ITP, cluster=(), local=()), tcp(w.POD_CLIENT, 40000, w.VIP, 80), R.DROP_NO_LOCAL_INTERNAL),
     Case("iTP=Local from outside: local only, masquerade", w.web(flags=HAS | ITP, cluster=()), tcp(w.OUTSIDE, 40000, w.VIP, 80), R.FWD_NEW, LOCAL, masq=True),
-    # no --cluster-cidr: kube-proxy has no rule telling pods apart and masquerades no clusterIP traffic
+    # no local-traffic detector (e.g. no --cluster-cidr): kube-proxy has no rule telling pods
+    # apart, masquerades no clusterIP traffic and short-circuits no pod traffic (upstream
+    # TestInternalExternalMasquerade, "no LocalTrafficDetector")
     Case("no cluster CIDR: clusterIP from outside is not masqueraded", w.web(), tcp(w.OUTSIDE, 40000, w.VIP, 80),
-         R.FWD_NEW, ALL, settings=replace(w.SETTINGS, has_cluster_cidr=False)),
+         R.FWD_NEW, ALL, settings=replace(w.SETTINGS, local_detect=DETECT_NONE)),
     Case("no cluster CIDR: hairpin is still masqueraded", w.web(cluster=LOCAL), tcp(w.LOCAL_EP[0], 40000, w.VIP, 80),
-         R.FWD_NEW, LOCAL, masq=True, settings=replace(w.SETTINGS, has_cluster_cidr=False)),
+         R.FWD_NEW, LOCAL, masq=True, settings=replace(w.SETTINGS, local_detect=DETECT_NONE)),
     Case("no cluster CIDR: NodePort is still masqueraded", w.web(), tcp(w.OUTSIDE, 40000, w.NODE_IP, w.NODE_PORT),
-         R.FWD_NEW, ALL, masq=True, settings=replace(w.SETTINGS, has_cluster_cidr=False)),
+         R.FWD_NEW, ALL, masq=True, settings=replace(w.SETTINGS, local_detect=DETECT_NONE)),
     Case("no cluster CIDR, masquerade-all: masqueraded", w.web(), tcp(w.OUTSIDE, 40000, w.VIP, 80), R.FWD_NEW, ALL,
-         masq=True, settings=replace(w.SETTINGS, has_cluster_cidr=False, masquerade_all=True)),
+         masq=True, settings=replace(w.SETTINGS, local_detect=DETECT_NONE, masquerade_all=True)),
+    Case("no detector: a pod to an eTP=Local NodePort gets local endpoints only, source kept", etp_local(),
+         tcp(w.POD_CLIENT, 40000, w.NODE_IP, w.NODE_PORT), R.FWD_NEW, LOCAL,
+         settings=replace(w.SETTINGS, local_detect=DETECT_NONE)),
+    Case("no detector: a pod to an eTP=Local NodePort without local endpoint: dropped", etp_local(local=()),
+         tcp(w.POD_CLIENT, 40000, w.NODE_IP, w.NODE_PORT), R.DROP_NO_LOCAL_EXTERNAL,
+         settings=replace(w.SETTINGS, local_detect=DETECT_NONE)),
+    # --masquerade-all: clusterIP and eTP=Cluster external traffic, but not a pod's short-circuited
+    # eTP=Local traffic (upstream TestInternalExternalMasquerade, "masqueradeAll")
+    Case("masquerade-all: a pod to a clusterIP is masqueraded", w.web(), tcp(w.POD_CLIENT, 40000, w.VIP, 80),
+         R.FWD_NEW, ALL, masq=True, settings=replace(w.SETTINGS, masquerade_all=True)),
+    Case("masquerade-all: a pod to an eTP=Local NodePort keeps its source", etp_local(),
+         tcp(w.POD_CLIENT, 40000, w.NODE_IP, w.NODE_PORT), R.FWD_NEW, ALL, settings=replace(w.SETTINGS, masquerade_all=True)),
+    # interface detectors: local iff the device the packet came in on is marked EPX_IF_LOCAL (the
+    # test runs come in on ifindex 1)
+    Case("interface detector, local device: a pod to a clusterIP keeps its source", w.web(),
+         tcp(w.POD_CLIENT, 40000, w.VIP, 80), R.FWD_NEW, ALL, settings=replace(w.SETTINGS, local_detect=DETECT_IFACE),
+         ifaces={1: s.EPX_IF_POD | s.EPX_IF_LOCAL}),
+    Case("interface detector, other device: a pod address to a clusterIP is masqueraded", w.web(),
+         tcp(w.POD_CLIENT, 40000, w.VIP, 80), R.FWD_NEW, ALL, masq=True,
+         settings=replace(w.SETTINGS, local_detect=DETECT_IFACE), ifaces={1: s.EPX_IF_POD}),
+    Case("interface detector, local device: short-circuit to every endpoint", etp_local(),
+         tcp(w.OUTSIDE, 40000, w.NODE_IP, w.NODE_PORT), R.FWD_NEW, ALL,
+         settings=replace(w.SETTINGS, local_detect=DETECT_IFACE), ifaces={1: s.EPX_IF_LOCAL}),
+    Case("interface detector, other device: eTP=Local gets local endpoints", etp_local(),
+         tcp(w.POD_CLIENT, 40000, w.NODE_IP, w.NODE_PORT), R.FWD_NEW, LOCAL,
+         settings=replace(w.SETTINGS, local_detect=DETECT_IFACE)),
     # not ours
     Case("a port the service does not have", w.web(), tcp(w.POD_CLIENT, 40000, w.VIP, 81), R.PASS_NO_SERVICE),
     Case("UDP to a TCP service port", w.web(), udp(w.POD_CLIENT, 40000, w.VIP, 80), R.PASS_NO_SERVICE),
@@ -141,6 +170,8 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=[c.desc for c in CASES])
 def test_first_packet(datapath, maps, case: Case):
     maps.set_settings(case.settings)
+    if case.ifaces:
+        maps.set_ifaces(case.ifaces)
     if case.svc:
         w.install(maps, case.svc)
     out = run(datapath, "tc_ingress", case.pkt)

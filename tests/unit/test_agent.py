@@ -24,7 +24,7 @@ from ebpf_proxy.agent.metrics import Metrics, metrics_server
 from ebpf_proxy.cli import main
 from ebpf_proxy.datapath import DatapathUnavailable, create_datapath, resolve_auto_mode
 from ebpf_proxy.datapath.fake import FakeDatapath
-from ebpf_proxy.model import NodeConfig, Protocol, ServicePortName
+from ebpf_proxy.model import LocalDetector, LocalMode, NodeConfig, Protocol, ServicePortName
 from tests.unit.kobjects import endpoint, endpoint_slice, node, port, service
 
 NODE = "n1"
@@ -131,7 +131,8 @@ def test_first_sync_programs_the_listed_state(agent_parts):
     dp = agent.prepare_datapath()
     assert dp.opts == {"mode": "iptables", "cgroup_path": None, "bpffs": "/sys/fs/bpf", "backend": "auto"}
     assert agent.node_config == NodeConfig(node_name=NODE, node_ips=("192.168.1.10", "10.244.1.1"),
-                                           cluster_cidrs=("10.244.0.0/16",))
+                                           cluster_cidrs=("10.244.0.0/16",),
+                                           local_detector=LocalDetector(LocalMode.CLUSTER_CIDR, ("10.244.0.0/16",)))
     assert agent.runner.run_if_due()
     ((state, changes),) = dp.syncs
     assert changes.full and changes.services == {WEB, DNS}

@@ -223,12 +223,41 @@ def test_ignored_and_unknown_fields(tmp_path, caplog):
             conntrack: {maxPerCore: 32768}
             clientConnection: {qps: 5, timeout: 3s}
             frobnicate: true
-            detectLocalMode: NodeCIDR
+            detectLocal: {clusterCIDRs: [10.0.0.0/8]}
             """)))
     by_level = {(r.levelname, r.field) for r in caplog.records}
     assert ("DEBUG", "conntrack") in by_level and ("DEBUG", "clientConnection.qps") in by_level
     assert ("WARNING", "clientConnection.timeout") in by_level and ("WARNING", "frobnicate") in by_level
-    assert ("WARNING", "detectLocalMode") in by_level
+    assert ("DEBUG", "detectLocal.clusterCIDRs") in by_level
+
+
+def test_detect_local_settings_from_the_file_and_flags(tmp_path):
+    """kube-proxy's detectLocalMode / detectLocal.* (and --detect-local-mode, --pod-bridge-interface,
+    --pod-interface-name-prefix); empty means ClusterCIDR, as in getDetectLocalMode."""
+    assert load_config({}).detect_local_mode == "ClusterCIDR"
+    c = load_config({}, write(tmp_path, header("""
+        detectLocalMode: BridgeInterface
+        detectLocal: {bridgeInterface: cbr0, interfaceNamePrefix: veth}
+        """)))
+    assert (c.detect_local_mode, c.pod_bridge_interface, c.pod_interface_name_prefix) == ("BridgeInterface", "cbr0", "veth")
+    c = load_config({"detect_local_mode": "InterfaceNamePrefix", "pod_interface_name_prefix": "cali"})
+    assert (c.detect_local_mode, c.pod_interface_name_prefix) == ("InterfaceNamePrefix", "cali")
+    assert load_config({}, write(tmp_path, header("detectLocalMode: ''\n"))).detect_local_mode == "ClusterCIDR"
+
+
+@pytest.mark.parametrize("flags,body,message", [
+    ({"detect_local_mode": "Magic"}, None, "--detect-local-mode: unknown detect-local-mode 'Magic'"),
+    ({"detect_local_mode": "BridgeInterface"}, None,
+     "--pod-bridge-interface: must not be empty when --detect-local-mode is BridgeInterface"),
+    ({}, "detectLocalMode: InterfaceNamePrefix\n",
+     "--pod-interface-name-prefix: must not be empty when detectLocalMode is InterfaceNamePrefix"),
+    ({}, "detectLocalMode: BridgeInterface\ndetectLocal: {bridgeInterface: ''}\n",
+     "detectLocal.bridgeInterface: must not be empty when detectLocalMode is BridgeInterface"),
+])
+def test_detect_local_errors_name_the_setting(tmp_path, flags, body, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(flags, write(tmp_path, header(body)) if body else None)
+    assert str(err.value).startswith(message)
 
 
 @pytest.mark.parametrize("body,named", [

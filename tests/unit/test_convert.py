@@ -413,3 +413,22 @@ def test_a_failing_reporter_does_not_turn_bad_input_into_a_crash():
     def broken(_):
         raise RuntimeError("metrics down")
     assert convert.service_ports(service(cluster_ip="nope"), broken) == []
+
+
+def test_node_pod_cidrs_for_the_node_cidr_detector():
+    """--detect-local-mode NodeCIDR matches the Node's spec.podCIDRs (spec.podCIDR on old objects)."""
+    obj = node("n1")
+    obj["spec"] = {"podCIDR": "10.244.3.0/24", "podCIDRs": ["10.244.3.0/24", "fd00:10:244:3::/64"]}
+    assert convert.node_info(obj).pod_cidrs == ("10.244.3.0/24", "fd00:10:244:3::/64")
+    obj["spec"] = {"podCIDR": "10.244.4.0/24"}
+    assert convert.node_info(obj).pod_cidrs == ("10.244.4.0/24",)
+    assert convert.node_info(node("n1")).pod_cidrs == ()
+
+
+def test_node_bad_pod_cidr_is_reported_and_skipped():
+    obj = node("n1")
+    obj["spec"] = {"podCIDRs": ["10.244.3.0/24", "10.244.300.0/24", 7]}
+    reports = Reports()
+    assert convert.node_info(obj, reports).pod_cidrs == ("10.244.3.0/24",)
+    assert [(r.field, r.reason) for r in reports] == [("spec.podCIDRs[1]", "invalid_cidr"),
+                                                      ("spec.podCIDRs[2]", "wrong_type")]

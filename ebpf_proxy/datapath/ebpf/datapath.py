@@ -129,13 +129,15 @@ class EbpfDatapath(Datapath):
                                  loaded.prog_fds["xdp_lb"] if self._xdp_mode != "off" else None),
                 cluster_cidrs=self.node.cluster_cidrs, pod_patterns=self._pod_patterns,
                 xdp_mode=self._xdp_mode if self._xdp_mode != "off" else "generic",
+                detector=self.node.detector, write_ifaces=maps.set_ifaces,
             )
             settings = node_settings(self.node, host_netns_cookie=pins.netns_cookie(),
                                      snat_addr=self._devices.primary_address())
             writes += program_node(maps, self.node, settings)
             log.info("ebpf datapath loaded", extra={
                 "pin_dir": str(pin_dir), "snat_addr": settings.snat_addr or "",
-                "node_ips": ",".join(self.node.node_ips), "cluster_cidrs": ",".join(self.node.cluster_cidrs)})
+                "node_ips": ",".join(self.node.node_ips), "cluster_cidrs": ",".join(self.node.cluster_cidrs),
+                "detect_local": str(self.node.detector)})
         except BaseException:
             loaded.close()
             self._devices = None

@@ -20,6 +20,12 @@ differently, so it has a configurable part): a device is a pod device when
 Anything else but loopback is external. Devices are (re)classified on every change, so a veth
 that shows up before its route is classified again once the route is there.
 
+The agent also tells the programs about devices through epx_iface (ifindex -> EPX_IF_*): pod
+devices (EPX_IF_POD), and, for the interface local-traffic detectors, the devices whose packets
+kube-proxy's `-i` match would call local (EPX_IF_LOCAL). That match sees the device a packet
+enters the IP layer through: for a pod on a bridge this is the bridge, not the pod's veth port
+where tc_ingress runs; so a bridge port is local when its bridge is (iface_flags).
+
 `LinkWatcher` follows RTM_NEWLINK/DELLINK and IPv4 route changes with a raw netlink socket and
 re-runs the reconciliation (level-triggered: every event means "look again", nothing is parsed),
 so pods added at runtime (the lab's `scale`) get the programs as their veth appears; devices that
@@ -40,7 +46,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ebpf_proxy.datapath.ebpf import loader
+from ebpf_proxy.datapath.ebpf import structs as s
 from ebpf_proxy.datapath.ebpf.pins import AttachError
+from ebpf_proxy.model import LocalDetector
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +70,7 @@ class Link:
     kind: str | None = None  # IFLA_INFO_KIND: "veth", "bridge", ... (None: a physical device)
     peer_elsewhere: bool = False  # IFLA_LINK_NETNSID present: its peer is in another netns
     loopback: bool = False
+    master: int | None = None  # IFLA_MASTER: the bridge (or bond) this device is a port of
 
 
 @dataclass(frozen=True)
@@ -98,6 +107,21 @@ def classify(links: Iterable[Link], routes: Iterable[Route], cluster_cidrs: Sequ
     return out
 
 
+def iface_flags(links: Iterable[Link], devices: dict[int, Device], detector: LocalDetector) -> dict[int, int]:
+    """epx_iface: ifindex -> EPX_IF_* for every device that has a flag (see the module docstring)."""
+    links = list(links)
+    names = {link.index: link.name for link in links}
+    out = {}
+    for link in links:
+        flags = s.EPX_IF_POD if link.index in devices and devices[link.index].role == POD else 0
+        l3_name = names.get(link.master, link.name) if link.master else link.name
+        if detector.matches_l3_device(l3_name):
+            flags |= s.EPX_IF_LOCAL
+        if flags:
+            out[link.index] = flags
+    return out
+
+
 def scan(ipr) -> tuple[list[Link], list[Route]]:
     """The links and main-table IPv4 routes of `ipr`'s network namespace."""
     links = []
@@ -109,6 +133,7 @@ def scan(ipr) -> tuple[list[Link], list[Route]]:
             kind=info.get("IFLA_INFO_KIND") if info is not None else None,
             peer_elsewhere=msg.get("IFLA_LINK_NETNSID") is not None,
             loopback=bool(msg["flags"] & _IFF_LOOPBACK),
+            master=msg.get("IFLA_MASTER"),
         ))
     routes = []
     for msg in ipr.get_routes(family=socket.AF_INET):
@@ -156,13 +181,17 @@ class Devices:
     cluster_cidrs: Sequence[str]
     pod_patterns: Sequence[str] = DEFAULT_POD_PATTERNS
     xdp_mode: str = "generic"
+    detector: LocalDetector = field(default_factory=LocalDetector)
+    write_ifaces: Callable[[dict[int, int]], int] | None = None  # epx_iface writer (Maps.set_ifaces)
     attached: dict[int, Device] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)  # device name -> last attach error
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def desired(self, ipr) -> tuple[dict[int, Device], list[Route]]:
+    def desired(self, ipr) -> tuple[dict[int, Device], list[Route], dict[int, int]]:
+        """The devices to attach to, the routes, and epx_iface's contents."""
         links, routes = scan(ipr)
-        return classify(links, routes, self.cluster_cidrs, self.pod_patterns), routes
+        devices = classify(links, routes, self.cluster_cidrs, self.pod_patterns)
+        return devices, routes, iface_flags(links, devices, self.detector)
 
     def reconcile(self, required: bool = False) -> int:
         """Attach to new or reclassified devices, forget vanished ones. Returns attachments made.
@@ -173,7 +202,9 @@ class Devices:
         from pyroute2 import IPRoute  # noqa: PLC0415 (netlink only where devices are touched)
 
         with self._lock, IPRoute() as ipr:
-            want, _routes = self.desired(ipr)
+            want, _routes, flags = self.desired(ipr)
+            if self.write_ifaces is not None:
+                self.write_ifaces(flags)  # before attaching: a new pod device's first packet finds it
             done = 0
             for index, dev in sorted(want.items()):
                 if self.attached.get(index) == dev:
@@ -213,7 +244,7 @@ class Devices:
         from pyroute2 import IPRoute  # noqa: PLC0415
 
         with IPRoute() as ipr:
-            want, routes = self.desired(ipr)
+            want, routes, _flags = self.desired(ipr)
             return primary_address(ipr, want, routes)
 
 

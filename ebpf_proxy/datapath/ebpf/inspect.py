@@ -47,7 +47,8 @@ MAP_CONTENTS: dict[str, str] = {
     "epx_frag4": "IPv4 fragments awaiting their ports",
     "epx_sock_rev": "socket-LB UDP reverse entries",
     "epx_node_addr": "node addresses",
-    "epx_pod_cidr": "cluster CIDRs",
+    "epx_pod_cidr": "local-traffic detector CIDRs",
+    "epx_iface": "pod and local-traffic devices",
 }
 
 

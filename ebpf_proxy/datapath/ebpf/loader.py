@@ -53,6 +53,7 @@ MAX_ENTRIES: dict[str, int] = {
     "epx_src_range": 16384,
     "epx_node_addr": 256,
     "epx_pod_cidr": 64,
+    "epx_iface": 4096,
     "epx_ct4": 262144,
     "epx_frag4": 8192,
     "epx_sock_rev": 65536,

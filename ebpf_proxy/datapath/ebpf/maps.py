@@ -75,6 +75,11 @@ class Backend:
     in_local: bool = False
 
 
+# NodeSettings.local_detect: how the local-traffic detector decides (lb4_local_pod in bpf/lib/lb4.h)
+DETECT_CIDR, DETECT_IFACE, DETECT_NONE = "cidr", "iface", "none"
+_DETECT_FLAGS = {DETECT_CIDR: 0, DETECT_IFACE: s.CFG_F_DETECT_IFACE, DETECT_NONE: s.CFG_F_DETECT_NONE}
+
+
 @dataclass(frozen=True, slots=True)
 class NodeSettings:
     """epx_config: the node's masquerade address, port range, flags and conntrack timeouts.
@@ -89,7 +94,7 @@ class NodeSettings:
     snat_port_max: int = 65535
     masquerade_all: bool = False
     localhost_nodeports: bool = True
-    has_cluster_cidr: bool = True  # False: no --cluster-cidr, so no off-cluster masquerade (kube-proxy)
+    local_detect: str = DETECT_CIDR  # how the local-traffic detector decides: DETECT_CIDR, _IFACE or _NONE
     tcp_syn_timeout: int = 120
     tcp_est_timeout: int = 86400
     tcp_close_timeout: int = 10
@@ -249,7 +254,7 @@ class Maps:
         """Write epx_config; returns False (and writes nothing) when it already holds `cfg`."""
         flags = (s.CFG_F_MASQ_ALL if cfg.masquerade_all else 0) | (
             s.CFG_F_LOCALHOST_NODEPORTS if cfg.localhost_nodeports else 0
-        ) | (0 if cfg.has_cluster_cidr else s.CFG_F_NO_CLUSTER_CIDR)
+        ) | _DETECT_FLAGS[cfg.local_detect]
         value = s.LB4Config(
             snat_addr=be32(cfg.snat_addr) if cfg.snat_addr else 0,
             snat_port_min=cfg.snat_port_min,
@@ -277,6 +282,21 @@ class Maps:
         for raw in wanted - present:
             self._put("epx_node_addr", s.be32(raw), s.u32(1))
         return len(present ^ wanted)
+
+    def set_ifaces(self, flags: Mapping[int, int]) -> int:
+        """Make epx_iface exactly `flags` (ifindex -> EPX_IF_*, zero flags left out), touching only
+        what differs. Returns the writes."""
+        wanted = {index: value for index, value in flags.items() if value}
+        present = {key.value: self._get("epx_iface", key).value for key in self.keys("epx_iface")}
+        writes = 0
+        for index in present.keys() - wanted.keys():
+            libbpf.map_delete(self._fd("epx_iface"), s.u32(index))
+            writes += 1
+        for index, value in wanted.items():
+            if present.get(index) != value:
+                self._put("epx_iface", s.u32(index), s.u32(value))
+                writes += 1
+        return writes
 
     def set_pod_cidrs(self, cidrs: Iterable[str]) -> int:
         """Make epx_pod_cidr exactly `cidrs`, touching only what differs. Returns the writes."""

@@ -25,7 +25,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ebpf_proxy.datapath.ebpf import structs as s
-from ebpf_proxy.datapath.ebpf.maps import IPPROTO, Backend, Frontend, Maps, NodeSettings, Service
+from ebpf_proxy.datapath.ebpf.maps import (
+    DETECT_CIDR,
+    DETECT_IFACE,
+    DETECT_NONE,
+    IPPROTO,
+    Backend,
+    Frontend,
+    Maps,
+    NodeSettings,
+    Service,
+)
 from ebpf_proxy.model import NodeConfig
 from ebpf_proxy.model.categorize import categorize
 from ebpf_proxy.model.types import Endpoint, Protocol, ServicePort, ServicePortName
@@ -74,16 +84,21 @@ def node_settings(node: NodeConfig, host_netns_cookie: int = 0, snat_addr: str |
     """epx_config for a node.
 
     The masquerade address is `snat_addr` when given (devices.primary_address: the address
-    MASQUERADE would pick), else the first node IP. Without an IPv4 cluster CIDR kube-proxy adds
-    no "masquerade off-cluster clusterIP traffic" rule, and neither do we (has_cluster_cidr).
+    MASQUERADE would pick), else the first node IP. The local-traffic detector decides by
+    source CIDR (epx_pod_cidr, see detector_cidrs) or by device (epx_iface, see devices.py); a
+    CIDR detector without an IPv4 CIDR is kube-proxy's no-op detector, for IPv4 packets.
     """
-    v4_cidrs = [c for c in node.cluster_cidrs if ipaddress.ip_network(c, strict=False).version == 4]
     v4_ips = [ip for ip in node.node_ips if ipaddress.ip_address(ip).version == 4]
+    detector = node.detector
+    if detector.by_interface:
+        local_detect = DETECT_IFACE
+    else:
+        local_detect = DETECT_CIDR if detector_cidrs(node) else DETECT_NONE
     return NodeSettings(
         snat_addr=snat_addr or (v4_ips[0] if v4_ips else None),
         masquerade_all=node.masquerade_all,
         localhost_nodeports=node.localhost_nodeports,
-        has_cluster_cidr=bool(v4_cidrs),
+        local_detect=local_detect,
         host_netns_cookie=host_netns_cookie,
         **overrides,
     )
@@ -103,8 +118,17 @@ def program_node(maps: Maps, node: NodeConfig, settings: NodeSettings) -> int:
     only where the maps differ. Returns the writes made."""
     writes = int(maps.set_settings(settings))
     writes += maps.set_node_addrs(node_addresses(node))
-    writes += maps.set_pod_cidrs(c for c in node.cluster_cidrs if ipaddress.ip_network(c, strict=False).version == 4)
+    writes += maps.set_pod_cidrs(detector_cidrs(node))
     return writes
+
+
+def detector_cidrs(node: NodeConfig) -> list[str]:
+    """What epx_pod_cidr holds: the CIDR detector's IPv4 prefixes (--cluster-cidr for ClusterCIDR,
+    the Node's podCIDRs for NodeCIDR); nothing for the other detectors."""
+    detector = node.detector
+    if not detector.by_cidr:
+        return []
+    return [c for c in detector.cidrs if ipaddress.ip_network(c, strict=False).version == 4]
 
 
 def _normalized(cidrs: Iterable[str]) -> frozenset[str]:

@@ -112,7 +112,12 @@ CT4_F_FIN_ORIG, CT4_F_FIN_REPLY, CT4_F_TIME_WAIT, CT4_F_DONE = 0x10, 0x20, 0x40,
 # lb4_config.flags
 CFG_F_MASQ_ALL = 0x01
 CFG_F_LOCALHOST_NODEPORTS = 0x02
-CFG_F_NO_CLUSTER_CIDR = 0x04
+CFG_F_DETECT_NONE = 0x04
+CFG_F_DETECT_IFACE = 0x08
+
+# epx_iface values
+EPX_IF_POD = 0x01
+EPX_IF_LOCAL = 0x02
 
 
 class _Struct(ctypes.Structure):
@@ -240,6 +245,7 @@ MAPS: dict[str, MapSpec] = {
         MapSpec("epx_src_range", LB4RangeKey, u32),
         MapSpec("epx_node_addr", be32, u32),
         MapSpec("epx_pod_cidr", LPM4Key, u32),
+        MapSpec("epx_iface", u32, u32),
         MapSpec("epx_ct4", CT4Key, CT4Entry),
         MapSpec("epx_frag4", Frag4Key, Frag4Ports),
         MapSpec("epx_sock_rev", Sock4RevKey, Sock4Rev),

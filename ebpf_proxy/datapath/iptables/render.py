@@ -19,7 +19,16 @@ from dataclasses import dataclass, field
 
 from ebpf_proxy.datapath.iptables import chains as ch
 from ebpf_proxy.datapath.iptables.ruleset import Ruleset
-from ebpf_proxy.model import Endpoint, NodeConfig, ProxyState, ServicePort, ServicePortName, categorize
+from ebpf_proxy.model import (
+    Endpoint,
+    LocalDetector,
+    LocalMode,
+    NodeConfig,
+    ProxyState,
+    ServicePort,
+    ServicePortName,
+    categorize,
+)
 
 # Past this many endpoints in total kube-proxy drops the per-endpoint comments, which are up to
 # 40% of the ruleset's size; same threshold so that both render the same rules.
@@ -44,7 +53,10 @@ class RenderContext:
     """Node-wide facts every service's rules depend on, computed once per sync."""
 
     masq_mark: str  # e.g. "0x004000", formatted like kube-proxy's "%#08x"
-    cluster_cidr: str | None  # the local-traffic detector; None: not implemented (no pod/off-pod rules)
+    # the local-traffic detector's matches (kube-proxy's IfLocal / IfNotLocal); None: a no-op
+    # detector, and the rules that need one are not written
+    if_local: tuple[str, ...] | None
+    if_not_local: tuple[str, ...] | None
     masquerade_all: bool
     localhost_nodeports: bool  # effective: the flag, and 127.0.0.1 within --nodeport-addresses
     nodeport_match_all: bool  # no IPv4 --nodeport-addresses (or 0.0.0.0/0): every LOCAL address
@@ -55,12 +67,7 @@ class RenderContext:
 
     @classmethod
     def for_node(cls, node: NodeConfig, *, drop_invalid: bool = True, large_cluster: bool = False) -> RenderContext:
-        v4_cluster = _ipv4_networks(node.cluster_cidrs)
-        if len(v4_cluster) > 1:
-            raise ValueError(
-                f"node {node.node_name}: cluster_cidrs {node.cluster_cidrs!r} holds more than one IPv4 CIDR; "
-                "kube-proxy's cluster-CIDR local-traffic detector takes one per IP family"
-            )
+        if_local, if_not_local = detector_matches(node.node_name, node.detector)
         v4_nodeport = _ipv4_networks(node.nodeport_addresses)
         match_all = not v4_nodeport or any(n.prefixlen == 0 for n in v4_nodeport)
         localhost = node.localhost_nodeports and (match_all or any(_LOOPBACK_IP in n for n in v4_nodeport))
@@ -78,7 +85,8 @@ class RenderContext:
                 nodeport_ips.append(ip)
         return cls(
             masq_mark=f"{1 << node.masquerade_bit:#08x}",
-            cluster_cidr=str(v4_cluster[0]) if v4_cluster else None,
+            if_local=if_local,
+            if_not_local=if_not_local,
             masquerade_all=node.masquerade_all,
             localhost_nodeports=localhost,
             nodeport_match_all=match_all,
@@ -87,6 +95,29 @@ class RenderContext:
             drop_invalid=drop_invalid,
             large_cluster=large_cluster,
         )
+
+
+def detector_matches(node_name: str, detector: LocalDetector) -> tuple[tuple[str, ...] | None, tuple[str, ...] | None]:
+    """kube-proxy's LocalTrafficDetector as iptables matches: (IfLocal, IfNotLocal), or (None, None)
+    for the no-op detector (pkg/proxy/util/localdetector.go): `-s CIDR` for ClusterCIDR and
+    NodeCIDR, `-i BRIDGE` for BridgeInterface, `-i PREFIX+` for InterfaceNamePrefix. A CIDR
+    detector without an IPv4 CIDR is a no-op here: this is iptables, not ip6tables."""
+    if detector.by_cidr:
+        v4 = _ipv4_networks(detector.cidrs)
+        if len(v4) > 1:
+            source = "--cluster-cidr" if detector.mode is LocalMode.CLUSTER_CIDR else "spec.podCIDRs"
+            raise ValueError(
+                f"node {node_name}: {source} {','.join(detector.cidrs)!r} holds more than one IPv4 CIDR; "
+                f"kube-proxy's {detector.mode.value} local-traffic detector takes one per IP family"
+            )
+        if not v4:
+            return None, None
+        return ("-s", str(v4[0])), ("!", "-s", str(v4[0]))
+    if detector.mode is LocalMode.BRIDGE_INTERFACE:
+        return ("-i", detector.interface), ("!", "-i", detector.interface)
+    if detector.mode is LocalMode.INTERFACE_NAME_PREFIX:
+        return ("-i", f"{detector.interface}+"), ("!", "-i", f"{detector.interface}+")
+    return None, None
 
 
 def is_large_cluster(state: ProxyState) -> bool:
@@ -243,8 +274,8 @@ def render_service(
         args = (*_comment(f"{label} cluster IP"), *match, "-d", svc.cluster_ip, "--dport", port)
         if ctx.masquerade_all:
             own.add(internal_chain, *args, "-j", ch.KUBE_MARK_MASQ)
-        elif ctx.cluster_cidr:
-            own.add(internal_chain, *args, "!", "-s", ctx.cluster_cidr, "-j", ch.KUBE_MARK_MASQ)
+        elif ctx.if_not_local:
+            own.add(internal_chain, *args, *ctx.if_not_local, "-j", ch.KUBE_MARK_MASQ)
 
     # External traffic (NodePort, externalIPs, LB IPs) enters through the EXT chain.
     if uses_external_chain:
@@ -253,9 +284,9 @@ def render_service(
             own.add(external_chain, *_comment(f"masquerade traffic for {label} external destinations"),
                     "-j", ch.KUBE_MARK_MASQ)
         else:
-            if ctx.cluster_cidr:
+            if ctx.if_local:
                 own.add(external_chain, *_comment(f"pod traffic for {label} external destinations"),
-                        "-s", ctx.cluster_cidr, "-j", cluster_chain)
+                        *ctx.if_local, "-j", cluster_chain)
             own.add(external_chain, *_comment(f"masquerade LOCAL traffic for {label} external destinations"),
                     "-m", "addrtype", "--src-type", "LOCAL", "-j", ch.KUBE_MARK_MASQ)
             own.add(external_chain, *_comment(f"route LOCAL traffic for {label} external destinations"),
