@@ -221,6 +221,13 @@ static __always_inline __u32 ct4_create(const struct pkt4 *p, const struct lb4_c
 		key = ct4_key_make(p->saddr, be_addr, p->sport, be_port, p->proto, CT4_SNAT);
 		if (epx_update(epx_ct4, &key, &snat))
 			return EPX_DROP_CT_FAILED;
+	} else {
+		/* The client may reuse its port toward the same backend through another frontend
+		 * while the SNAT half of an earlier, masqueraded connection still lives (its owner
+		 * lingers in its closing time): egress would masquerade this one too. The new
+		 * connection owns the client -> backend tuple now. */
+		key = ct4_key_make(p->saddr, be_addr, p->sport, be_port, p->proto, CT4_SNAT);
+		epx_delete(epx_ct4, &key);
 	}
 	/* reply: backend -> client leaves with the frontend as source */
 	key = ct4_key_make(be_addr, p->saddr, be_port, p->sport, p->proto, CT4_REV_DNAT);

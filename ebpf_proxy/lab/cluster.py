@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 from ebpf_proxy.lab import naming, netns, nsexec, state
 from ebpf_proxy.lab import topology as topo
@@ -366,17 +366,40 @@ class Lab:
             "run", "--mode", mode,
             "--hostname-override", node.name,
             "--kubeconfig", str(self.dir / "kubeconfig-node"),
-            "--cluster-cidr", self.topology.cluster_cidr,
             "--metrics-bind-address", f"{node.ip}:{AGENT_METRICS_PORT}",
             "--healthz-bind-address", f"0.0.0.0:{AGENT_HEALTHZ_PORT}",
             "--cgroup-path", naming.node_cgroup(self.name, node.name),
             "--bpffs", str(self.dir / "bpffs" / node.name),
         ]
         if self.topology.kube_proxy_configuration:
-            cfg = self.dir / "kube-proxy-config.yaml"  # JSON is YAML; plain dicts, not the frozen view
-            cfg.write_text(json.dumps(topo.topology_to_dict(self.topology)["kubeProxyConfiguration"]))
+            # The topology's clusterCIDR is the file's default, as a kubeadm ConfigMap has it; a
+            # file that sets clusterCIDR itself (even "": kube-proxy's no-op local detector) wins.
+            kpc = topo.topology_to_dict(self.topology)["kubeProxyConfiguration"]  # plain dicts
+            kpc.setdefault("clusterCIDR", self.topology.cluster_cidr)
+            cfg = self.dir / "kube-proxy-config.yaml"  # JSON is YAML
+            cfg.write_text(json.dumps(kpc))
             argv += ["--config", str(cfg)]
+        else:
+            argv += ["--cluster-cidr", self.topology.cluster_cidr]
         return argv
+
+    def set_proxy_config(self, config: Mapping[str, Any] | None, timeout: float = 30.0) -> None:
+        """Give every agent another KubeProxyConfiguration (None: none, flags only) and restart
+        them with it, as rolling out a changed kube-proxy ConfigMap does. The datapath stays in
+        place across the restart; each agent's first sync rewrites it for the new settings."""
+        data = topo.topology_to_dict(self.topology)
+        data.pop("kubeProxyConfiguration", None)
+        if config is not None:
+            data["kubeProxyConfiguration"] = dict(config)
+        self.topology = topo.parse_topology(data)  # validates apiVersion and kind as `lab up` does
+        self.save()
+        running = [n for n in self.data["agents"] if _alive(self.data["agents"][n].get("pid"))]
+        for name in running:
+            self.stop_agent(name)
+        for name in running:
+            self.start_agent(name, wait=False)
+        for name in running:
+            self.wait_agent_ready(name, timeout=timeout)
 
     def start_agent(self, node_name: str, mode: str | None = None, wait: bool = True) -> int:
         node = self.topology.node(node_name)

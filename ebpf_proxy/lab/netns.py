@@ -22,6 +22,11 @@ the API server in unrelated subnets, and pods may have fixed IPs outside their p
   with a permanent neighbour entry mapping that address to the node-side veth's MAC, and
   proxy_arp on that veth as a fallback: Calico's scheme. The pod never ARPs for real
   addresses, so pod IPs need no shared subnet with anything.
+* A node with ``podBridge: NAME`` puts its pods' veths on a Linux bridge of that name instead
+  (kubenet's shape): the node's route to a pod is ``<pod ip>/32 dev NAME``, the pod's neighbour
+  entry for 169.254.1.1 is the bridge's MAC, and pod traffic enters the node's IP layer through
+  the bridge (what kube-proxy's BridgeInterface local-traffic detector matches). Traffic still
+  goes through the node at L3, pod to pod included (every pod is a /32 behind 169.254.1.1).
 * Nodes' default route is ``via apiServerIP onlink``: the underlay does not forward, so
   traffic to unknown destinations dies there, as it would leaving for an internet with no
   route back. It must exist, though: a node's own connect() to a ClusterIP needs *some*
@@ -460,25 +465,47 @@ def _route_host(ns: _Netns, topo: Topology, own_ip, gateway, skip_node: str | No
 def _attach_pod(net: LabNetwork, node_ns: _Netns, pod: PodNet) -> None:
     """Create the pod's netns, its veth to the node, addresses, routes and cgroup."""
     node_ip = net.nodes[pod.node].ip
+    bridge = net.topology.node(pod.node).pod_bridge
     pod_ns = _new_netns(pod.netns, forwarding=False)
     try:
         node_ns.ipr.link("add", ifname=pod.host_ifname, kind="veth",
                          peer={"ifname": pod.ifname, "net_ns_fd": pod.netns})
-        _write_sysctls(node_ns.name, {f"net/ipv4/conf/{pod.host_ifname}/proxy_arp": 1})
-        host_idx = node_ns.up(pod.host_ifname)
+        if bridge:
+            gateway_dev = bridge
+            route_idx = _pod_bridge(node_ns, bridge)
+            node_ns.up(pod.host_ifname, master=route_idx)
+        else:
+            gateway_dev = pod.host_ifname
+            _write_sysctls(node_ns.name, {f"net/ipv4/conf/{pod.host_ifname}/proxy_arp": 1})
+            route_idx = node_ns.up(pod.host_ifname)
         node_ns.tx_off(pod.host_ifname)
-        node_ns.link_route(host_idx, f"{pod.ip}/32", node_ip)
+        node_ns.link_route(route_idx, f"{pod.ip}/32", node_ip)
 
         idx = pod_ns.up(pod.ifname)
         pod_ns.tx_off(pod.ifname)
         pod_ns.add_addr(idx, pod.ip)
-        pod_ns.ipr.neigh("add", dst=str(POD_GATEWAY), lladdr=node_ns.mac(pod.host_ifname),
+        pod_ns.ipr.neigh("add", dst=str(POD_GATEWAY), lladdr=node_ns.mac(gateway_dev),
                          ifindex=idx)
         pod_ns.link_route(idx, f"{POD_GATEWAY}/32", pod.ip)
         pod_ns.ipr.route("add", dst="0.0.0.0/0", gateway=str(POD_GATEWAY), oif=idx)
     finally:
         pod_ns.close()
     _make_cgroup(pod.cgroup)
+
+
+def _pod_bridge(node_ns: _Netns, name: str) -> int:
+    """The node's pod bridge, created with its first pod: up, proxy_arp as the veths have it."""
+    found = node_ns.ipr.link_lookup(ifname=name)
+    if found:
+        return found[0]
+    node_ns.ipr.link("add", ifname=name, kind="bridge")
+    # a bridge takes its lowest port's MAC unless one is set: set its own, so that the pods'
+    # permanent neighbour entries for the gateway stay right as pods come and go
+    node_ns.ipr.link("set", index=node_ns.index(name), address=node_ns.mac(name))
+    _write_sysctls(node_ns.name, {f"net/ipv4/conf/{name}/proxy_arp": 1, f"net/ipv4/conf/{name}/rp_filter": 0})
+    idx = node_ns.up(name)
+    node_ns.tx_off(name)
+    return idx
 
 
 def _outside_cidr(topo: Topology, pod_name: str) -> bool:

@@ -12,6 +12,8 @@ not a silently ignored setting)::
         ip: 172.20.20.15            # required, the node's InternalIP; unique in the whole file
         extraIPs: [192.168.99.11]   # optional, more addresses on the node's uplink
         podCIDR: 10.244.5.0/24      # optional, default: the (index+1)-th free /24 of clusterCIDR
+        podBridge: cbr0             # optional: pods hang off a Linux bridge of this name (kubenet-
+                                    #   style) instead of one routed veth each (Calico-style)
     pods:                           # optional
       - name: web-1                 # required, DNS-1123 name up to 63 characters; unique
         node: worker1               # required, a node above
@@ -66,7 +68,8 @@ PROTOCOLS = ("tcp", "udp")
 
 _TOP_KEYS = ("serviceCIDR", "clusterCIDR", "apiServerIP", "nodes", "pods", "clients",
              "kubeProxyConfiguration")
-_NODE_KEYS = ("name", "ip", "extraIPs", "podCIDR")
+_NODE_KEYS = ("name", "ip", "extraIPs", "podCIDR", "podBridge")
+_IFNAME = re.compile(r"^[A-Za-z0-9][-A-Za-z0-9_.]{0,14}$")  # a Linux interface name (IFNAMSIZ 16)
 _POD_KEYS = ("name", "node", "namespace", "ip", "labels", "listen")
 _CLIENT_KEYS = ("name", "ip", "gateway")
 
@@ -97,6 +100,7 @@ class NodeSpec:
     ip: str
     extra_ips: tuple[str, ...] = ()
     pod_cidr: str = ""
+    pod_bridge: str = ""  # "": every pod on its own routed veth; else the bridge pods are ports of
 
     @property
     def all_ips(self) -> tuple[str, ...]:
@@ -188,7 +192,7 @@ class Topology:
             "apiServerIP": self.api_server_ip,
             "nodes": [
                 {"name": n.name, "ip": n.ip, "extraIPs": list(n.extra_ips),
-                 "podCIDR": n.pod_cidr}
+                 "podCIDR": n.pod_cidr, **({"podBridge": n.pod_bridge} if n.pod_bridge else {})}
                 for n in self.nodes
             ],
             "pods": [
@@ -483,10 +487,17 @@ class _Parser:
                 if not cidr.subnet_of(self.cluster):
                     raise TopologyError(f"{where}.podCIDR",
                                         f"{cidr} is not inside clusterCIDR {self.cluster}")
-            partial.append((name, ip, tuple(extra), cidr))
+            bridge = ""
+            if obj.get("podBridge") is not None:
+                bridge = obj["podBridge"]
+                if not isinstance(bridge, str) or not _IFNAME.match(bridge) or bridge in ("eth0", "lo"):
+                    raise TopologyError(f"{where}.podBridge",
+                                        f"{bridge!r} is not a free interface name (up to 15 letters, digits, "
+                                        "'-', '_', '.'; not eth0 or lo)")
+            partial.append((name, ip, tuple(extra), cidr, bridge))
         cidrs = self.assign_pod_cidrs([p[3] for p in partial])
-        return tuple(NodeSpec(n, str(ip), tuple(str(x) for x in extra), str(cidr))
-                     for (n, ip, extra, _), cidr in zip(partial, cidrs))
+        return tuple(NodeSpec(n, str(ip), tuple(str(x) for x in extra), str(cidr), bridge)
+                     for (n, ip, extra, _, bridge), cidr in zip(partial, cidrs))
 
     def assign_pod_cidrs(self, given: list[IPv4Network | None]) -> list[IPv4Network]:
         for i, a in enumerate(given):

@@ -183,6 +183,23 @@ def test_masquerade_half_of_another_connection_is_not_applied(datapath, maps):
     assert bytes(out) == bytes(direct)
 
 
+def test_a_new_unmasqueraded_connection_on_the_same_tuple_is_not_masqueraded(datapath, maps):
+    """A pod's port reused toward the same backend through another frontend while the first,
+    masqueraded connection lingers: the new one (eTP=Local, short-circuited: no masquerade) must
+    leave with the pod's own address, as conntrack keeps the two flows apart. Seen in the e2e
+    truth table: a pod probing an eTP=Cluster then an eTP=Local NodePort of one node."""
+    etp_cluster = w.web(id=1, cluster=(w.LOCAL_EP,), local=(w.LOCAL_EP,))
+    etp_local = w.web(id=2, frontends=((None, w.NODE_PORT + 1, w.EXT),), cluster=(w.LOCAL_EP,), local=(w.LOCAL_EP,),
+                      flags=s.LB4_F_HAS_ENDPOINTS | s.LB4_F_ETP_LOCAL)
+    w.install(maps, etp_cluster, etp_local)
+    first = step(datapath, maps, "tc_ingress", tcp(w.POD_CLIENT, 40000, w.NODE_IP, w.NODE_PORT), R.FWD_NEW)
+    step(datapath, maps, "tc_egress", first, R.SNAT)
+    second = step(datapath, maps, "tc_ingress", tcp(w.POD_CLIENT, 40000, w.NODE_IP, w.NODE_PORT + 1), R.FWD_NEW)
+    assert endpoints(second) == ((w.POD_CLIENT, 40000), w.LOCAL_EP)
+    out = step(datapath, maps, "tc_egress", second, R.PASS_NO_SERVICE)
+    assert endpoints(out) == ((w.POD_CLIENT, 40000), w.LOCAL_EP)
+
+
 def test_session_affinity_pins_a_client(datapath, maps):
     """Rule 13: every new connection of a client goes to its first backend."""
     svc = w.web(affinity=10800)

@@ -415,3 +415,14 @@ def test_leftover_labs_reads_netns_and_cgroup_dirs(tmp_path, monkeypatch):
     assert naming.leftover_labs() == ["a", "b-x", "crashed"]
     assert naming.lab_netns_names("b-x") == ["epx-b-x-n-worker1"]
     assert naming.lab_netns_names("b") == []
+
+
+def test_pod_bridge_is_optional_validated_and_round_trips():
+    t = parse_topology(variant("nodes.1.podBridge", "cbr0"))
+    assert t.node("worker2").pod_bridge == "cbr0" and t.node("worker1").pod_bridge == ""
+    assert parse_topology(topology_to_dict(t)) == t
+    assert "podBridge" not in topology_to_dict(t)["nodes"][0]
+    for bad in ("eth0", "a" * 16, "bad name", 7):
+        with pytest.raises(TopologyError) as err:
+            parse_topology(variant("nodes.1.podBridge", bad))
+        assert err.value.field == "nodes[1].podBridge"

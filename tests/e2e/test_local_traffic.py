@@ -1,0 +1,272 @@
+"""Every cell of docs/local-traffic.md's truth table, as real traffic, in every datapath mode.
+
+The expectations come from the document itself: its two tables are parsed here (origin × detector
+→ local/this node/other, then destination × policy × origin × masqueradeAll → endpoints and the
+source the backend sees), so the page and the test cannot drift apart. For each local-traffic
+detector (and masqueradeAll where it changes a cell) the lab's agents are reconfigured in place
+(`Lab.set_proxy_config`, like rolling out a new kube-proxy ConfigMap) and every origin probes
+every destination of an eTP=Cluster and an eTP=Local Service.
+
+The lab (local_traffic_topology.yaml): worker1's pods on a bridge `cbr0`, worker2's and
+worker3's on routed `lxc*` veths; web pods on worker1 and worker3, none on worker2.
+
+Where nobody masquerades, a reply only finds its way back through the node that translated the
+connection if the backend runs there or the client is that node or one of its pods (see the
+document's last section): attempts that land elsewhere are expected to get no answer, and at
+least one of 12 does (each picks among two endpoints at random).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from ebpf_proxy.lab.cluster import Lab, destroy
+from tests.e2e.conftest import E2E_MODES
+
+pytestmark = [pytest.mark.root, pytest.mark.e2e]
+
+HERE = Path(__file__).parent
+DOC = HERE.parents[1] / "docs" / "local-traffic.md"
+TOPOLOGY = HERE / "local_traffic_topology.yaml"
+COUNT, TIMEOUT = 12, 0.4
+BRIDGE, PREFIX = "cbr0", "lxc"
+WEB_PODS = {"web-1": "worker1", "web-2": "worker3"}
+
+
+# ---- the document's tables ------------------------------------------------------------------------
+
+def _table(marker: str) -> list[list[str]]:
+    """The markdown table right after `<!-- truth-table:MARKER -->`, header row first."""
+    lines = DOC.read_text().splitlines()
+    start = lines.index(f"<!-- truth-table:{marker} -->") + 1
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not all(set(c) <= {"-", " "} for c in cells):
+            rows.append(cells)
+    return rows
+
+
+def origin_table() -> dict[tuple[str, str], str]:
+    header, *rows = _table("origin")
+    return {(row[0], mode): cell for row in rows for mode, cell in zip(header[1:], row[1:])}
+
+
+def outcome_table() -> dict[tuple[str, str, str, bool], str]:
+    _header, *rows = _table("outcome")
+    out = {}
+    for dest, policy, origin, off, on in rows:
+        out[(dest, policy, origin, False)] = off
+        out[(dest, policy, origin, True)] = on
+    return out
+
+
+# ---- the lab's configurations -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Config:
+    detector: str  # a column of the origin table
+    masquerade_all: bool = False
+
+    @property
+    def id(self) -> str:
+        return f"{self.detector}{'-masqueradeAll' if self.masquerade_all else ''}"
+
+    def kube_proxy_configuration(self) -> dict:
+        cfg: dict = {"apiVersion": "kubeproxy.config.k8s.io/v1alpha1", "kind": "KubeProxyConfiguration",
+                     "iptables": {"masqueradeAll": self.masquerade_all}}
+        if self.detector == "none":
+            cfg["clusterCIDR"] = ""  # ClusterCIDR mode without a CIDR: kube-proxy's no-op detector
+        else:
+            cfg["detectLocalMode"] = self.detector
+            cfg["detectLocal"] = {"bridgeInterface": BRIDGE, "interfaceNamePrefix": PREFIX}
+        return cfg
+
+
+# masqueradeAll changes cells only where a source is local or a detector is missing: those two
+# configurations reach every masqueradeAll-on cell of the outcome table
+CONFIGS = [Config(d) for d in ("ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNamePrefix", "none")] + [
+    Config("ClusterCIDR", True), Config("none", True)]
+
+
+# ---- origins and destinations -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Origin:
+    where: str  # a node, pod or client of the lab
+    row: str  # its row in the origin table
+    node: str | None  # the node the origin sits on (None: outside the cluster)
+    bridged: bool = False
+
+
+@dataclass(frozen=True)
+class Probe:
+    origin: Origin
+    dest: str  # clusterIP | external
+    target: str  # IP:PORT
+    entry: str  # the node that proxies the connection
+
+
+SERVICES = {  # policy -> (clusterIP, nodePort, externalIP, LB IP)
+    "Cluster": ("10.96.110.10", 30310, "198.51.100.110", "198.51.100.111"),
+    "Local": ("10.96.110.20", 30320, "198.51.100.120", "198.51.100.121"),
+}
+MANIFESTS = "\n---\n".join(f"""
+apiVersion: v1
+kind: Service
+metadata: {{name: tt-{policy.lower()}}}
+spec:
+  type: LoadBalancer
+  clusterIP: {cip}
+  externalTrafficPolicy: {policy}
+  externalIPs: [{eip}]
+  selector: {{app: web}}
+  ports: [{{name: http, port: 80, targetPort: 80, nodePort: {np}}}]
+status:
+  loadBalancer:
+    ingress: [{{ip: {lb}}}]""" for policy, (cip, np, eip, lb) in SERVICES.items())
+
+NODE_IPS = {"worker1": "172.20.20.15", "worker2": "172.20.20.16", "worker3": "172.20.20.17"}
+
+
+def probes(policy: str) -> list[Probe]:
+    cip, np, eip, lb = SERVICES[policy]
+    out = []
+    here = [Origin("client-a", "pod on this node, on the bridge", "worker1", bridged=True),
+            Origin("client-c", "pod on this node, routed veth", "worker3"),
+            Origin("worker1", "this node", "worker1"),
+            Origin("outside", "client outside the cluster", None)]
+    for o in here:
+        entry = o.node or "worker1"  # outside's gateway
+        out.append(Probe(o, "clusterIP", f"{cip}:80", entry))
+        for target in (f"{NODE_IPS[entry]}:{np}", f"{eip}:80", f"{lb}:80"):
+            out.append(Probe(o, "external", target, entry))
+    out.append(Probe(Origin("worker1", "this node", "worker1"), "external", f"127.0.0.1:{np}", "worker1"))
+    # this node's endpoints only, or none: at worker3 (web-2 there) and at worker2 (none)
+    elsewhere = [Origin("client-a", "pod on another node", "worker1", bridged=True),
+                 Origin("client-b", "pod on another node", "worker2"),
+                 Origin("worker2", "another node", "worker2"),
+                 Origin("outside", "client outside the cluster", None)]
+    for o in elsewhere:
+        out.append(Probe(o, "external", f"{NODE_IPS['worker3']}:{np}", "worker3"))
+    out.append(Probe(Origin("outside", "client outside the cluster", None), "external",
+                     f"{NODE_IPS['worker2']}:{np}", "worker2"))
+    return out
+
+
+def origin_class(cell: str, origin: Origin) -> str:
+    """An origin-table cell for this lab: "local if the veth/bridge has the prefix" evaluated."""
+    if cell.startswith("local if"):
+        device = BRIDGE if origin.bridged else "lxc-veth"  # the lab names routed pod veths lxc<hash>
+        return "local" if device.startswith(PREFIX) else "other"
+    return cell
+
+
+@dataclass(frozen=True)
+class Expected:
+    pods: frozenset[str]  # who may answer (empty: dropped)
+    source: str  # the address the backend sees
+    reachable: frozenset[str]  # of `pods`, those whose replies come back (see the module docstring)
+
+
+def expected(config: Config, policy: str, p: Probe, origins: dict, outcomes: dict, lab: Lab) -> Expected:
+    klass = origin_class(origins[(p.origin.row, config.detector)], p.origin)
+    row = klass
+    if p.dest == "clusterIP" and klass == "other" and config.detector == "none":
+        row = "other, no detector"
+    # both Services are internalTrafficPolicy=Cluster: that is the clusterIP rows' policy
+    cell = outcomes[(p.dest, "Cluster" if p.dest == "clusterIP" else policy, row, config.masquerade_all)]
+    endpoints, source = (part.strip() for part in cell.split(","))
+    if endpoints == "any endpoint":
+        pods = frozenset(WEB_PODS)
+    elif endpoints == "this node's endpoints":
+        pods = frozenset(pod for pod, node in WEB_PODS.items() if node == p.entry)
+    else:
+        raise ValueError(f"{DOC.name}: unknown endpoint set {endpoints!r}")
+    if source == "node":
+        seen = NODE_IPS[p.entry]
+    elif source == "client":
+        seen = NODE_IPS[p.origin.where] if p.origin.where in NODE_IPS else _address(lab, p.origin.where)
+    else:
+        raise ValueError(f"{DOC.name}: unknown source {source!r}")
+    masq = source == "node" or p.origin.node == p.entry
+    reachable = frozenset(pod for pod in pods if masq or WEB_PODS[pod] == p.entry)
+    return Expected(pods, seen, reachable)
+
+
+def _address(lab: Lab, name: str) -> str:
+    t = lab.topology
+    return next(x.ip for x in (*t.pods, *t.clients) if x.name == name)
+
+
+def check(lab: Lab, p: Probe, want: Expected) -> list[str]:
+    count = 3 if not want.pods else COUNT
+    report = lab.probe(p.origin.where, p.target, count=count, timeout=TIMEOUT).to_json()
+    ok = [r for r in report["results"] if r["outcome"] == "ok"]
+    answered = {r["pod"] for r in ok}
+    seen = {r["source"].rsplit(":", 1)[0] for r in ok}
+    problems = []
+    if not want.pods:
+        if ok or any(r["outcome"] != "timeout" for r in report["results"]):
+            problems.append(f"expected a drop (timeout), got {report['summary']}")
+    else:
+        if not answered <= want.reachable:
+            problems.append(f"answered by {sorted(answered)}, allowed {sorted(want.reachable)}")
+        if want.reachable and not ok:
+            problems.append(f"no answer at all, expected {sorted(want.reachable)}: {report['summary']}")
+        if want.reachable == want.pods and len(ok) != count:
+            problems.append(f"expected every attempt answered, got {report['summary']}")
+        if want.reachable != want.pods and len(ok) == count:
+            problems.append(f"expected some attempts to reach {sorted(want.pods - want.reachable)} (no answer), "
+                            f"got {report['summary']}")
+        if seen and seen != {want.source}:
+            problems.append(f"backend saw source {sorted(seen)}, expected {want.source}")
+    return [f"{p.origin.where} ({p.origin.row}) → {p.target} [{p.dest}]: {x}" for x in problems]
+
+
+# ---- the tests -------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=E2E_MODES)
+def tt_lab(request):
+    mode = request.param
+    name = f"lt{mode[:3]}{os.getpid() % 10000}"
+    destroy(name)
+    lab = Lab.up(name, str(TOPOLOGY), mode=mode)
+    try:
+        lab.apply_manifests(MANIFESTS, "truth-table")
+        lab.wait_converged()
+        yield lab
+    finally:
+        destroy(name)
+
+
+def test_the_document_has_both_tables_complete():
+    origins, outcomes = origin_table(), outcome_table()
+    assert {mode for _, mode in origins} == {"ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNamePrefix", "none"}
+    assert {c.detector for c in CONFIGS} == {mode for _, mode in origins}
+    assert all(re.fullmatch(r"(any endpoint|this node's endpoints), (client|node)", v) for v in outcomes.values())
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.id for c in CONFIGS])
+def test_truth_table(tt_lab, config: Config):
+    tt_lab.set_proxy_config(config.kube_proxy_configuration())
+    tt_lab.wait_converged()
+    # The table is about new connections: the kernel's conntrack entries of the previous
+    # configuration's probes (half-open ones, where it broke the reply path) must not decide
+    # a probe of this one that happens to reuse a source port.
+    for node in tt_lab.topology.nodes:
+        tt_lab.exec(node.name, ["conntrack", "-F"], check=False, capture_output=True)
+    origins, outcomes = origin_table(), outcome_table()
+    problems = []
+    for policy in SERVICES:
+        for p in probes(policy):
+            want = expected(config, policy, p, origins, outcomes, tt_lab)
+            problems += [f"eTP={policy}: {x}" for x in check(tt_lab, p, want)]
+    assert not problems, f"{tt_lab.mode}, {config.id}:\n  " + "\n  ".join(problems)
