@@ -110,7 +110,7 @@ def _read_file(path: str) -> str:
 @name_option
 @click.argument("file")
 def apply(name: str, file: str) -> None:
-    """Create or update Services, EndpointSlices and Pods from standard Kubernetes YAML."""
+    """Create or update Namespaces, Services, EndpointSlices and Pods from standard Kubernetes YAML."""
     try:
         for line in _load(name).apply_manifests(_read_file(file), file):
             click.echo(f"{line} applied")

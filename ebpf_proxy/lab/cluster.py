@@ -302,9 +302,9 @@ class Lab:
         return f"pod/{name}"
 
     def delete_manifests(self, text: str, source: str) -> list[str]:
-        from ebpf_proxy.lab.kubeapi import load_manifests
+        from ebpf_proxy.lab.kubeapi import load_manifests, namespaces_last
 
-        docs = load_manifests(text, source)
+        docs = namespaces_last(load_manifests(text, source))
         done = []
         api = self.api()
         try:

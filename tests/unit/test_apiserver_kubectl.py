@@ -141,3 +141,28 @@ def test_label_selector_and_patch(kubectl, store):
     kubectl("patch", "svc", "b", "-p", '{"spec":{"sessionAffinity":"ClientIP"}}')
     got = store.get("Service", "default", "b")
     assert got["metadata"]["labels"] == {"app": "b"} and got["spec"]["sessionAffinity"] == "ClientIP"
+
+
+def test_create_get_delete_namespace(kubectl, store):
+    """kubectl >= 1.33 sends `create namespace` as protobuf, with no JSON fallback on a 415."""
+    assert kubectl("create", "namespace", "team-a").stdout == "namespace/team-a created\n"
+    stored = store.get("Namespace", None, "team-a")
+    assert stored["status"]["phase"] == "Active"
+    assert stored["metadata"]["labels"] == {"kubernetes.io/metadata.name": "team-a"}
+    assert "namespace" not in stored["metadata"]  # proto2's empty strings are not stored
+    rows = kubectl("get", "namespace", "team-a").stdout.splitlines()
+    assert rows[0].split() == ["NAME", "STATUS", "AGE"] and rows[1].split()[:2] == ["team-a", "Active"]
+    assert kubectl("delete", "namespace", "team-a").stdout == 'namespace "team-a" deleted\n'
+    assert kubectl("get", "namespace", "team-a", check=False).returncode == 1
+
+
+def test_apply_namespace_then_a_service_in_it(kubectl, store, tmp_path):
+    manifest = tmp_path / "ns.yaml"
+    manifest.write_text("apiVersion: v1\nkind: Namespace\nmetadata: {name: team-b, labels: {team: b}}\n---\n"
+                        "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: team-b}\n"
+                        "spec: {ports: [{port: 80}]}\n")
+    assert kubectl("apply", "-f", str(manifest)).stdout.splitlines() == ["namespace/team-b created",
+                                                                        "service/web created"]
+    assert kubectl("apply", "-f", str(manifest)).stdout.splitlines()[0] == "namespace/team-b unchanged"
+    assert store.get("Namespace", None, "team-b")["metadata"]["labels"]["team"] == "b"
+    assert store.get("Service", "team-b", "web")["spec"]["clusterIP"]
