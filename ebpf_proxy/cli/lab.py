@@ -96,7 +96,8 @@ def status(name: str, as_json: bool) -> None:
             proc += " (DEAD)"
         table.add_row("node", n["name"], ", ".join([n["ip"], *n["extraIPs"]]), n["podCIDR"], proc)
     for p in info["pods"]:
-        table.add_row("pod", p["name"], p["ip"], p["node"], f"echo {' '.join(p['listen'])}" + ("" if p["alive"] else " (DEAD)"))
+        server = (f"echo {' '.join(p['listen'])}" + ("" if p["alive"] else " (DEAD)")) if p["listen"] else "serves nothing"
+        table.add_row("pod", p["name"], p["ip"], p["node"], server)
     for c in info["clients"]:
         table.add_row("client", c["name"], c["ip"], "outside", "")
     console.print(table)

@@ -205,6 +205,17 @@ class Lab:
         }
 
     def _start_pod(self, pod: topo.PodSpec) -> None:
+        self.data["pods"][pod.name] = {"pid": self._start_echo(pod)}
+        api = self.api()
+        try:
+            api.apply(self._pod_object(pod))
+        finally:
+            api.close()
+
+    def _start_echo(self, pod: topo.PodSpec) -> int | None:
+        """The pod's echo server; none for `listen: []` (a client pod that serves nothing)."""
+        if not pod.listen:
+            return None
         ready = self.dir / f"echo-{pod.name}.ready"
         ready.unlink(missing_ok=True)
         argv = [sys.executable, "-m", "ebpf_proxy.lab.echo", "--pod", pod.name, "--ready-file", str(ready)]
@@ -212,13 +223,8 @@ class Lab:
             argv += ["--listen", entry]
         proc = nsexec.spawn(naming.pod_netns(self.name, pod.name), argv,
                             log_path=str(self.dir / f"echo-{pod.name}.log"))
-        self.data["pods"][pod.name] = {"pid": proc.pid}
         _wait_file(ready, time.monotonic() + 10, f"echo server of pod {pod.name}", proc)
-        api = self.api()
-        try:
-            api.apply(self._pod_object(pod))
-        finally:
-            api.close()
+        return proc.pid
 
     def add_pod(self, pod: topo.PodSpec) -> topo.PodSpec:
         """A new pod, its netns and echo server, and its Pod object (so endpoint slices follow)."""
