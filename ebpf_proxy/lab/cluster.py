@@ -138,6 +138,7 @@ class Lab:
             "--listen", "127.0.0.1:0",
             "--listen-netns", f"{underlay}={self.topology.api_server_ip}:{API_PORT}",
             "--service-cidr", self.topology.service_cidr,
+            "--service-node-port-range", self.topology.service_node_port_range,
             "--ready-file", str(ready),
         ]
         proc = nsexec.spawn(None, argv, cgroup=naming.apiserver_cgroup(self.name),
