@@ -400,9 +400,10 @@ class ServiceAllocator:
             try:
                 self.ips.claim(ip)
             except NotInRange:
-                return [invalid("spec.clusterIP", ip, f"provided IP is not in the valid range. The range of valid IPs is {self.ips.cidr}")]
+                # The allocator works on clusterIPs (clusterIP is its first entry): so does the field path.
+                return [invalid("spec.clusterIPs[0]", ip, f"provided IP is not in the valid range. The range of valid IPs is {self.ips.cidr}")]
             except AlreadyAllocated:
-                return [invalid("spec.clusterIP", ip, "provided IP is already allocated")]
+                return [invalid("spec.clusterIPs[0]", ip, "provided IP is already allocated")]
             txn.on_rollback(lambda: self.ips.release(ip))
         spec["clusterIP"] = ip
         spec["clusterIPs"] = [ip]
@@ -473,8 +474,8 @@ class ServiceAllocator:
         if needs_health_check_node_port(spec):
             value = spec.get("healthCheckNodePort")
             if value:
-                if value in taken:
-                    errs.append(invalid("spec.healthCheckNodePort", value, "must not be one of the service's node ports"))
+                if value in taken:  # the same allocator as the node ports, so its wording
+                    errs.append(invalid("spec.healthCheckNodePort", value, "provided port is already allocated"))
                 else:
                     err = self._claim_port("spec.healthCheckNodePort", value, old, taken, txn)
                     if err:

@@ -101,7 +101,8 @@ def test_create_reports_invalid_fields(kubectl, tmp_path):
     manifest.write_text("apiVersion: v1\nkind: Service\nmetadata: {name: bad}\nspec:\n  clusterIP: 192.168.0.1\n  ports: [{port: 80}]\n")
     proc = kubectl("create", "-f", str(manifest), check=False)
     assert proc.returncode != 0
-    assert "spec.clusterIP" in proc.stderr and "not in the valid range" in proc.stderr
+    assert ('The Service "bad" is invalid: spec.clusterIPs[0]: Invalid value: "192.168.0.1": provided IP is not '
+            'in the valid range. The range of valid IPs is 10.96.0.0/12') in proc.stderr
 
 
 def test_apply_twice_merges_ports_by_key(kubectl, store, tmp_path):
