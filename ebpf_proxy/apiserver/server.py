@@ -25,7 +25,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import yaml
 
-from ebpf_proxy.apiserver import discovery, events, protobuf, schema, tables
+from ebpf_proxy.apiserver import discovery, events, legacyip, protobuf, schema, tables
 from ebpf_proxy.apiserver import patch as patch_mod
 from ebpf_proxy.apiserver.errors import (
     ApiError,
@@ -428,6 +428,7 @@ class _Request:
                 meta = obj.get("metadata") or {}
                 raise invalid_object("Event", str(meta.get("name") or meta.get("generateName") or ""), errs, "events.k8s.io")
         obj = self.store.create(self.kind, obj, namespace=self.namespace, dry_run=self.dry_run)
+        self.h.warnings.extend(legacyip.warnings_for_write(self.kind, obj, None, created=True))
         return self.respond(201, obj)
 
     def _check_name(self, obj: dict[str, Any]) -> None:
@@ -442,6 +443,7 @@ class _Request:
         obj = self.into(self.h._decode(self.raw))
         self._check_name(obj)
         result = self.store.update(self.kind, obj, namespace=self.namespace, subresource=self.sub, dry_run=self.dry_run)
+        self.h.warnings.extend(legacyip.warnings_for_write(self.kind, result, self.sub, created=False))
         return self.respond(200, result)
 
     def patch(self) -> tuple[int, Any, str]:
@@ -456,6 +458,7 @@ class _Request:
             return events.from_events_v1(patched) if self.rt is EVENTS_V1 else patched
 
         result = self.store.mutate(self.kind, self.namespace, self.name, change, subresource=self.sub, dry_run=self.dry_run)
+        self.h.warnings.extend(legacyip.warnings_for_write(self.kind, result, self.sub, created=False))
         return self.respond(200, result)
 
     def _delete_options(self) -> dict[str, Any]:

@@ -167,3 +167,16 @@ def test_apply_namespace_then_a_service_in_it(kubectl, store, tmp_path):
     assert kubectl("apply", "-f", str(manifest)).stdout.splitlines()[0] == "namespace/team-b unchanged"
     assert store.get("Namespace", None, "team-b")["metadata"]["labels"]["team"] == "b"
     assert store.get("Service", "team-b", "web")["spec"]["clusterIP"]
+
+
+def test_legacy_ips_are_accepted_and_kubectl_shows_the_warning(kubectl, store, tmp_path):
+    manifest = tmp_path / "lb.yaml"
+    manifest.write_text("apiVersion: v1\nkind: Service\nmetadata: {name: lb}\nspec:\n  type: LoadBalancer\n"
+                        "  clusterIP: 10.96.00.041\n  loadBalancerSourceRanges: [' 1.2.3.0/24 ']\n"
+                        "  ports: [{port: 80}]\n")
+    proc = kubectl("apply", "-f", str(manifest))
+    assert proc.stdout == "service/lb created\n"
+    assert ('Warning: spec.clusterIPs[0]: non-standard IP address "10.96.00.041" will be considered invalid in a '
+            'future Kubernetes release: use "10.96.0.41"') in proc.stderr
+    spec = store.get("Service", "default", "lb")["spec"]
+    assert spec["clusterIP"] == "10.96.00.041" and spec["loadBalancerSourceRanges"] == [" 1.2.3.0/24 "]
