@@ -1,5 +1,6 @@
 """A lab whose topology needs what kube-apiserver allows: low node ports, a pod serving nothing,
-Namespaces applied by the lab and created by kubectl."""
+Namespaces applied by the lab and created by kubectl, and objects written with legacy IP forms,
+which the agent must serve as kube-proxy does (upstream TestBadIPs, with real packets)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ebpf_proxy.lab import state
-from ebpf_proxy.lab.cluster import destroy
+from ebpf_proxy.lab.cluster import Lab, destroy
 
 pytestmark = pytest.mark.root
 
@@ -22,7 +23,7 @@ serviceNodePortRange: 3000-3100
 nodes:
   - {name: worker1, ip: 172.20.30.15}
 pods:
-  - {name: web-1, node: worker1, labels: {app: web}}
+  - {name: web-1, node: worker1, ip: 10.244.1.5, labels: {app: web}}
   - {name: client-1, node: worker1, listen: []}
 """
 MANIFEST = """\
@@ -52,7 +53,7 @@ def lab_name(tmp_path_factory):
     topology = tmp_path_factory.mktemp("topo") / "topology.yaml"
     topology.write_text(TOPOLOGY)
     destroy(name)
-    cli("lab", "up", "--name", name, "--mode", "none", "--topology", str(topology))
+    cli("lab", "up", "--name", name, "--mode", "iptables", "--topology", str(topology))
     try:
         yield name
     finally:
@@ -88,3 +89,34 @@ def test_node_port_range_reaches_the_api_server(lab_name):
 def test_kubectl_creates_and_deletes_a_namespace(lab_name):
     assert kubectl(lab_name, "create", "namespace", "team-b").stdout == "namespace/team-b created\n"
     assert kubectl(lab_name, "delete", "namespace", "team-b").returncode == 0
+
+
+BAD_IPS = """\
+apiVersion: v1
+kind: Service
+metadata: {name: bad-ips}
+spec:
+  type: NodePort
+  clusterIP: 10.96.00.041
+  ports: [{name: p80, port: 80, nodePort: 3002}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: bad-ips-1
+  labels: {kubernetes.io/service-name: bad-ips}
+addressType: IPv4
+endpoints: [{addresses: [10.244.001.005], nodeName: worker1}]
+ports: [{name: p80, port: 80, protocol: TCP}]
+"""
+
+
+def test_bad_ips_are_served_at_their_normalised_addresses(lab_name):
+    """TestBadIPs with packets: clusterIP 10.96.00.041 is 10.96.0.41, endpoint 10.244.001.005 is web-1."""
+    lab = Lab.load(lab_name)
+    lab.apply_manifests(BAD_IPS, "bad-ips")
+    lab.wait_converged()
+    assert "-d 10.96.0.41/32" in lab.iptables_save("worker1", "nat")
+    for target in ("10.96.0.41:80", "172.20.30.15:3002"):
+        report = lab.probe("client-1", target, count=3)
+        assert report.summary["ok"] == 3 and report.by_pod == {"web-1": 3}, (target, report.summary)
