@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import ipaddress
 
+from ebpf_proxy.model import ipsloppy
+
 
 class RangeFull(Exception):
     pass
@@ -90,21 +92,29 @@ class IPAllocator:
         self.cidr = str(self.network)
 
     def claim(self, ip: str) -> None:
-        """Take `ip`; NotInRange / AlreadyAllocated / ValueError (not an IPv4 address)."""
-        value = int(ipaddress.IPv4Address(ip))
-        self._range.claim(value)
+        """Take `ip`; NotInRange / AlreadyAllocated / ValueError (not an IPv4 address).
+
+        `ip` may be in a legacy form (`10.96.00.010`): it is the address that is taken."""
+        self._range.claim(self._value(ip))
+
+    @staticmethod
+    def _value(ip: str) -> int:
+        addr = ipsloppy.parse_ip(ip)
+        if not isinstance(addr, ipaddress.IPv4Address):
+            raise ValueError(f"{ip!r} is not an IPv4 address")
+        return int(addr)
 
     def allocate(self) -> str:
         return str(ipaddress.IPv4Address(self._range.allocate()))
 
     def release(self, ip: str) -> None:
         try:
-            self._range.release(int(ipaddress.IPv4Address(ip)))
+            self._range.release(self._value(ip))
         except ValueError:
             pass
 
     def used(self, ip: str) -> bool:
-        return self._range.used(int(ipaddress.IPv4Address(ip)))
+        return self._range.used(self._value(ip))
 
 
 class PortAllocator(RangeAllocator):

@@ -25,7 +25,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import yaml
 
-from ebpf_proxy.apiserver import discovery, events, schema, tables
+from ebpf_proxy.apiserver import discovery, events, legacyip, protobuf, schema, tables
 from ebpf_proxy.apiserver import patch as patch_mod
 from ebpf_proxy.apiserver.errors import (
     ApiError,
@@ -34,6 +34,7 @@ from ebpf_proxy.apiserver.errors import (
     invalid_object,
     method_not_allowed,
     not_acceptable,
+    unsupported_media_type,
 )
 from ebpf_proxy.apiserver.kinds import EVENTS_V1, GROUPS, ResourceType, lookup
 from ebpf_proxy.apiserver.selectors import EVENTS_V1_FIELD_ALIASES, FieldSelector
@@ -41,6 +42,12 @@ from ebpf_proxy.apiserver.store import Store
 from ebpf_proxy.apiserver.watch import BOOKMARK, Watcher, WatchEvent
 
 log = logging.getLogger("ebpf_proxy.apiserver")
+
+# Request bodies this server decodes (JSON and YAML, and the patch types, all JSON- or YAML-encoded).
+_BODY_MEDIA_TYPES = (
+    "application/json", "application/yaml", "application/x-yaml", "application/apply-patch+yaml",
+    patch_mod.MERGE, patch_mod.STRATEGIC, patch_mod.JSON_PATCH,
+)
 
 def _not_found() -> ApiError:
     return ApiError(404, "NotFound", "the server could not find the requested resource")
@@ -189,6 +196,17 @@ class _Handler(BaseHTTPRequestHandler):
         if not raw:
             raise bad_request("the request needs a body")
         media = (self.headers.get("Content-Type") or "application/json").split(";")[0].strip().lower()
+        if media == protobuf.MEDIA_TYPE:
+            try:
+                return protobuf.decode(raw)
+            except protobuf.DecodeError as exc:
+                raise unsupported_media_type(f"the body of the request could not be decoded as {media}: {exc}") from None
+        if media not in _BODY_MEDIA_TYPES:
+            # 415, as kube-apiserver answers a media type it cannot decode.
+            raise unsupported_media_type(
+                f"the body of the request was in an unknown format - accepted media types include: "
+                f"{', '.join(_BODY_MEDIA_TYPES)}"
+            )
         try:
             if media in ("application/yaml", "application/apply-patch+yaml", "application/x-yaml"):
                 return yaml.safe_load(raw)
@@ -410,6 +428,7 @@ class _Request:
                 meta = obj.get("metadata") or {}
                 raise invalid_object("Event", str(meta.get("name") or meta.get("generateName") or ""), errs, "events.k8s.io")
         obj = self.store.create(self.kind, obj, namespace=self.namespace, dry_run=self.dry_run)
+        self.h.warnings.extend(legacyip.warnings_for_write(self.kind, obj, None, created=True))
         return self.respond(201, obj)
 
     def _check_name(self, obj: dict[str, Any]) -> None:
@@ -424,6 +443,7 @@ class _Request:
         obj = self.into(self.h._decode(self.raw))
         self._check_name(obj)
         result = self.store.update(self.kind, obj, namespace=self.namespace, subresource=self.sub, dry_run=self.dry_run)
+        self.h.warnings.extend(legacyip.warnings_for_write(self.kind, result, self.sub, created=False))
         return self.respond(200, result)
 
     def patch(self) -> tuple[int, Any, str]:
@@ -438,6 +458,7 @@ class _Request:
             return events.from_events_v1(patched) if self.rt is EVENTS_V1 else patched
 
         result = self.store.mutate(self.kind, self.namespace, self.name, change, subresource=self.sub, dry_run=self.dry_run)
+        self.h.warnings.extend(legacyip.warnings_for_write(self.kind, result, self.sub, created=False))
         return self.respond(200, result)
 
     def _delete_options(self) -> dict[str, Any]:

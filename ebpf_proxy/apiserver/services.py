@@ -12,10 +12,9 @@ The lab is IPv4 single-stack: IPv6 families and `RequireDualStack` are rejected 
 from __future__ import annotations
 
 import copy
-import ipaddress
 from typing import Any, Callable
 
-from ebpf_proxy.apiserver import names
+from ebpf_proxy.apiserver import legacyip, names
 from ebpf_proxy.apiserver.allocate import AlreadyAllocated, IPAllocator, NotInRange, PortAllocator, RangeFull
 from ebpf_proxy.apiserver.errors import (
     FieldError,
@@ -26,6 +25,7 @@ from ebpf_proxy.apiserver.errors import (
     not_supported,
     required,
 )
+from ebpf_proxy.model import ipsloppy
 
 TYPES = ("ClusterIP", "NodePort", "LoadBalancer", "ExternalName")
 PROTOCOLS = ("TCP", "UDP", "SCTP")
@@ -134,17 +134,42 @@ def drop_type_dependent_fields(new: dict[str, Any], old: dict[str, Any]) -> None
             del spec["externalTrafficPolicy"]
 
 
-def _validate_ip(field: str, value: Any, errs: list[FieldError]) -> None:
-    if not isinstance(value, str):
-        errs.append(invalid(field, value, "must be a valid IP address, (e.g. 10.9.8.7 or 2001:db8::ffff)"))
-        return
-    try:
-        addr = ipaddress.ip_address(value)
-    except ValueError:
-        errs.append(invalid(field, value, "must be a valid IP address, (e.g. 10.9.8.7 or 2001:db8::ffff)"))
-        return
-    if addr.version != 4:
+def _validate_ip(field: str, value: Any, errs: list[FieldError], ipv4_only: bool = True) -> None:
+    """IsValidIPForLegacyField without strict validation: legacy forms (leading zeros) pass."""
+    addr = ipsloppy.parse_ip(value)
+    if addr is None:
+        errs.append(invalid(field, value, legacyip.INVALID_IP))
+    elif ipv4_only and addr.version != 4:
         errs.append(invalid(field, value, "this lab API server only supports IPv4 services"))
+
+
+def _validate_source_ranges(spec: dict[str, Any], errs: list[FieldError]) -> None:
+    """kube-apiserver trims each entry first ("a historical accident" it keeps) and stores it as
+    given; the field path keeps its historical capital L too."""
+    ranges = spec.get("loadBalancerSourceRanges") or []
+    if not ranges:
+        return
+    if spec.get("type") != "LoadBalancer":
+        errs.append(forbidden("spec.LoadBalancerSourceRanges", "may only be used when `type` is 'LoadBalancer'"))
+    for i, cidr in enumerate(ranges):
+        value = cidr.strip() if isinstance(cidr, str) else cidr
+        if ipsloppy.parse_cidr(value) is None:
+            errs.append(invalid(f"spec.LoadBalancerSourceRanges[{i}]", value, legacyip.INVALID_CIDR))
+
+
+def validate_status(svc: dict[str, Any]) -> list[FieldError]:
+    """ValidateLoadBalancerStatus: ingress IPs in legacy form are fine, hostnames may not be IPs."""
+    errs: list[FieldError] = []
+    ingress = ((svc.get("status") or {}).get("loadBalancer") or {}).get("ingress") or []
+    for i, entry in enumerate(ingress if isinstance(ingress, list) else []):
+        if not isinstance(entry, dict):
+            continue
+        at = f"status.loadBalancer.ingress[{i}]"
+        if entry.get("ip"):
+            _validate_ip(f"{at}.ip", entry["ip"], errs, ipv4_only=False)
+        if entry.get("hostname") and ipsloppy.parse_ip(entry["hostname"]) is not None:
+            errs.append(invalid(f"{at}.hostname", entry["hostname"], "must be a DNS name, not an IP address"))
+    return errs
 
 
 def _validate_ports(spec: dict[str, Any], errs: list[FieldError]) -> None:
@@ -285,12 +310,10 @@ def validate(svc: dict[str, Any]) -> list[FieldError]:
         errs.append(forbidden("spec.allocateLoadBalancerNodePorts", "may only be used when `type` is 'LoadBalancer'"))
     for i, ip in enumerate(spec.get("externalIPs") or []):
         _validate_ip(f"spec.externalIPs[{i}]", ip, errs)
-    for i, cidr in enumerate(spec.get("loadBalancerSourceRanges") or []):
-        try:
-            ipaddress.ip_network(cidr, strict=False)
-        except (ValueError, TypeError):
-            errs.append(invalid(f"spec.loadBalancerSourceRanges[{i}]", cidr, "must be a list of IP ranges. For example, 10.240.0.0/24,10.250.0.0/24"))
-    return errs
+    if spec.get("loadBalancerIP"):
+        _validate_ip("spec.loadBalancerIP", spec["loadBalancerIP"], errs, ipv4_only=False)
+    _validate_source_ranges(spec, errs)
+    return errs + validate_status(svc)
 
 
 def validate_update(new: dict[str, Any], old: dict[str, Any]) -> list[FieldError]:
@@ -400,9 +423,10 @@ class ServiceAllocator:
             try:
                 self.ips.claim(ip)
             except NotInRange:
-                return [invalid("spec.clusterIP", ip, f"provided IP is not in the valid range. The range of valid IPs is {self.ips.cidr}")]
+                # The allocator works on clusterIPs (clusterIP is its first entry): so does the field path.
+                return [invalid("spec.clusterIPs[0]", ip, f"provided IP is not in the valid range. The range of valid IPs is {self.ips.cidr}")]
             except AlreadyAllocated:
-                return [invalid("spec.clusterIP", ip, "provided IP is already allocated")]
+                return [invalid("spec.clusterIPs[0]", ip, "provided IP is already allocated")]
             txn.on_rollback(lambda: self.ips.release(ip))
         spec["clusterIP"] = ip
         spec["clusterIPs"] = [ip]
@@ -473,8 +497,8 @@ class ServiceAllocator:
         if needs_health_check_node_port(spec):
             value = spec.get("healthCheckNodePort")
             if value:
-                if value in taken:
-                    errs.append(invalid("spec.healthCheckNodePort", value, "must not be one of the service's node ports"))
+                if value in taken:  # the same allocator as the node ports, so its wording
+                    errs.append(invalid("spec.healthCheckNodePort", value, "provided port is already allocated"))
                 else:
                     err = self._claim_port("spec.healthCheckNodePort", value, old, taken, txn)
                     if err:

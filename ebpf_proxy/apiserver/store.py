@@ -624,6 +624,8 @@ class Store:
                 cmeta.pop(field, None)
         candidate["apiVersion"], candidate["kind"] = rt.api_version, rt.kind
         errs = validation.validate_metadata(rt.kind, cmeta)
+        if subresource == "status" and rt.kind == "Service":
+            errs += services.validate_status(candidate)
         if errs:
             raise invalid_object(rt.kind, name, errs, rt.group)
         txn = None if subresource == "status" else self._prepare(rt, candidate, old)

@@ -14,6 +14,7 @@ from typing import Any
 
 from ebpf_proxy.apiserver import events, names
 from ebpf_proxy.apiserver.errors import FieldError, invalid, not_supported, required
+from ebpf_proxy.model import ipsloppy
 
 ADDRESS_TYPES = ("IPv4", "IPv6", "FQDN")
 PROTOCOLS = ("TCP", "UDP", "SCTP")
@@ -72,13 +73,11 @@ def validate_metadata(kind: str, meta: dict[str, Any]) -> list[FieldError]:
 
 
 def _check_ip(field: str, value: Any, family: int, errs: list[FieldError]) -> None:
-    try:
-        addr = ipaddress.ip_address(value)
-    except (ValueError, TypeError):
-        errs.append(invalid(field, value, "must be a valid IP address"))
-        return
-    if addr.version != family:
-        errs.append(invalid(field, value, f"must be an IPv{family} address"))
+    """IsValidIPv4Address / IsValidIPv6Address: sloppy, so `10.180.00.001` is a valid IPv4
+    address (stored as written, with a warning), and so is `::ffff:10.180.0.1`, as upstream."""
+    addr = ipsloppy.parse_ip(value)
+    if addr is None or addr.version != family:
+        errs.append(invalid(field, value, f"must be a valid IPv{family} address"))
 
 
 def validate_endpoint_slice(obj: dict[str, Any]) -> list[FieldError]:

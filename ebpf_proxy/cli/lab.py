@@ -96,7 +96,8 @@ def status(name: str, as_json: bool) -> None:
             proc += " (DEAD)"
         table.add_row("node", n["name"], ", ".join([n["ip"], *n["extraIPs"]]), n["podCIDR"], proc)
     for p in info["pods"]:
-        table.add_row("pod", p["name"], p["ip"], p["node"], f"echo {' '.join(p['listen'])}" + ("" if p["alive"] else " (DEAD)"))
+        server = (f"echo {' '.join(p['listen'])}" + ("" if p["alive"] else " (DEAD)")) if p["listen"] else "serves nothing"
+        table.add_row("pod", p["name"], p["ip"], p["node"], server)
     for c in info["clients"]:
         table.add_row("client", c["name"], c["ip"], "outside", "")
     console.print(table)
@@ -110,7 +111,7 @@ def _read_file(path: str) -> str:
 @name_option
 @click.argument("file")
 def apply(name: str, file: str) -> None:
-    """Create or update Services, EndpointSlices and Pods from standard Kubernetes YAML."""
+    """Create or update Namespaces, Services, EndpointSlices and Pods from standard Kubernetes YAML."""
     try:
         for line in _load(name).apply_manifests(_read_file(file), file):
             click.echo(f"{line} applied")

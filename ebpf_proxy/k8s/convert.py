@@ -28,6 +28,7 @@ from typing import Any
 
 from ebpf_proxy.k8s import invalid as inv
 from ebpf_proxy.k8s.invalid import Invalid, Reporter
+from ebpf_proxy.model import ipsloppy
 from ebpf_proxy.model import (
     DEFAULT_AFFINITY_TIMEOUT_SECONDS,
     Endpoint,
@@ -108,12 +109,14 @@ def _protocol(value: Any, path: str) -> Protocol:
 
 
 def _ip(value: Any, path: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """Parsed as kube-proxy parses every IP it reads (netutils.ParseIPSloppy): legacy forms the API
+    server accepts with a warning (`10.180.00.001`, `::ffff:10.180.0.1`) are that IPv4 address."""
     if not isinstance(value, str):
         raise _Reject(path, inv.WRONG_TYPE, f"expected string, got {_describe(value)}")
-    try:
-        return ipaddress.ip_address(value.strip())
-    except ValueError:
-        raise _Reject(path, inv.INVALID_IP, f"{value!r} is not an IP address") from None
+    ip = ipsloppy.parse_ip(value)
+    if ip is None:
+        raise _Reject(path, inv.INVALID_IP, f"{value!r} is not an IP address")
+    return ip
 
 
 def _choice(obj: dict, key: str, path: str, choices: tuple[str, ...], default: str) -> str:
@@ -311,10 +314,11 @@ def _source_ranges(spec: dict, ref: ObjectRef) -> tuple[str, ...] | None:
         path = f"spec.loadBalancerSourceRanges[{i}]"
         if not isinstance(value, str):
             raise _Reject(path, inv.WRONG_TYPE, f"expected string, got {_describe(value)}")
-        try:
-            net = ipaddress.ip_network(value.strip(), strict=False)
-        except ValueError:
-            raise _Reject(path, inv.INVALID_CIDR, f"{value!r} is not a CIDR") from None
+        # kube-proxy: strings.TrimSpace (the API server accepts padded values), then ParseCIDRSloppy.
+        parsed = ipsloppy.parse_cidr(value.strip())
+        if parsed is None:
+            raise _Reject(path, inv.INVALID_CIDR, f"{value!r} is not a CIDR")
+        net = parsed[1]
         if net.version == 4 and str(net) not in ranges:
             ranges.append(str(net))
     if values and not ranges:

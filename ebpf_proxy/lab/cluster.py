@@ -138,6 +138,7 @@ class Lab:
             "--listen", "127.0.0.1:0",
             "--listen-netns", f"{underlay}={self.topology.api_server_ip}:{API_PORT}",
             "--service-cidr", self.topology.service_cidr,
+            "--service-node-port-range", self.topology.service_node_port_range,
             "--ready-file", str(ready),
         ]
         proc = nsexec.spawn(None, argv, cgroup=naming.apiserver_cgroup(self.name),
@@ -205,6 +206,17 @@ class Lab:
         }
 
     def _start_pod(self, pod: topo.PodSpec) -> None:
+        self.data["pods"][pod.name] = {"pid": self._start_echo(pod)}
+        api = self.api()
+        try:
+            api.apply(self._pod_object(pod))
+        finally:
+            api.close()
+
+    def _start_echo(self, pod: topo.PodSpec) -> int | None:
+        """The pod's echo server; none for `listen: []` (a client pod that serves nothing)."""
+        if not pod.listen:
+            return None
         ready = self.dir / f"echo-{pod.name}.ready"
         ready.unlink(missing_ok=True)
         argv = [sys.executable, "-m", "ebpf_proxy.lab.echo", "--pod", pod.name, "--ready-file", str(ready)]
@@ -212,13 +224,8 @@ class Lab:
             argv += ["--listen", entry]
         proc = nsexec.spawn(naming.pod_netns(self.name, pod.name), argv,
                             log_path=str(self.dir / f"echo-{pod.name}.log"))
-        self.data["pods"][pod.name] = {"pid": proc.pid}
         _wait_file(ready, time.monotonic() + 10, f"echo server of pod {pod.name}", proc)
-        api = self.api()
-        try:
-            api.apply(self._pod_object(pod))
-        finally:
-            api.close()
+        return proc.pid
 
     def add_pod(self, pod: topo.PodSpec) -> topo.PodSpec:
         """A new pod, its netns and echo server, and its Pod object (so endpoint slices follow)."""
@@ -302,9 +309,9 @@ class Lab:
         return f"pod/{name}"
 
     def delete_manifests(self, text: str, source: str) -> list[str]:
-        from ebpf_proxy.lab.kubeapi import load_manifests
+        from ebpf_proxy.lab.kubeapi import load_manifests, namespaces_last
 
-        docs = load_manifests(text, source)
+        docs = namespaces_last(load_manifests(text, source))
         done = []
         api = self.api()
         try:

@@ -20,6 +20,7 @@ RESOURCES: dict[str, tuple[str, bool, str]] = {
     "Pod": ("/api/v1", True, "pods"),
     "Node": ("/api/v1", False, "nodes"),
     "EndpointSlice": ("/apis/discovery.k8s.io/v1", True, "endpointslices"),
+    "Namespace": ("/api/v1", False, "namespaces"),
 }
 
 
@@ -48,7 +49,17 @@ def load_manifests(text: str, source: str = "<manifest>") -> list[dict[str, Any]
         if not name:
             raise ManifestError(f"{where}.metadata.name: required")
         out.append(doc)
-    return out
+    return namespaces_first(out)
+
+
+def namespaces_first(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Namespaces before everything else (stable otherwise): objects in a new namespace need it first."""
+    return sorted(docs, key=lambda doc: doc.get("kind") != "Namespace")
+
+
+def namespaces_last(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For deletion: the objects in a namespace before the namespace itself."""
+    return sorted(docs, key=lambda doc: doc.get("kind") == "Namespace")
 
 
 class KubeApi:

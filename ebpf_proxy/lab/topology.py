@@ -30,6 +30,8 @@ not a silently ignored setting)::
                                     #   route, so traffic to externalIPs/LoadBalancer IPs
                                     #   reaches a node
     kubeProxyConfiguration: {...}   # optional: a KubeProxyConfiguration handed to every agent
+    serviceNodePortRange: 30000-32767  # optional (default shown): kube-apiserver's
+                                    #   --service-node-port-range, "FIRST-LAST"
 
 Nodes, pods and clients need not share a subnet: the lab routes every address explicitly
 (see ``ebpf_proxy.lab.netns``). Addresses must be unique across the file, usable unicast
@@ -59,6 +61,7 @@ IPv4Address = ipaddress.IPv4Address
 IPv4Network = ipaddress.IPv4Network
 
 DEFAULT_SERVICE_CIDR = "10.96.0.0/12"
+DEFAULT_NODE_PORT_RANGE = "30000-32767"  # kube-apiserver's --service-node-port-range default
 DEFAULT_CLUSTER_CIDR = "10.244.0.0/16"
 DEFAULT_API_SERVER_IP = "192.0.2.1"
 DEFAULT_NAMESPACE = "default"
@@ -66,7 +69,7 @@ DEFAULT_LISTEN = ("80/tcp",)
 DEFAULT_POD_CIDR_PREFIX = 24
 PROTOCOLS = ("tcp", "udp")
 
-_TOP_KEYS = ("serviceCIDR", "clusterCIDR", "apiServerIP", "nodes", "pods", "clients",
+_TOP_KEYS = ("serviceCIDR", "serviceNodePortRange", "clusterCIDR", "apiServerIP", "nodes", "pods", "clients",
              "kubeProxyConfiguration")
 _NODE_KEYS = ("name", "ip", "extraIPs", "podCIDR", "podBridge")
 _IFNAME = re.compile(r"^[A-Za-z0-9][-A-Za-z0-9_.]{0,14}$")  # a Linux interface name (IFNAMSIZ 16)
@@ -135,6 +138,7 @@ class Topology:
     pods: tuple[PodSpec, ...] = ()
     clients: tuple[ClientSpec, ...] = ()
     kube_proxy_configuration: Mapping[str, Any] | None = field(default=None, hash=False)
+    service_node_port_range: str = DEFAULT_NODE_PORT_RANGE  # "FIRST-LAST"
 
     def node(self, name: str) -> NodeSpec:
         for node in self.nodes:
@@ -206,6 +210,7 @@ class Topology:
         }
         if self.kube_proxy_configuration is not None:
             data["kubeProxyConfiguration"] = copy.deepcopy(dict(self.kube_proxy_configuration))
+        data["serviceNodePortRange"] = self.service_node_port_range
         return data
 
 
@@ -229,6 +234,19 @@ def topology_from_dict(data: Any, source: str | None = None) -> Topology:
 def parse_listen(entry: str) -> tuple[int, str]:
     """``"53/udp"`` -> ``(53, "udp")``; TopologyError if malformed."""
     return _listen_entry(entry, "listen")
+
+
+def node_port_range(value: Any, where: str = "serviceNodePortRange") -> tuple[int, int]:
+    """``"30000-32767"`` -> ``(30000, 32767)``: kube-apiserver's --service-node-port-range, which
+    the lab hands to its API server (node ports such as 3001 need a range that holds them)."""
+    text = str(value).strip() if isinstance(value, (str, int)) and not isinstance(value, bool) else None
+    match = re.fullmatch(r"(\d+)-(\d+)", text or "")
+    if not match:
+        raise TopologyError(where, f"{value!r} is not FIRST-LAST (e.g. \"30000-32767\")")
+    first, last = int(match.group(1)), int(match.group(2))
+    if not 1 <= first <= last <= 65535:
+        raise TopologyError(where, f"{value!r}: need 1 <= FIRST <= LAST <= 65535")
+    return first, last
 
 
 def allocate_pod_ip(topology: Topology, node: str) -> str:
@@ -445,7 +463,9 @@ class _Parser:
                 raise TopologyError("kubeProxyConfiguration.kind",
                                     f"{kind!r} is not KubeProxyConfiguration")
             kpc = MappingProxyType(copy.deepcopy(dict(kpc)))
-        return Topology(str(service), str(cluster), str(api_ip), nodes, pods, clients, kpc)
+        node_ports = node_port_range(top.get("serviceNodePortRange", DEFAULT_NODE_PORT_RANGE))
+        return Topology(str(service), str(cluster), str(api_ip), nodes, pods, clients, kpc,
+                        f"{node_ports[0]}-{node_ports[1]}")
 
     def host_ip(self, value: Any, where: str) -> IPv4Address:
         """An address of the underlay (node, client, API server): outside the cluster ranges."""

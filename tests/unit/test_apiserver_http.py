@@ -117,7 +117,7 @@ def test_errors_are_status_objects(core):
     with pytest.raises(client.ApiException) as exc:
         core.create_namespaced_service("default", service("bad", clusterIP="10.200.0.1"))
     status = json.loads(exc.value.body)
-    assert exc.value.status == 422 and status["details"]["causes"][0]["field"] == "spec.clusterIP"
+    assert exc.value.status == 422 and status["details"]["causes"][0]["field"] == "spec.clusterIPs[0]"
 
 
 def test_update_with_stale_resource_version_conflicts(core):

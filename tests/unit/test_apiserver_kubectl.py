@@ -101,7 +101,8 @@ def test_create_reports_invalid_fields(kubectl, tmp_path):
     manifest.write_text("apiVersion: v1\nkind: Service\nmetadata: {name: bad}\nspec:\n  clusterIP: 192.168.0.1\n  ports: [{port: 80}]\n")
     proc = kubectl("create", "-f", str(manifest), check=False)
     assert proc.returncode != 0
-    assert "spec.clusterIP" in proc.stderr and "not in the valid range" in proc.stderr
+    assert ('The Service "bad" is invalid: spec.clusterIPs[0]: Invalid value: "192.168.0.1": provided IP is not '
+            'in the valid range. The range of valid IPs is 10.96.0.0/12') in proc.stderr
 
 
 def test_apply_twice_merges_ports_by_key(kubectl, store, tmp_path):
@@ -141,3 +142,41 @@ def test_label_selector_and_patch(kubectl, store):
     kubectl("patch", "svc", "b", "-p", '{"spec":{"sessionAffinity":"ClientIP"}}')
     got = store.get("Service", "default", "b")
     assert got["metadata"]["labels"] == {"app": "b"} and got["spec"]["sessionAffinity"] == "ClientIP"
+
+
+def test_create_get_delete_namespace(kubectl, store):
+    """kubectl >= 1.33 sends `create namespace` as protobuf, with no JSON fallback on a 415."""
+    assert kubectl("create", "namespace", "team-a").stdout == "namespace/team-a created\n"
+    stored = store.get("Namespace", None, "team-a")
+    assert stored["status"]["phase"] == "Active"
+    assert stored["metadata"]["labels"] == {"kubernetes.io/metadata.name": "team-a"}
+    assert "namespace" not in stored["metadata"]  # proto2's empty strings are not stored
+    rows = kubectl("get", "namespace", "team-a").stdout.splitlines()
+    assert rows[0].split() == ["NAME", "STATUS", "AGE"] and rows[1].split()[:2] == ["team-a", "Active"]
+    assert kubectl("delete", "namespace", "team-a").stdout == 'namespace "team-a" deleted\n'
+    assert kubectl("get", "namespace", "team-a", check=False).returncode == 1
+
+
+def test_apply_namespace_then_a_service_in_it(kubectl, store, tmp_path):
+    manifest = tmp_path / "ns.yaml"
+    manifest.write_text("apiVersion: v1\nkind: Namespace\nmetadata: {name: team-b, labels: {team: b}}\n---\n"
+                        "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: team-b}\n"
+                        "spec: {ports: [{port: 80}]}\n")
+    assert kubectl("apply", "-f", str(manifest)).stdout.splitlines() == ["namespace/team-b created",
+                                                                        "service/web created"]
+    assert kubectl("apply", "-f", str(manifest)).stdout.splitlines()[0] == "namespace/team-b unchanged"
+    assert store.get("Namespace", None, "team-b")["metadata"]["labels"]["team"] == "b"
+    assert store.get("Service", "team-b", "web")["spec"]["clusterIP"]
+
+
+def test_legacy_ips_are_accepted_and_kubectl_shows_the_warning(kubectl, store, tmp_path):
+    manifest = tmp_path / "lb.yaml"
+    manifest.write_text("apiVersion: v1\nkind: Service\nmetadata: {name: lb}\nspec:\n  type: LoadBalancer\n"
+                        "  clusterIP: 10.96.00.041\n  loadBalancerSourceRanges: [' 1.2.3.0/24 ']\n"
+                        "  ports: [{port: 80}]\n")
+    proc = kubectl("apply", "-f", str(manifest))
+    assert proc.stdout == "service/lb created\n"
+    assert ('Warning: spec.clusterIPs[0]: non-standard IP address "10.96.00.041" will be considered invalid in a '
+            'future Kubernetes release: use "10.96.0.41"') in proc.stderr
+    spec = store.get("Service", "default", "lb")["spec"]
+    assert spec["clusterIP"] == "10.96.00.041" and spec["loadBalancerSourceRanges"] == [" 1.2.3.0/24 "]

@@ -61,7 +61,7 @@ def test_cluster_ips_are_unique_and_released_on_delete(store):
     explicit = create(store, "fixed", clusterIP="10.96.0.10")["spec"]["clusterIP"]
     assert explicit == "10.96.0.10"
     err = invalid(store, "dup", clusterIP="10.96.0.10")
-    assert err.details["causes"][0]["field"] == "spec.clusterIP"
+    assert err.details["causes"][0]["field"] == "spec.clusterIPs[0]"
     assert "already allocated" in err.message
     store.delete("Service", "default", "fixed")
     assert create(store, "again", clusterIP="10.96.0.10")["spec"]["clusterIP"] == "10.96.0.10"
@@ -71,7 +71,7 @@ def test_cluster_ip_outside_the_cidr_is_rejected(store):
     err = invalid(store, clusterIP="10.97.0.1")
     assert err.details["causes"] == [{
         "reason": "FieldValueInvalid",
-        "field": "spec.clusterIP",
+        "field": "spec.clusterIPs[0]",
         "message": 'Invalid value: "10.97.0.1": provided IP is not in the valid range. The range of valid IPs is 10.96.0.0/24',
     }]
 
