@@ -447,7 +447,7 @@ def _slice_endpoint(ep: Any, path: str, node_name: str) -> tuple:
     return str(ip), node, ready, serving, terminating, node is not None and node == node_name
 
 
-_HINT_KEYS = (("forZones", "zone"), ("forNodes", "node"))
+_HINT_KEYS = ("forZones", "forNodes")
 _hint_names: dict[tuple[str, ...], tuple[str, ...]] = {}  # one tuple per distinct hint set
 
 
@@ -462,16 +462,14 @@ def _endpoint_hints(ep: Any, path: str, ref: ObjectRef, reporter: Reporter | Non
     try:
         hints = _get(ep, "hints", f"{path}.hints", dict)
         found = []
-        for key, kind in _HINT_KEYS:
+        for key in _HINT_KEYS:
             names = set()
             for i, entry in enumerate(_get(hints, key, f"{path}.hints.{key}", list, [])):
                 at = f"{path}.hints.{key}[{i}]"
                 if not isinstance(entry, dict):
                     raise _Reject(at, inv.WRONG_TYPE, f"expected object, got {_describe(entry)}")
-                name = _get(entry, "name", f"{at}.name", str)
-                if not name:
-                    raise _Reject(f"{at}.name", inv.MISSING_FIELD, f"is empty (a {kind} name is required)")
-                names.add(sys.intern(name))
+                # "" is kept as kube-proxy keeps it (a valid label value; the API server allows it)
+                names.add(sys.intern(_get(entry, "name", f"{at}.name", str)))
             found.append(_shared(tuple(sorted(names))))
     except _Reject as err:
         _reject(reporter, "EndpointSlice", str(ref), err, "hints")

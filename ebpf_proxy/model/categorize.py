@@ -50,7 +50,8 @@ def topology_mode(endpoints: tuple[Endpoint, ...], node: NodeTopology) -> str:
         return NO_TOPOLOGY
     if all(ep.node_hints for ep in ready) and any(node.node_name in ep.node_hints for ep in ready):
         return PREFER_SAME_NODE
-    # an empty zone (node without the label) never matches: hint names are never empty
+    # a node without the zone label has zone "", which matches only a (legal, odd) hint named "",
+    # exactly as in kube-proxy's ZoneHints().Has(zone)
     if all(ep.zone_hints for ep in ready) and any(node.zone in ep.zone_hints for ep in ready):
         return PREFER_SAME_ZONE
     return NO_TOPOLOGY
