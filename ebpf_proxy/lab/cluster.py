@@ -33,6 +33,7 @@ API_PORT = 6443
 MODES = ("none", "iptables", "ebpf", "auto")
 AGENT_HEALTHZ_PORT = 10256
 AGENT_METRICS_PORT = 10249
+ZONE_LABEL = "topology.kubernetes.io/zone"
 
 
 class LabError(RuntimeError):
@@ -179,11 +180,17 @@ class Lab:
                 addresses = [{"type": "InternalIP", "address": node.ip}]
                 addresses += [{"type": "InternalIP", "address": ip} for ip in node.extra_ips]
                 addresses.append({"type": "Hostname", "address": node.name})
+                labels = {"kubernetes.io/hostname": node.name}
+                if node.zone:
+                    labels[ZONE_LABEL] = node.zone
                 api.apply({
                     "apiVersion": "v1", "kind": "Node",
-                    "metadata": {"name": node.name, "labels": {"kubernetes.io/hostname": node.name}},
+                    "metadata": {"name": node.name, "labels": labels},
                     "spec": {"podCIDR": node.pod_cidr, "podCIDRs": [node.pod_cidr]},
-                    "status": {"addresses": addresses, "conditions": [{"type": "Ready", "status": "True"}]},
+                    # allocatable CPU: what the EndpointSlice controller weighs zones by for
+                    # topology-mode Auto; every lab node counts the same
+                    "status": {"addresses": addresses, "conditions": [{"type": "Ready", "status": "True"}],
+                               "allocatable": {"cpu": "1"}},
                 })
         finally:
             api.close()

@@ -12,6 +12,8 @@ not a silently ignored setting)::
         ip: 172.20.20.15            # required, the node's InternalIP; unique in the whole file
         extraIPs: [192.168.99.11]   # optional, more addresses on the node's uplink
         podCIDR: 10.244.5.0/24      # optional, default: the (index+1)-th free /24 of clusterCIDR
+        zone: zone-a                # optional: the Node's topology.kubernetes.io/zone label
+                                    #   (a label value), for topology-aware routing
     pods:                           # optional
       - name: web-1                 # required, DNS-1123 name up to 63 characters; unique
         node: worker1               # required, a node above
@@ -66,7 +68,7 @@ PROTOCOLS = ("tcp", "udp")
 
 _TOP_KEYS = ("serviceCIDR", "clusterCIDR", "apiServerIP", "nodes", "pods", "clients",
              "kubeProxyConfiguration")
-_NODE_KEYS = ("name", "ip", "extraIPs", "podCIDR")
+_NODE_KEYS = ("name", "ip", "extraIPs", "podCIDR", "zone")
 _POD_KEYS = ("name", "node", "namespace", "ip", "labels", "listen")
 _CLIENT_KEYS = ("name", "ip", "gateway")
 
@@ -97,6 +99,7 @@ class NodeSpec:
     ip: str
     extra_ips: tuple[str, ...] = ()
     pod_cidr: str = ""
+    zone: str = ""  # label topology.kubernetes.io/zone; "" = the Node has no zone label
 
     @property
     def all_ips(self) -> tuple[str, ...]:
@@ -188,7 +191,7 @@ class Topology:
             "apiServerIP": self.api_server_ip,
             "nodes": [
                 {"name": n.name, "ip": n.ip, "extraIPs": list(n.extra_ips),
-                 "podCIDR": n.pod_cidr}
+                 "podCIDR": n.pod_cidr, **({"zone": n.zone} if n.zone else {})}
                 for n in self.nodes
             ],
             "pods": [
@@ -399,6 +402,18 @@ def _labels(value: Any, where: str) -> Mapping[str, str]:
     return MappingProxyType(out)
 
 
+def _zone(value: Any, where: str) -> str:
+    """A node's zone: it becomes a label value, so it must be one (and not empty: leave it out)."""
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise TopologyError(where, f"{value!r} is not a string (quote it in YAML: '{value}')")
+    if not value or len(value) > 63 or not _LABEL_NAME.match(value):
+        raise TopologyError(where, f"{value!r} is not a valid zone name (a label value: up to 63 letters, "
+                                   "digits, '-', '_' or '.', starting and ending with a letter or digit)")
+    return value
+
+
 def _label_key_ok(key: str) -> bool:
     prefix, _, name = key.rpartition("/")
     if prefix and (len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix)):
@@ -483,10 +498,11 @@ class _Parser:
                 if not cidr.subnet_of(self.cluster):
                     raise TopologyError(f"{where}.podCIDR",
                                         f"{cidr} is not inside clusterCIDR {self.cluster}")
-            partial.append((name, ip, tuple(extra), cidr))
+            zone = _zone(obj.get("zone"), f"{where}.zone")
+            partial.append((name, ip, tuple(extra), cidr, zone))
         cidrs = self.assign_pod_cidrs([p[3] for p in partial])
-        return tuple(NodeSpec(n, str(ip), tuple(str(x) for x in extra), str(cidr))
-                     for (n, ip, extra, _), cidr in zip(partial, cidrs))
+        return tuple(NodeSpec(n, str(ip), tuple(str(x) for x in extra), str(cidr), zone)
+                     for (n, ip, extra, _, zone), cidr in zip(partial, cidrs))
 
     def assign_pod_cidrs(self, given: list[IPv4Network | None]) -> list[IPv4Network]:
         for i, a in enumerate(given):
