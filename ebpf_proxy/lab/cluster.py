@@ -512,7 +512,7 @@ class Lab:
             "mode": self.mode,
             "apiserver": {**api, "alive": _alive(api.get("pid"))},
             "kubeconfig": str(self.kubeconfig),
-            "nodes": [{"name": n.name, "ip": n.ip, "extraIPs": list(n.extra_ips), "podCIDR": n.pod_cidr,
+            "nodes": [{"name": n.name, "ip": n.ip, "extraIPs": list(n.extra_ips), "podCIDR": n.pod_cidr, "zone": n.zone,
                        "agent": {**self.data["agents"].get(n.name, {}),
                                  "alive": _alive(self.data["agents"].get(n.name, {}).get("pid"))}}
                       for n in self.topology.nodes],
