@@ -99,6 +99,7 @@ class _NodeEvents(_Events):
         if ref and ref.name == self.agent.node_name:
             self.agent.tracker.update_node(None)
             self.agent.health.sync_node(False)  # a deleted node is not eligible for traffic
+            self._sync_if_topology_changed()
 
     def _apply(self, obj: dict) -> None:
         node = convert.node_info(obj, self.agent.report_invalid)
@@ -107,6 +108,12 @@ class _NodeEvents(_Events):
         if self.agent.tracker.update_node(node):
             self.agent.health.sync_node(node.eligible)
             self.agent.node_changed()
+            self._sync_if_topology_changed()
+
+    def _sync_if_topology_changed(self) -> None:
+        # a new zone re-decides every service's endpoints: the tracker made the next sync full
+        if self.agent.tracker.pending:
+            self.agent.queue_sync()
 
 
 class Agent:
@@ -123,7 +130,7 @@ class Agent:
         self.node_name = config.node_name
         self.metrics = metrics or Metrics()
         self.wall = wall
-        self.tracker = ChangeTracker(start_time=wall())
+        self.tracker = ChangeTracker(start_time=wall(), node_name=config.node_name)
         self.health = ProxierHealth(timeout=2 * config.sync_period, clock=wall, on_probe=self._count_probe)
         self.runner = BoundedFrequencyRunner(self.sync, config.min_sync_period, config.sync_period, clock=clock,
                                              name="sync")

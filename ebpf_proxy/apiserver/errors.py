@@ -28,6 +28,7 @@ class FieldError:
         "Duplicate": ("FieldValueDuplicate", "Duplicate value"),
         "NotSupported": ("FieldValueNotSupported", "Unsupported value"),
         "Forbidden": ("FieldValueForbidden", "Forbidden"),
+        "TooMany": ("FieldValueTooMany", "Too many"),
     }
 
     @property
@@ -38,7 +39,7 @@ class FieldError:
         """The message without the field path, as in a Status cause."""
         label = self._REASONS[self.type][1]
         parts = [label]
-        if self.type in ("Invalid", "Duplicate", "NotSupported"):
+        if self.type in ("Invalid", "Duplicate", "NotSupported", "TooMany"):
             parts.append(json.dumps(self.value))
         if self.detail:
             parts.append(self.detail)
@@ -62,6 +63,10 @@ def duplicate(field: str, value: Any) -> FieldError:
 
 def not_supported(field: str, value: Any, supported: tuple[str, ...] | list[str]) -> FieldError:
     return FieldError(field, "NotSupported", value, "supported values: " + ", ".join(f'"{s}"' for s in supported))
+
+
+def too_many(field: str, actual: int, limit: int) -> FieldError:
+    return FieldError(field, "TooMany", actual, f"must have at most {limit} items")
 
 
 def forbidden(field: str, detail: str) -> FieldError:

@@ -32,6 +32,8 @@ PROTOCOLS = ("TCP", "UDP", "SCTP")
 TRAFFIC_POLICIES = ("Cluster", "Local")
 AFFINITIES = ("ClientIP", "None")
 FAMILY_POLICIES = ("SingleStack", "PreferDualStack", "RequireDualStack")
+# spec.trafficDistribution (PreferSameZone/PreferSameNode: PreferSameTrafficDistribution, on by default)
+TRAFFIC_DISTRIBUTIONS = ("PreferClose", "PreferSameZone", "PreferSameNode")
 DEFAULT_AFFINITY_TIMEOUT = 10800
 DEFAULT_NODE_PORTS = (30000, 32767)
 
@@ -285,6 +287,9 @@ def validate(svc: dict[str, Any]) -> list[FieldError]:
     itp = spec.get("internalTrafficPolicy")
     if itp is not None and itp not in TRAFFIC_POLICIES:
         errs.append(not_supported("spec.internalTrafficPolicy", itp, TRAFFIC_POLICIES))
+    distribution = spec.get("trafficDistribution")
+    if distribution is not None and distribution not in TRAFFIC_DISTRIBUTIONS:
+        errs.append(not_supported("spec.trafficDistribution", distribution, TRAFFIC_DISTRIBUTIONS))
     affinity = spec.get("sessionAffinity")
     if affinity not in AFFINITIES:
         errs.append(not_supported("spec.sessionAffinity", affinity, AFFINITIES))

@@ -13,7 +13,7 @@ import ipaddress
 from typing import Any
 
 from ebpf_proxy.apiserver import events, names
-from ebpf_proxy.apiserver.errors import FieldError, invalid, not_supported, required
+from ebpf_proxy.apiserver.errors import FieldError, duplicate, invalid, not_supported, required, too_many
 from ebpf_proxy.model import ipsloppy
 
 ADDRESS_TYPES = ("IPv4", "IPv6", "FQDN")
@@ -125,6 +125,8 @@ def validate_endpoint_slice(obj: dict[str, Any]) -> list[FieldError]:
             why = names.dns1123_subdomain(str(node))
             if why:
                 errs.append(invalid(f"{at}.nodeName", node, why))
+        if ep.get("hints") is not None:
+            _validate_hints(f"{at}.hints", ep["hints"], errs)
     ports = obj.get("ports")
     if ports is not None:
         if not isinstance(ports, list):
@@ -154,6 +156,41 @@ def validate_endpoint_slice(obj: dict[str, Any]) -> list[FieldError]:
             if port["protocol"] not in PROTOCOLS:
                 errs.append(not_supported(f"{at}.protocol", port["protocol"], PROTOCOLS))
     return errs
+
+
+MAX_HINTS = 8  # per kind, as pkg/apis/discovery/validation (maxZoneHints, maxNodeHints)
+
+
+def _validate_hints(at: str, hints: Any, errs: list[FieldError]) -> None:
+    """An endpoint's topology hints, as pkg/apis/discovery/validation's validateHints: at most 8
+    of each, no duplicates, zone names valid label values, node names valid node names."""
+    if not isinstance(hints, dict):
+        errs.append(invalid(at, hints, "must be an object"))
+        return
+    for key, check in (("forZones", names.label_value), ("forNodes", names.dns1123_subdomain)):
+        entries = hints.get(key)
+        if entries is None:
+            continue
+        if not isinstance(entries, list):
+            errs.append(invalid(f"{at}.{key}", entries, "must be a list"))
+            continue
+        if len(entries) > MAX_HINTS:
+            errs.append(too_many(f"{at}.{key}", len(entries), MAX_HINTS))
+            continue
+        seen: set[str] = set()
+        for i, entry in enumerate(entries):
+            field = f"{at}.{key}[{i}].name"
+            name = entry.get("name") if isinstance(entry, dict) else None
+            if not isinstance(name, str):
+                errs.append(invalid(field, name, "must be a string"))
+                continue
+            if name in seen:
+                errs.append(duplicate(field, name))
+                continue
+            seen.add(name)
+            why = check(name)
+            if why:
+                errs.append(invalid(field, name, why))
 
 
 def validate_pod(obj: dict[str, Any]) -> list[FieldError]:

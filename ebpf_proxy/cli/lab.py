@@ -94,7 +94,8 @@ def status(name: str, as_json: bool) -> None:
         proc = f"agent {agent.get('mode')} pid {agent.get('pid')}" if agent.get("pid") else "no agent"
         if agent.get("pid") and not agent["alive"]:
             proc += " (DEAD)"
-        table.add_row("node", n["name"], ", ".join([n["ip"], *n["extraIPs"]]), n["podCIDR"], proc)
+        where = n["podCIDR"] + (f" zone {n['zone']}" if n.get("zone") else "")
+        table.add_row("node", n["name"], ", ".join([n["ip"], *n["extraIPs"]]), where, proc)
     for p in info["pods"]:
         server = (f"echo {' '.join(p['listen'])}" + ("" if p["alive"] else " (DEAD)")) if p["listen"] else "serves nothing"
         table.add_row("pod", p["name"], p["ip"], p["node"], server)

@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 TRIGGER_TIME_ANNOTATION = "endpoints.kubernetes.io/last-change-trigger-time"
 TO_BE_DELETED_TAINT = "ToBeDeletedByClusterAutoscaler"
+ZONE_LABEL = "topology.kubernetes.io/zone"
 MAX_AFFINITY_TIMEOUT_SECONDS = 86400  # the API server's validation bound
 
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer", "ExternalName")
@@ -391,8 +392,8 @@ def _endpoint_slice(obj: dict, ref: ObjectRef, node_name: str, reporter: Reporte
         spn = ServicePortName(ref.namespace, service, port_name, protocol)
         by_port[spn] = tuple(
             Endpoint(ip=ip, port=number, node_name=node, ready=ready, serving=serving, terminating=terminating,
-                     is_local=local)
-            for ip, node, ready, serving, terminating, local in endpoints
+                     is_local=local, zone_hints=zones, node_hints=nodes)
+            for ip, node, ready, serving, terminating, local, zones, nodes in endpoints
         )
     annotations = _get(meta, "annotations", "metadata.annotations", dict, {})
     return SliceEndpoints(namespace=ref.namespace, name=ref.name, service=service, endpoints=by_port,
@@ -425,7 +426,7 @@ def _slice_endpoints(endpoints: list, ref: ObjectRef, node_name: str, reporter: 
     for i, ep in enumerate(endpoints):
         path = f"endpoints[{i}]"
         try:
-            result.append(_slice_endpoint(ep, path, node_name))
+            result.append(_slice_endpoint(ep, path, node_name) + _endpoint_hints(ep, path, ref, reporter))
         except _Reject as err:
             _reject(reporter, "EndpointSlice", str(ref), err, "endpoint")
     return result
@@ -448,6 +449,45 @@ def _slice_endpoint(ep: Any, path: str, node_name: str) -> tuple:
     # interned: a handful of node names, each repeated by thousands of endpoints
     node = sys.intern(_get(ep, "nodeName", f"{path}.nodeName", str, None) or "") or None
     return str(ip), node, ready, serving, terminating, node is not None and node == node_name
+
+
+_HINT_KEYS = ("forZones", "forNodes")
+_hint_names: dict[tuple[str, ...], tuple[str, ...]] = {}  # one tuple per distinct hint set
+
+
+def _endpoint_hints(ep: Any, path: str, ref: ObjectRef, reporter: Reporter | None) -> tuple[tuple, tuple]:
+    """(zone hints, node hints) of one endpoint, as kube-proxy reads them (endpointslicecache.go:
+    hints.forZones[].name, hints.forNodes[].name; forNodes always, as PreferSameTrafficDistribution
+    is on by default). Malformed hints are reported and the endpoint keeps *no* hints, rather than
+    being dropped: one unhinted ready endpoint turns topology off for the whole service, so traffic
+    spreads over every endpoint instead of losing one."""
+    if not isinstance(ep, dict) or ep.get("hints") is None:
+        return (), ()
+    try:
+        hints = _get(ep, "hints", f"{path}.hints", dict)
+        found = []
+        for key in _HINT_KEYS:
+            names = set()
+            for i, entry in enumerate(_get(hints, key, f"{path}.hints.{key}", list, [])):
+                at = f"{path}.hints.{key}[{i}]"
+                if not isinstance(entry, dict):
+                    raise _Reject(at, inv.WRONG_TYPE, f"expected object, got {_describe(entry)}")
+                # "" is kept as kube-proxy keeps it (a valid label value; the API server allows it)
+                names.add(sys.intern(_get(entry, "name", f"{at}.name", str)))
+            found.append(_shared(tuple(sorted(names))))
+    except _Reject as err:
+        _reject(reporter, "EndpointSlice", str(ref), err, "hints")
+        return (), ()
+    return found[0], found[1]
+
+
+def _shared(names: tuple[str, ...]) -> tuple[str, ...]:
+    """The one tuple for this set of names: thousands of endpoints hinted for the same zone share it."""
+    if not names:
+        return ()
+    if len(_hint_names) > 4096:  # zones and nodes are few; bound it anyway
+        _hint_names.clear()
+    return _hint_names.setdefault(names, names)
 
 
 def _trigger_time(value: Any, ref: ObjectRef) -> float | None:
@@ -515,7 +555,7 @@ def _node_info(obj: dict, ref: ObjectRef, reporter: Reporter | None) -> NodeStat
         if isinstance(taint, dict) and taint.get("key") == TO_BE_DELETED_TAINT:
             eligible = False
     return NodeState(name=ref.name, addresses=addresses, primary_ip=primary, eligible=eligible,
-                     pod_cidrs=_pod_cidrs(spec, ref, reporter))
+                     pod_cidrs=_pod_cidrs(spec, ref, reporter), zone=_node_zone(obj, ref, reporter))
 
 
 def _pod_cidrs(spec: dict, ref: ObjectRef, reporter: Reporter | None) -> tuple[str, ...]:
@@ -537,3 +577,15 @@ def _pod_cidrs(spec: dict, ref: ObjectRef, reporter: Reporter | None) -> tuple[s
         except _Reject as err:
             _reject(reporter, "Node", str(ref), err, "cidr")
     return tuple(dict.fromkeys(out))
+
+
+def _node_zone(obj: dict, ref: ObjectRef, reporter: Reporter | None) -> str:
+    """The node's topology.kubernetes.io/zone label ("" without one): which zone hints are ours.
+    A label that is not a string is reported and read as no zone (topology then stays off)."""
+    labels = obj["metadata"].get("labels")
+    zone = labels.get(ZONE_LABEL, "") if isinstance(labels, dict) else ""
+    if not isinstance(zone, str):
+        _reject(reporter, "Node", str(ref), _Reject(f"metadata.labels[{ZONE_LABEL}]", inv.WRONG_TYPE,
+                                                    f"expected string, got {_describe(zone)}"), "label")
+        return ""
+    return sys.intern(zone)

@@ -36,7 +36,7 @@ class Invalid:
     field: str  # JSON path of the offending field, e.g. "spec.ports[1].port"
     reason: str  # one of the constants above
     detail: str  # the offending value or why it is wrong
-    skipped: str  # what was dropped: "object", "port", "endpoint", "ip", "event"
+    skipped: str  # what was dropped: "object", "port", "endpoint", "ip", "event", "hints", "label"
 
 
 Reporter = Callable[[Invalid], None]

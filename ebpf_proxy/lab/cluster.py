@@ -33,6 +33,7 @@ API_PORT = 6443
 MODES = ("none", "iptables", "ebpf", "auto")
 AGENT_HEALTHZ_PORT = 10256
 AGENT_METRICS_PORT = 10249
+ZONE_LABEL = "topology.kubernetes.io/zone"
 
 
 class LabError(RuntimeError):
@@ -180,11 +181,17 @@ class Lab:
                 addresses = [{"type": "InternalIP", "address": node.ip}]
                 addresses += [{"type": "InternalIP", "address": ip} for ip in node.extra_ips]
                 addresses.append({"type": "Hostname", "address": node.name})
+                labels = {"kubernetes.io/hostname": node.name}
+                if node.zone:
+                    labels[ZONE_LABEL] = node.zone
                 api.apply({
                     "apiVersion": "v1", "kind": "Node",
-                    "metadata": {"name": node.name, "labels": {"kubernetes.io/hostname": node.name}},
+                    "metadata": {"name": node.name, "labels": labels},
                     "spec": {"podCIDR": node.pod_cidr, "podCIDRs": [node.pod_cidr]},
-                    "status": {"addresses": addresses, "conditions": [{"type": "Ready", "status": "True"}]},
+                    # allocatable CPU: what the EndpointSlice controller weighs zones by for
+                    # topology-mode Auto; every lab node counts the same
+                    "status": {"addresses": addresses, "conditions": [{"type": "Ready", "status": "True"}],
+                               "allocatable": {"cpu": "1"}},
                 })
         finally:
             api.close()
@@ -535,7 +542,7 @@ class Lab:
             "mode": self.mode,
             "apiserver": {**api, "alive": _alive(api.get("pid"))},
             "kubeconfig": str(self.kubeconfig),
-            "nodes": [{"name": n.name, "ip": n.ip, "extraIPs": list(n.extra_ips), "podCIDR": n.pod_cidr,
+            "nodes": [{"name": n.name, "ip": n.ip, "extraIPs": list(n.extra_ips), "podCIDR": n.pod_cidr, "zone": n.zone,
                        "agent": {**self.data["agents"].get(n.name, {}),
                                  "alive": _alive(self.data["agents"].get(n.name, {}).get("pid"))}}
                       for n in self.topology.nodes],

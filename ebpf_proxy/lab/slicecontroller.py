@@ -14,7 +14,11 @@ Pods into slices. This controller does that the way the real one does
 - a named `targetPort` is resolved per Pod from its containers' named ports; Pods that resolve
   to different port numbers land in different slices, as upstream;
 - a Service without endpoints keeps one empty placeholder slice;
-- a slice is written only when its content changes, so consumers see no spurious updates.
+- a slice is written only when its content changes, so consumers see no spurious updates;
+- each endpoint carries its node's zone (label topology.kubernetes.io/zone), and topology hints
+  as the real controller writes them for `trafficDistribution` and the topology-mode annotation
+  (topologyhints.py); Node changes that matter to hints (zone, CPU, readiness) reconcile every
+  managed Service.
 """
 
 from __future__ import annotations
@@ -24,12 +28,13 @@ import json
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Mapping
 
 from ebpf_proxy.apiserver.errors import ApiError
 from ebpf_proxy.apiserver.selectors import LabelSelector
 from ebpf_proxy.apiserver.store import Store
 from ebpf_proxy.apiserver.watch import DELETED, Watcher, WatchEvent
+from ebpf_proxy.lab.topologyhints import NodeInfo, add_hints, node_info
 
 log = logging.getLogger("ebpf_proxy.lab.slicecontroller")
 
@@ -76,7 +81,7 @@ def resolve_target_port(service_port: dict[str, Any], pod: dict[str, Any]) -> in
     return None
 
 
-def _endpoint(svc: dict[str, Any], pod: dict[str, Any], ip: str) -> dict[str, Any]:
+def _endpoint(svc: dict[str, Any], pod: dict[str, Any], ip: str, nodes: Mapping[str, NodeInfo]) -> dict[str, Any]:
     meta, spec = pod["metadata"], pod.get("spec") or {}
     serving = pod_ready(pod)
     terminating = bool(meta.get("deletionTimestamp"))
@@ -88,13 +93,19 @@ def _endpoint(svc: dict[str, Any], pod: dict[str, Any], ip: str) -> dict[str, An
     }
     if spec.get("nodeName"):
         endpoint["nodeName"] = spec["nodeName"]
+        zone = nodes[spec["nodeName"]].zone if spec["nodeName"] in nodes else ""
+        if zone:
+            endpoint["zone"] = zone
     if spec.get("hostname") and spec.get("subdomain") == svc["metadata"]["name"]:
         endpoint["hostname"] = spec["hostname"]
     return endpoint
 
 
-def desired_slices(svc: dict[str, Any], pods: list[dict[str, Any]], max_per_slice: int = MAX_ENDPOINTS_PER_SLICE) -> list[tuple[list[dict[str, Any]], list[dict[str, Any]]]]:
-    """(ports, endpoints) of every slice `svc` should have, given the Pods its selector matches."""
+def desired_slices(svc: dict[str, Any], pods: list[dict[str, Any]], max_per_slice: int = MAX_ENDPOINTS_PER_SLICE,
+                   nodes: Mapping[str, NodeInfo] | None = None) -> list[tuple[list[dict[str, Any]], list[dict[str, Any]]]]:
+    """(ports, endpoints) of every slice `svc` should have, given the Pods its selector matches
+    and the Nodes (by name) they run on."""
+    nodes = nodes or {}
     groups: dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]]]] = {}
     for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
         ip = pod_ipv4(pod)
@@ -110,9 +121,10 @@ def desired_slices(svc: dict[str, Any], pods: list[dict[str, Any]], max_per_slic
                 port["appProtocol"] = sp["appProtocol"]
             ports.append(port)
         key = json.dumps(ports, sort_keys=True)
-        groups.setdefault(key, (ports, []))[1].append(_endpoint(svc, pod, ip))
+        groups.setdefault(key, (ports, []))[1].append(_endpoint(svc, pod, ip, nodes))
     if not groups:
         return [([], [])]
+    add_hints(svc, [ep for _, eps in groups.values() for ep in eps], nodes)
     slices = []
     for ports, endpoints in groups.values():
         for i in range(0, len(endpoints), max_per_slice):
@@ -154,6 +166,7 @@ class EndpointSliceController:
         self._handled_rv = 0
         self._synced = False
         self._pod_labels: dict[tuple[str, str], dict[str, str]] = {}
+        self._nodes: dict[str, NodeInfo] = {}  # what endpoint zones and hints need, by node name
         self._retry: set[ServiceKey] = set()
         # Services that may have managed slices: a selector-less Service not in here needs no
         # work, and asking the store would scan every slice (10,000 Services created at once
@@ -205,7 +218,7 @@ class EndpointSliceController:
 
     def _watch_and_handle(self) -> None:
         # Watch from "now" first, then read everything: no change can fall between the two.
-        watcher = self.store.watch(("Service", "Pod"), send_initial_events=False)
+        watcher = self.store.watch(("Service", "Pod", "Node"), send_initial_events=False)
         with self._cond:
             self._watcher = watcher
             self._synced = False
@@ -230,6 +243,8 @@ class EndpointSliceController:
             watcher.stop("the controller restarts its watch")
 
     def _sync_all(self) -> None:
+        nodes, _ = self.store.list("Node")
+        self._nodes = {n["metadata"]["name"]: node_info(n) for n in nodes}
         pods, _ = self.store.list("Pod")
         self._pod_labels = {(p["metadata"]["namespace"], p["metadata"]["name"]): p["metadata"].get("labels") or {} for p in pods}
         services, _ = self.store.list("Service")
@@ -246,6 +261,8 @@ class EndpointSliceController:
         ns, name = meta.get("namespace", ""), meta["name"]
         if event.kind == "Service":
             return {(ns, name)}
+        if event.kind == "Node":
+            return self._node_changed(name, None if event.type == DELETED else node_info(event.object))
         old_labels = self._pod_labels.get((ns, name), {})
         new_labels = meta.get("labels") or {}
         if event.type == DELETED:
@@ -261,6 +278,17 @@ class EndpointSliceController:
                 if sel.matches(old_labels) or sel.matches(new_labels):
                     affected.add((ns, svc["metadata"]["name"]))
         return affected
+
+    def _node_changed(self, name: str, info: NodeInfo | None) -> set[ServiceKey]:
+        """Every managed Service, if what hints read from this Node changed (rare: a node's zone,
+        CPU or readiness); nothing for the other Node updates."""
+        if self._nodes.get(name) == info:
+            return set()
+        if info is None:
+            self._nodes.pop(name, None)
+        else:
+            self._nodes[name] = info
+        return set(self._with_slices)
 
     def _retry_failed(self) -> None:
         keys, self._retry = self._retry, set()
@@ -301,7 +329,7 @@ class EndpointSliceController:
             self._with_slices.discard((namespace, name))
             return
         pods, _ = self.store.list("Pod", namespace, label_selector=spec["selector"])
-        wanted = desired_slices(svc, pods, self.max_endpoints_per_slice)
+        wanted = desired_slices(svc, pods, self.max_endpoints_per_slice, self._nodes)
         unused = list(existing)
         for ports, endpoints in wanted:
             match = next((s for s in unused if (s.get("ports") or []) == ports), None) or (unused[0] if unused else None)

@@ -14,6 +14,8 @@ not a silently ignored setting)::
         podCIDR: 10.244.5.0/24      # optional, default: the (index+1)-th free /24 of clusterCIDR
         podBridge: cbr0             # optional: pods hang off a Linux bridge of this name (kubenet-
                                     #   style) instead of one routed veth each (Calico-style)
+        zone: zone-a                # optional: the Node's topology.kubernetes.io/zone label
+                                    #   (a label value), for topology-aware routing
     pods:                           # optional
       - name: web-1                 # required, DNS-1123 name up to 63 characters; unique
         node: worker1               # required, a node above
@@ -71,7 +73,7 @@ PROTOCOLS = ("tcp", "udp")
 
 _TOP_KEYS = ("serviceCIDR", "serviceNodePortRange", "clusterCIDR", "apiServerIP", "nodes", "pods", "clients",
              "kubeProxyConfiguration")
-_NODE_KEYS = ("name", "ip", "extraIPs", "podCIDR", "podBridge")
+_NODE_KEYS = ("name", "ip", "extraIPs", "podCIDR", "podBridge", "zone")
 _IFNAME = re.compile(r"^[A-Za-z0-9][-A-Za-z0-9_.]{0,14}$")  # a Linux interface name (IFNAMSIZ 16)
 _POD_KEYS = ("name", "node", "namespace", "ip", "labels", "listen")
 _CLIENT_KEYS = ("name", "ip", "gateway")
@@ -104,6 +106,7 @@ class NodeSpec:
     extra_ips: tuple[str, ...] = ()
     pod_cidr: str = ""
     pod_bridge: str = ""  # "": every pod on its own routed veth; else the bridge pods are ports of
+    zone: str = ""  # label topology.kubernetes.io/zone; "" = the Node has no zone label
 
     @property
     def all_ips(self) -> tuple[str, ...]:
@@ -196,7 +199,8 @@ class Topology:
             "apiServerIP": self.api_server_ip,
             "nodes": [
                 {"name": n.name, "ip": n.ip, "extraIPs": list(n.extra_ips),
-                 "podCIDR": n.pod_cidr, **({"podBridge": n.pod_bridge} if n.pod_bridge else {})}
+                 "podCIDR": n.pod_cidr, **({"podBridge": n.pod_bridge} if n.pod_bridge else {}),
+                 **({"zone": n.zone} if n.zone else {})}
                 for n in self.nodes
             ],
             "pods": [
@@ -421,6 +425,18 @@ def _labels(value: Any, where: str) -> Mapping[str, str]:
     return MappingProxyType(out)
 
 
+def _zone(value: Any, where: str) -> str:
+    """A node's zone: it becomes a label value, so it must be one (and not empty: leave it out)."""
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise TopologyError(where, f"{value!r} is not a string (quote it in YAML: '{value}')")
+    if not value or len(value) > 63 or not _LABEL_NAME.match(value):
+        raise TopologyError(where, f"{value!r} is not a valid zone name (a label value: up to 63 letters, "
+                                   "digits, '-', '_' or '.', starting and ending with a letter or digit)")
+    return value
+
+
 def _label_key_ok(key: str) -> bool:
     prefix, _, name = key.rpartition("/")
     if prefix and (len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix)):
@@ -514,10 +530,11 @@ class _Parser:
                     raise TopologyError(f"{where}.podBridge",
                                         f"{bridge!r} is not a free interface name (up to 15 letters, digits, "
                                         "'-', '_', '.'; not eth0 or lo)")
-            partial.append((name, ip, tuple(extra), cidr, bridge))
+            zone = _zone(obj.get("zone"), f"{where}.zone")
+            partial.append((name, ip, tuple(extra), cidr, bridge, zone))
         cidrs = self.assign_pod_cidrs([p[3] for p in partial])
-        return tuple(NodeSpec(n, str(ip), tuple(str(x) for x in extra), str(cidr), bridge)
-                     for (n, ip, extra, _, bridge), cidr in zip(partial, cidrs))
+        return tuple(NodeSpec(n, str(ip), tuple(str(x) for x in extra), str(cidr), bridge, zone)
+                     for (n, ip, extra, _, bridge, zone), cidr in zip(partial, cidrs))
 
     def assign_pod_cidrs(self, given: list[IPv4Network | None]) -> list[IPv4Network]:
         for i, a in enumerate(given):

@@ -1,17 +1,38 @@
 """Which endpoints each kind of traffic may use: kube-proxy's `CategorizeEndpoints`, shared by every datapath.
 
-Both datapaths must pick backends from exactly the same sets, so the choice lives here, once:
-- cluster endpoints: ready ones anywhere; if none is ready, the serving+terminating ones;
+Both datapaths must pick backends from exactly the same sets, so the choice lives here, once
+(kube-proxy keeps it in pkg/proxy/topology.go for the same reason):
+- cluster endpoints: ready ones anywhere, narrowed by topology (below); if none is ready, the
+  serving+terminating ones, topology ignored;
 - local endpoints (used by eTP=Local for external traffic and by iTP=Local): ready local ones, else
-  serving+terminating local ones;
+  serving+terminating local ones; topology hints never apply to them;
+- all_reachable: cluster ∪ local, merged when topology or the terminating fallback makes them differ;
 - has_any: whether a usable endpoint exists anywhere (decides REJECT vs. the eTP=Local DROP).
+
+Topology (kube-proxy's topologyModeFromHints and availableForTopology), decided per service
+port from the hints of its *ready* endpoints:
+- PreferSameNode when every ready endpoint has a node hint and at least one names this node:
+  cluster endpoints are those hinted for this node;
+- else PreferSameZone when every ready endpoint has a zone hint and at least one names this
+  node's zone: cluster endpoints are those hinted for this zone;
+- else no topology: every ready endpoint.
+The fallback is in choosing the mode, never in applying it, so a chosen mode always yields at
+least one ready endpoint. The hints are whatever the EndpointSlice controller wrote
+(trafficDistribution or the topology-mode annotation); the proxy never looks at the Service's
+own fields for this, exactly as kube-proxy does not.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ebpf_proxy.model.types import Endpoint, ServicePort
+from ebpf_proxy.model.types import Endpoint, NodeTopology, ServicePort
+
+NO_TOPOLOGY = ""
+PREFER_SAME_NODE = "PreferSameNode"
+PREFER_SAME_ZONE = "PreferSameZone"
+
+_UNKNOWN_NODE = NodeTopology()
 
 
 @dataclass(frozen=True)
@@ -22,26 +43,60 @@ class EndpointSets:
     has_any: bool
 
 
-def _usable(endpoints: tuple[Endpoint, ...]) -> tuple[Endpoint, ...]:
-    ready = tuple(ep for ep in endpoints if ep.ready)
+def topology_mode(endpoints: tuple[Endpoint, ...], node: NodeTopology) -> str:
+    """kube-proxy's topologyModeFromHints: which hints (if any) narrow the cluster endpoints."""
+    ready = [ep for ep in endpoints if ep.ready]
+    if not ready:
+        return NO_TOPOLOGY
+    if all(ep.node_hints for ep in ready) and any(node.node_name in ep.node_hints for ep in ready):
+        return PREFER_SAME_NODE
+    # a node without the zone label has zone "", which matches only a (legal, odd) hint named "",
+    # exactly as in kube-proxy's ZoneHints().Has(zone)
+    if all(ep.zone_hints for ep in ready) and any(node.zone in ep.zone_hints for ep in ready):
+        return PREFER_SAME_ZONE
+    return NO_TOPOLOGY
+
+
+def available_for_topology(ep: Endpoint, mode: str, node: NodeTopology) -> bool:
+    """kube-proxy's availableForTopology: no fallback here, it happened when choosing the mode."""
+    if mode == PREFER_SAME_NODE:
+        return node.node_name in ep.node_hints
+    if mode == PREFER_SAME_ZONE:
+        return node.zone in ep.zone_hints
+    return True
+
+
+def _usable_local(endpoints: tuple[Endpoint, ...]) -> tuple[tuple[Endpoint, ...], bool]:
+    """Local endpoints for Local policies, and whether they are the terminating fallback."""
+    local = tuple(ep for ep in endpoints if ep.is_local)
+    ready = tuple(ep for ep in local if ep.ready)
     if ready:
-        return ready
-    return tuple(ep for ep in endpoints if ep.serving and ep.terminating)
+        return ready, False
+    return tuple(ep for ep in local if ep.serving and ep.terminating), True
 
 
-def categorize(svc: ServicePort, endpoints: tuple[Endpoint, ...]) -> EndpointSets:
+def categorize(svc: ServicePort, endpoints: tuple[Endpoint, ...],
+               node: NodeTopology = _UNKNOWN_NODE) -> EndpointSets:
+    """The endpoint sets of one service port as seen from `node` (its name and zone)."""
     endpoints = tuple(sorted(set(endpoints)))
     cluster: tuple[Endpoint, ...] = ()
     has_any = False
+    mode = NO_TOPOLOGY
     if svc.uses_cluster_endpoints:
-        cluster = _usable(endpoints)
+        mode = topology_mode(endpoints, node)
+        cluster = tuple(ep for ep in endpoints if ep.ready and available_for_topology(ep, mode, node))
+        if not cluster:  # nothing ready anywhere (a mode always leaves one): terminating, topology ignored
+            cluster = tuple(ep for ep in endpoints if ep.serving and ep.terminating)
         has_any = bool(cluster)
     if not svc.uses_local_endpoints:
         return EndpointSets(cluster=cluster, local=(), all_reachable=cluster, has_any=has_any)
 
     has_any = has_any or any(ep.ready or (ep.serving and ep.terminating) for ep in endpoints)
-    local = _usable(tuple(ep for ep in endpoints if ep.is_local))
+    local, terminating_fallback = _usable_local(endpoints)
     if not svc.uses_cluster_endpoints:
         return EndpointSets(cluster=(), local=local, all_reachable=local, has_any=has_any)
-    reachable = tuple(sorted(set(cluster) | set(local))) if local else cluster
+    if mode == NO_TOPOLOGY and not terminating_fallback:
+        # cluster then holds every ready endpoint, local ones included: nothing to merge
+        return EndpointSets(cluster=cluster, local=local, all_reachable=cluster, has_any=has_any)
+    reachable = tuple(sorted(set(cluster) | set(local)))
     return EndpointSets(cluster=cluster, local=local, all_reachable=reachable, has_any=has_any)

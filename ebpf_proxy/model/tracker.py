@@ -23,7 +23,15 @@ import threading
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from ebpf_proxy.model.types import ChangeSet, Endpoint, Protocol, ProxyState, ServicePort, ServicePortName
+from ebpf_proxy.model.types import (
+    ChangeSet,
+    Endpoint,
+    NodeTopology,
+    Protocol,
+    ProxyState,
+    ServicePort,
+    ServicePortName,
+)
 
 EndpointsByPort = Mapping[ServicePortName, tuple[Endpoint, ...]]
 
@@ -42,6 +50,7 @@ class NodeState:
     primary_ip: str | None = None  # first IPv4 InternalIP, else first IPv4 ExternalIP
     eligible: bool = True  # False while the node is being deleted: /healthz then answers 503
     pod_cidrs: tuple[str, ...] = ()  # spec.podCIDRs: what --detect-local-mode NodeCIDR matches
+    zone: str = ""  # label topology.kubernetes.io/zone ("" without it): which zone hints apply here
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +63,7 @@ class _Slice:
 class ChangeTracker:
     """Accumulates Service/EndpointSlice changes; `take()` / `commit()` / `abort()` around each sync."""
 
-    def __init__(self, start_time: float = 0.0) -> None:
+    def __init__(self, start_time: float = 0.0, node_name: str = "") -> None:
         # Change-trigger times older than the tracker are history from before we started: kube-proxy
         # ignores them too, otherwise the first sync would report hours of "programming latency".
         self._start_time = start_time
@@ -79,7 +88,13 @@ class ChangeTracker:
         self._triggers: dict[str, list[float]] = {}
         self._in_flight: dict[str, tuple[dict, dict]] | None = None
         self._in_flight_triggers: dict[str, list[float]] = {}
+        self._in_flight_topology = False  # the in-flight take() was full because the zone changed
         self._node: NodeState | None = None
+        # this node's name and zone as the datapaths see them; a zone change re-decides every
+        # service's endpoints (hints), so it asks for a full sync, as kube-proxy's
+        # NodeTopologyConfig does (OnTopologyChange → forceSyncProxyRules)
+        self._topology = NodeTopology(node_name=node_name)
+        self._topology_changed = False
 
     # ---- feeding ---------------------------------------------------------------------------------
 
@@ -137,10 +152,17 @@ class ChangeTracker:
             return self._remerge(old.service_key)
 
     def update_node(self, node: NodeState | None) -> bool:
-        """This node's state (None: the Node object is gone). Node state does not dirty services."""
+        """This node's state (None: the Node object is gone). Returns whether anything changed.
+
+        Node state does not dirty services; a change of zone makes the next take() full
+        (`pending` then says so), because every service's topology choice depends on it."""
         with self._lock:
             changed = node != self._node
             self._node = node
+            topology = NodeTopology(node_name=self._topology.node_name, zone=node.zone if node else "")
+            if topology != self._topology:
+                self._topology = topology
+                self._topology_changed = True
             return changed
 
     @property
@@ -185,7 +207,7 @@ class ChangeTracker:
     def pending(self) -> bool:
         """Whether something changed since the last take()."""
         with self._lock:
-            return bool(self._dirty)
+            return bool(self._dirty) or self._topology_changed
 
     def take(self, full: bool = False) -> tuple[ProxyState, ChangeSet]:
         """The whole desired state and what changed since the last committed sync.
@@ -213,16 +235,17 @@ class ChangeTracker:
                 else:
                     self._triggers.pop(key, None)
             self._in_flight, self._in_flight_triggers = in_flight, triggers
+            self._in_flight_topology, self._topology_changed = self._topology_changed, False
 
             services = dict(self._flat_services)
             endpoints = dict(self._visible_endpoints)
             changes = ChangeSet(
-                full=full or not self._synced_once,
+                full=full or not self._synced_once or self._in_flight_topology,
                 services=frozenset(changed),
                 stale_udp_endpoints=frozenset(stale_endpoints),
                 stale_udp_services=frozenset(stale_services),
             )
-            return ProxyState(services=services, endpoints=endpoints), changes
+            return ProxyState(services=services, endpoints=endpoints, topology=self._topology), changes
 
     def commit(self) -> list[float]:
         """The last take() was programmed. Returns its change-trigger times (epoch seconds) for the
@@ -236,6 +259,7 @@ class ChangeTracker:
             self._synced_once = True
             triggers = sorted(t for times in self._in_flight_triggers.values() for t in times)
             self._in_flight, self._in_flight_triggers = None, {}
+            self._in_flight_topology = False
             return triggers
 
     def abort(self) -> None:
@@ -250,6 +274,8 @@ class ChangeTracker:
         for key, times in self._in_flight_triggers.items():
             self._triggers[key] = times + self._triggers.get(key, [])
         self._in_flight, self._in_flight_triggers = None, {}
+        self._topology_changed |= self._in_flight_topology
+        self._in_flight_topology = False
 
 
 def _store(target: dict, key: str, value: dict) -> None:

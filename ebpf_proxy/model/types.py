@@ -91,6 +91,11 @@ class Endpoint:
     serving: bool = True
     terminating: bool = False
     is_local: bool = False  # node_name == this node; set by the control plane
+    # EndpointSlice hints (hints.forZones[].name, hints.forNodes[].name): sorted tuples of interned
+    # names, () when absent. Tuples, not frozensets: an empty tuple is one shared object (10,000
+    # Services' endpoints cost no extra memory without hints) and tuples keep Endpoint orderable.
+    zone_hints: tuple[str, ...] = ()
+    node_hints: tuple[str, ...] = ()
 
     @property
     def addr(self) -> str:
@@ -160,6 +165,14 @@ class LocalDetector:
     def cluster_cidr(cls, cidrs: tuple[str, ...]) -> "LocalDetector":
         """kube-proxy's default: ClusterCIDR with --cluster-cidr, a no-op detector without one."""
         return cls(LocalMode.CLUSTER_CIDR, tuple(cidrs)) if cidrs else cls()
+@dataclass(frozen=True, slots=True)
+class NodeTopology:
+    """Where this node sits, as topology-aware routing needs it (kube-proxy: nodeName plus the Node's
+    `topology.kubernetes.io/zone` label). Part of the desired state: when the zone changes, every
+    service's endpoint choice may change, so the tracker asks for a full sync."""
+
+    node_name: str = ""
+    zone: str = ""  # "" when the Node has no zone label (then zone hints are never used)
 
 
 @dataclass(frozen=True)
@@ -196,6 +209,7 @@ class ProxyState:
 
     services: dict[ServicePortName, ServicePort] = field(default_factory=dict)
     endpoints: dict[ServicePortName, tuple[Endpoint, ...]] = field(default_factory=dict)
+    topology: NodeTopology = NodeTopology()
 
     def endpoints_of(self, name: ServicePortName) -> tuple[Endpoint, ...]:
         return self.endpoints.get(name, ())

@@ -16,10 +16,13 @@ import yaml
 HERE = Path(__file__).parent
 TOPOLOGY = HERE / "topology.yaml"
 SCENARIOS = HERE / "scenarios.yaml"
+# the topology-aware routing table runs on its own three-zone lab
+ZONES_TOPOLOGY = HERE / "topology_zones.yaml"
+ZONES_SCENARIOS = HERE / "scenarios_zones.yaml"
 
 
-def load_scenarios() -> list[dict[str, Any]]:
-    return yaml.safe_load(SCENARIOS.read_text())["scenarios"]
+def load_scenarios(path: Path = SCENARIOS) -> list[dict[str, Any]]:
+    return yaml.safe_load(path.read_text())["scenarios"]
 
 
 def addresses(lab) -> dict[str, str]:
@@ -101,14 +104,18 @@ def run_step(lab, step: dict[str, Any]) -> list[str]:
         lab.wait_converged()
         return []
     if "apply" in step:
-        lab.apply_manifests(step["apply"], "step")
+        lab.apply_manifests(substitute(step["apply"], lab), "step")
+        lab.wait_converged()
+        return []
+    if "delete" in step:  # a pod of the lab goes away (its endpoint with it)
+        lab.remove_pod(step["delete"]["name"])
         lab.wait_converged()
         return []
     raise ValueError(f"unknown step {sorted(step)}")
 
 
-def run_scenario(lab, scenario: dict[str, Any]) -> None:
-    manifests = scenario.get("manifests") or ""
+def run_scenario(lab, scenario: dict[str, Any], topology: Path = TOPOLOGY) -> None:
+    manifests = substitute(scenario.get("manifests") or "", lab)
     if manifests:
         lab.apply_manifests(manifests, scenario["name"])
     lab.wait_converged()
@@ -122,7 +129,7 @@ def run_scenario(lab, scenario: dict[str, Any]) -> None:
         # leave the lab as the topology file describes it
         if any("scale" in s for s in scenario["steps"]):
             app = next(s["scale"]["app"] for s in scenario["steps"] if "scale" in s)
-            base = [p for p in yaml.safe_load(TOPOLOGY.read_text())["pods"] if (p.get("labels") or {}).get("app") == app]
+            base = [p for p in yaml.safe_load(topology.read_text())["pods"] if (p.get("labels") or {}).get("app") == app]
             lab.scale(app, len(base))
         lab.wait_converged()
     if problems:

@@ -29,8 +29,10 @@ def service(name: str = "web", namespace: str = "default", *, svc_type: str = "C
 
 
 def endpoint(ip: str, node: str | None = None, ready: bool | None = None, serving: bool | None = None,
-             terminating: bool | None = None) -> dict:
+             terminating: bool | None = None, hints: dict | None = None) -> dict:
     ep: dict[str, Any] = {"addresses": [ip]}
+    if hints is not None:
+        ep["hints"] = hints
     conditions = {k: v for k, v in (("ready", ready), ("serving", serving), ("terminating", terminating))
                   if v is not None}
     if conditions:

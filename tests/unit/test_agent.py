@@ -518,3 +518,28 @@ def test_metrics_server_serves_kube_proxy_names():
     assert 'kubeproxy_sync_proxy_rules_iptables_total{table="filter"} 4.0' in text
     assert 'ebpf_proxy_datapath_objects{kind="map_entries"} 7.0' in text
     assert "kubeproxy_sync_proxy_rules_last_timestamp_seconds 1.7145576e+09" in text
+
+
+def test_zone_label_change_resyncs_fully_and_moves_traffic_to_the_new_zone(agent_parts):
+    """The node's zone comes from its Node object's topology.kubernetes.io/zone label; changing it
+    must re-decide every service's endpoints (a full sync) without any service changing."""
+    make, clock, wall = agent_parts
+    agent = make()
+    agent.resolve_mode()
+    zoned = web_slice(endpoint("10.244.1.5", NODE, hints={"forZones": [{"name": "zone-a"}]}),
+                      endpoint("10.244.2.6", "n2", hints={"forZones": [{"name": "zone-b"}]}))
+    in_a = node(NODE, labels={"topology.kubernetes.io/zone": "zone-a"})
+    listed(agent, services=[web_service()], slices=[zoned], nodes=[in_a])
+    dp = agent.prepare_datapath()
+    agent.runner.run_if_due()
+    state, _ = dp.syncs[-1]
+    assert state.topology.node_name == NODE and state.topology.zone == "zone-a"
+    assert [e.zone_hints for e in state.endpoints_of(WEB)] == [("zone-a",), ("zone-b",)]
+
+    in_b = node(NODE, rv="2", labels={"topology.kubernetes.io/zone": "zone-b"})
+    agent.handlers()["Node"].on_update(in_a, in_b)
+    clock.t += 1
+    assert agent.runner.run_if_due()
+    state, changes = dp.syncs[-1]
+    assert changes.full and changes.services == frozenset()
+    assert state.topology.zone == "zone-b"

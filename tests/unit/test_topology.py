@@ -180,6 +180,12 @@ def test_round_trip_through_dict_and_json():
         t.kube_proxy_configuration["mode"] = "x"  # frozen all the way down
 
 
+def test_node_zone_is_optional_and_round_trips():
+    t = parse_topology(variant("nodes.0.zone", "zone-a"))
+    assert [n.zone for n in t.nodes] == ["zone-a", ""]
+    assert topology_from_dict(json.loads(json.dumps(topology_to_dict(t)))) == t
+
+
 def test_parse_listen():
     assert parse_listen("53/UDP") == (53, "udp")
     with pytest.raises(TopologyError, match="PORT/tcp"):
@@ -297,6 +303,10 @@ ERRORS = [
      "'worker7' is not a node"),
     ("duplicate client", variant("clients", BASE["clients"] * 2), "clients[1].name",
      "duplicates clients[0].name"),
+    ("zone not a string", variant("nodes.0.zone", 1), "nodes[0].zone", "is not a string"),
+    ("zone empty", variant("nodes.0.zone", ""), "nodes[0].zone", "is not a valid zone name"),
+    ("zone not a label value", variant("nodes.0.zone", "zone a"), "nodes[0].zone", "is not a valid zone name"),
+    ("zone misspelt", variant("nodes.0.zones", "a"), "nodes[0].zones", "did you mean 'zone'"),
     ("kubeProxyConfiguration not a mapping", variant("kubeProxyConfiguration", "ipvs"),
      "kubeProxyConfiguration", "expected a mapping"),
     ("kubeProxyConfiguration wrong kind",

@@ -278,3 +278,43 @@ def test_state_endpoints_are_those_of_existing_service_ports_after_any_sequence(
                 if merged:
                     expected[p] = tuple(merged)
         assert state.endpoints == expected, f"step {step}"
+
+
+def test_zone_change_makes_the_next_take_full_with_the_new_topology():
+    """kube-proxy's NodeTopologyConfig: a new zone label forces a full resync (every service's
+    hints may now select other endpoints, though no service changed)."""
+    t = synced(tracker_with_web())
+    assert t.update_node(NodeState(name="n1", zone="zone-a"))
+    assert t.pending
+    state, changes = t.take()
+    assert changes.full and changes.services == frozenset()
+    assert state.topology.zone == "zone-a"
+    t.commit()
+    assert not t.pending
+    # another change of the node that keeps the zone: no resync
+    assert t.update_node(NodeState(name="n1", zone="zone-a", addresses=("192.168.1.10",)))
+    assert not t.pending
+    _, changes = t.take()
+    assert not changes.full
+
+
+def test_node_name_reaches_the_state_and_a_lost_zone_resyncs():
+    t = ChangeTracker(node_name="n1")
+    t.update_node(NodeState(name="n1", zone="zone-a"))
+    synced(t)
+    assert t.update_node(None)  # Node deleted: its zone is unknown now
+    state, changes = t.take()
+    assert changes.full and state.topology.node_name == "n1" and state.topology.zone == ""
+
+
+def test_aborted_zone_resync_is_full_again():
+    t = synced(tracker_with_web())
+    t.update_node(NodeState(name="n1", zone="zone-b"))
+    t.take()
+    t.abort()
+    assert t.pending
+    _, changes = t.take()
+    assert changes.full
+    t.commit()
+    _, changes = t.take()
+    assert not changes.full

@@ -99,7 +99,7 @@ class EbpfDatapath(Datapath):
             names = set(changes.services)
         for name in sorted(names):
             svc = state.services.get(name)
-            entries = self._programs.entries(svc, state.endpoints_of(name)) if svc else None
+            entries = self._programs.entries(svc, state.endpoints_of(name), state.topology) if svc else None
             counts["map_writes"] += self._programs.apply(name, entries)
         if not self._attached:
             self._attach()

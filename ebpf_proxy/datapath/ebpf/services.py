@@ -38,7 +38,7 @@ from ebpf_proxy.datapath.ebpf.maps import (
 )
 from ebpf_proxy.model import NodeConfig
 from ebpf_proxy.model.categorize import categorize
-from ebpf_proxy.model.types import Endpoint, Protocol, ServicePort, ServicePortName
+from ebpf_proxy.model.types import Endpoint, NodeTopology, Protocol, ServicePort, ServicePortName
 
 SUPPORTED = (Protocol.TCP, Protocol.UDP)  # SCTP's CRC32c cannot be updated incrementally in BPF
 
@@ -164,12 +164,14 @@ class ServicePrograms:
         """Delete entries no service port claims (found in the maps after a restart)."""
         return self._write(entries, None)
 
-    def entries(self, svc: ServicePort, endpoints: tuple[Endpoint, ...]) -> ServiceEntries | None:
-        """The map entries for `svc`, or None when it is not programmed (headless, SCTP, IPv6)."""
+    def entries(self, svc: ServicePort, endpoints: tuple[Endpoint, ...],
+                topology: NodeTopology = NodeTopology()) -> ServiceEntries | None:
+        """The map entries for `svc` seen from this node (`topology`: its name and zone, for the
+        endpoints' hints), or None when it is not programmed (headless, SCTP, IPv6)."""
         if svc.cluster_ip is None or svc.protocol not in SUPPORTED or ipaddress.ip_address(svc.cluster_ip).version != 4:
             return None
         old = self.current.get(svc.name)
-        sets = categorize(svc, endpoints)
+        sets = categorize(svc, endpoints, topology)
         cluster, local = set(sets.cluster), set(sets.local)
         known = {(be.addr, be.port): bid for bid, be in old.backends.items()} if old else {}
         backends: dict[int, Backend] = {}

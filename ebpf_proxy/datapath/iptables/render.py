@@ -24,6 +24,7 @@ from ebpf_proxy.model import (
     LocalDetector,
     LocalMode,
     NodeConfig,
+    NodeTopology,
     ProxyState,
     ServicePort,
     ServicePortName,
@@ -173,7 +174,7 @@ class _Builder:
 
 
 def render_service(
-    ctx: RenderContext, svc: ServicePort, endpoints: tuple[Endpoint, ...]
+    ctx: RenderContext, svc: ServicePort, endpoints: tuple[Endpoint, ...], topology: NodeTopology = NodeTopology()
 ) -> ServiceRules | None:
     """One service port's rules, or None when kube-proxy programs nothing for it (headless, IPv6)."""
     if svc.cluster_ip is None or not _is_ipv4(svc.cluster_ip):
@@ -184,7 +185,7 @@ def render_service(
     port = str(svc.port)
     external_ips = tuple(ip for ip in svc.external_ips if _is_ipv4(ip))
     lb_ips = tuple(ip for ip in svc.load_balancer_ips if _is_ipv4(ip))
-    sets = categorize(svc, tuple(ep for ep in endpoints if _is_ipv4(ep.ip)))
+    sets = categorize(svc, tuple(ep for ep in endpoints if _is_ipv4(ep.ip)), topology)
 
     cluster_chain, local_chain = ch.svc_chain(name), ch.svl_chain(name)
     uses_cluster_chain = bool(sets.cluster) and svc.uses_cluster_endpoints
@@ -359,7 +360,7 @@ def render_fragments(
     wanted = state.services.keys() if names is None else (n for n in names if n in state.services)
     out: dict[ServicePortName, ServiceRules] = {}
     for name in wanted:
-        rules = render_service(ctx, state.services[name], state.endpoints_of(name))
+        rules = render_service(ctx, state.services[name], state.endpoints_of(name), state.topology)
         if rules is not None:
             out[name] = rules
     return out
