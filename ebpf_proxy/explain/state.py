@@ -1,0 +1,34 @@
+"""A node's desired state from API objects, the way its agent builds it, for one-off questions.
+
+`verify` and `trace` ask "what should this node do?" without a running agent's memory: they list
+Services, EndpointSlices and Nodes once and feed them through the same conversion (k8s/convert)
+and change tracker the agent uses, so the answer is the agent's answer by construction.
+Malformed objects are skipped exactly as the agent skips them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ebpf_proxy.k8s import convert
+from ebpf_proxy.model import ChangeTracker, NodeState, ProxyState
+
+
+def desired_state(services: Iterable[dict], slices: Iterable[dict], nodes: Iterable[dict],
+                  node_name: str) -> tuple[ProxyState, NodeState | None]:
+    """The ProxyState node `node_name`'s agent programs for these objects, and its NodeState."""
+    tracker = ChangeTracker(node_name=node_name)
+    for obj in nodes:
+        node = convert.node_info(obj)
+        if node is not None and node.name == node_name:
+            tracker.update_node(node)
+    for obj in services:
+        ref = convert.object_ref(obj)
+        if ref is not None:
+            tracker.update_service(ref.namespace, ref.name, convert.service_ports(obj))
+    for obj in slices:
+        sl = convert.endpoint_slice(obj, node_name)
+        if sl is not None:
+            tracker.update_slice(sl.namespace, sl.name, sl.service, sl.endpoints, sl.trigger_time)
+    state, _changes = tracker.take(full=True)
+    return state, tracker.node
