@@ -77,6 +77,7 @@ class Flow:
     masq: bool
     phase: str = ""  # "" before the world's `then`, else what `then` deleted
     not_runnable: str = ""
+    source_on_node: bool = False  # test-node takes the source address on lo for this flow
 
     @property
     def id(self) -> str:
@@ -122,7 +123,8 @@ def _split_target(text: str) -> tuple[str, int, str]:
 def _flow(world: str, raw: dict[str, Any], phase: str = "", not_runnable: str = "") -> Flow:
     dest, port, proto = _split_target(raw["to"])
     return Flow(world, raw["name"], str(raw["from"]), dest, port, proto, str(raw.get("out", "")),
-                bool(raw.get("masq", False)), phase, raw.get("not_runnable") or not_runnable)
+                bool(raw.get("masq", False)), phase, raw.get("not_runnable") or not_runnable,
+                bool(raw.get("source_on_node", False)))
 
 
 def worlds(data: dict[str, Any] | None = None) -> list[World]:
@@ -206,7 +208,7 @@ def topology(data: dict[str, Any] | None = None) -> dict[str, Any]:
     clients: list[str] = []
     for w in worlds(data):
         for f in w.all_flows:
-            if f.not_runnable or f.source == "127.0.0.1" or f.source in node["ips"]:
+            if f.not_runnable or f.source_on_node or f.source == "127.0.0.1" or f.source in node["ips"]:
                 continue
             if not _is_pod_ip(f.source, data["clusterCIDR"]) and f.source not in clients:
                 clients.append(f.source)
@@ -408,9 +410,24 @@ class Judge:
         self.data = data
         self.node = data["node"]["name"]
         self.node_ips = list(data["node"]["ips"])
+        self.owned: set[str] = set()  # addresses test-node holds for a source_on_node flow
+
+    @contextlib.contextmanager
+    def source_owned(self, flow: Flow) -> Iterator[None]:
+        if not flow.source_on_node:
+            yield
+            return
+        self.lab.exec(self.node, ["ip", "addr", "add", f"{flow.source}/32", "dev", "lo"], check=True)
+        self.owned.add(flow.source)
+        try:
+            self.lab.wait_converged()
+            yield
+        finally:
+            self.owned.discard(flow.source)
+            self.lab.exec(self.node, ["ip", "addr", "del", f"{flow.source}/32", "dev", "lo"], check=False)
 
     def where(self, source: str) -> tuple[str, str | None]:
-        if source == "127.0.0.1" or source in self.node_ips:
+        if source == "127.0.0.1" or source in self.node_ips or source in self.owned:
             return self.node, source
         if _is_pod_ip(source, self.data["clusterCIDR"]):
             return pod_name(source), None
@@ -424,6 +441,10 @@ class Judge:
         return {ip for ip, node in pod_placement(world, self.data).items() if node != self.node}
 
     def judge(self, world: World, flow: Flow) -> Result:
+        with self.source_owned(flow):
+            return self._judge(world, flow)
+
+    def _judge(self, world: World, flow: Flow) -> Result:
         if flow.out in ("DROP", "REJECT"):
             return self._all(flow, "timeout" if flow.out == "DROP" else "refused")
         if flow.out == "ACCEPT":
@@ -484,7 +505,7 @@ class Judge:
     def _backends(self, world: World, flow: Flow) -> Result:
         allowed = flow.backends
         remote = self.remote_backends(world)
-        src_is_outside = not (flow.source == "127.0.0.1" or flow.source in self.node_ips
+        src_is_outside = not (flow.source == "127.0.0.1" or flow.source in self.node_ips or flow.source_on_node
                               or _is_pod_ip(flow.source, self.data["clusterCIDR"]))
         # unmasqueraded replies from another node's pod to an outside client bypass test-node
         reachable = {b for b in allowed if flow.masq or not src_is_outside or b.rsplit(":", 1)[0] not in remote}
