@@ -240,7 +240,7 @@ def topology(data: dict[str, Any] | None = None) -> dict[str, Any]:
                 continue
             if not _is_pod_ip(f.source, data["clusterCIDR"]) and f.source not in clients:
                 clients.append(f.source)
-    return {
+    topo: dict[str, Any] = {
         "serviceCIDR": data["serviceCIDR"],
         "clusterCIDR": data["clusterCIDR"],
         "nodes": [
@@ -251,6 +251,10 @@ def topology(data: dict[str, Any] | None = None) -> dict[str, Any]:
         "clients": [{"name": client_name(ip), "ip": ip, "gateway": node["name"]} for ip in clients],
         "kubeProxyConfiguration": base_config(data),
     }
+    if "node-port-range" not in (data.get("lab_gaps") or {}):
+        # the gap's fix: a topology key giving the API server's --service-node-port-range
+        topo["serviceNodePortRange"] = EXPLORE_NODE_PORT_RANGE
+    return topo
 
 
 def base_config(data: dict[str, Any]) -> dict[str, Any]:
