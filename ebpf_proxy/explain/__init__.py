@@ -6,4 +6,6 @@ k8s/), and explains or compares; nothing below it imports it.
 
 - result.py      the one answer shape (Trace, Step), its JSON and its one-line story
 - packet.py      the packet a trace is about (FlowSpec): addresses, protocol, where it enters
+- iptables_rules.py  iptables rules as data: iptables-save text (legacy or nft) or our Ruleset
+- iptables_walk.py   a new connection walked through those rules hook by hook -> Trace
 """
