@@ -78,6 +78,7 @@ class _Path:
     decider: Rule | None = None  # the rule that dropped/rejected/accepted it
     kube_accept: Rule | None = None  # an ACCEPT in one of kube-proxy's chains (e.g. a health-check port)
     policy: str | None = None  # "filter FORWARD policy DROP" when a chain's policy dropped it
+    marked_by: str | None = None  # the comment of the rule that led to the last MARK (KUBE-MARK-DROP's caller)
     rules: tuple[Rule, ...] = ()  # every rule whose condition matched, in order
     visits: tuple[_Visit, ...] = ()
     stages: tuple[int, ...] = ()  # index in `visits` where each hook starts
@@ -208,7 +209,8 @@ class _Walker:
             return [self._snat(rule, p, at)]
         if t == "MARK":
             mark = _apply_mark(rule, p.mark)
-            return [(replace(p, mark=mark).act(at, f"MARK {p.mark:#x} → {mark:#x}"), "continue")]
+            why = next((r.comment for r in reversed(p.rules) if r.comment and not _generic(r.comment)), None)
+            return [(replace(p, mark=mark, marked_by=why).act(at, f"MARK {p.mark:#x} → {mark:#x}"), "continue")]
         if t in ("LOG", "NFLOG"):
             return [(p, "continue")]
         if sub is not None:
@@ -451,7 +453,10 @@ def _reason(verdict: str, p: _Path, flow: FlowSpec) -> str:
     if verdict in ("drop", "reject", "accept"):
         if p.decider is None:
             return p.policy or "a chain's policy"
-        return p.decider.comment or p.decider.where
+        said = p.decider.comment or p.decider.where
+        if p.marked_by and any(m.kind == "mark" for m in p.decider.matches):
+            said += f" (marked by: {p.marked_by})"  # e.g. kube-proxy < 1.22's KUBE-MARK-DROP
+        return said
     if verdict == "dnat":
         said = [f"{r.comment} node port" if r.chain == "KUBE-NODEPORTS" and service_of(r.comment) == r.comment
                 else r.comment for r in p.rules
@@ -465,10 +470,10 @@ def _reason(verdict: str, p: _Path, flow: FlowSpec) -> str:
 def _why(verdict: str, service: str | None, reason: str, rule: Rule) -> str:
     """The drop/reject sentence, with what kube-proxy's comment means spelt out."""
     head = f"{verdict}{' ' + service if service else ''}: {reason}"
-    if reason.endswith("has no local endpoints"):
+    if "has no local endpoints" in reason:
         policy = "internalTrafficPolicy" if rule.chain == "KUBE-SERVICES" else "externalTrafficPolicy"
         return f"{head} ({policy}: Local, and none of its ready endpoints runs on this node)"
-    if reason.endswith("has no endpoints"):
+    if "has no endpoints" in reason:
         return f"{head} (no ready endpoint anywhere: the client gets ICMP port unreachable)"
     return head
 

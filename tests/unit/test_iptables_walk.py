@@ -317,7 +317,9 @@ COMMIT
 def test_the_seed_articles_own_rules_tell_its_three_cases():
     tables = parse_save(SEED_WORKER2)
     case1 = walk(tables, FlowSpec("203.0.113.5", "172.20.20.16", 30294, in_iface="eth0"), facts("worker2"))
-    assert (case1.verdict, case1.reason) == ("drop", "kubernetes firewall for dropping marked packets")
+    assert (case1.verdict, case1.reason) == ("drop", "kubernetes firewall for dropping marked packets "
+                                              "(marked by: default/my-nginx has no local endpoints)")
+    assert "externalTrafficPolicy: Local" in case1.sentence()
     assert any(s.unit == "KUBE-MARK-DROP" and "0x8000" in s.action for s in case1.steps)
     case3 = walk(tables, FlowSpec("172.20.20.16", "172.20.20.16", 30294, origin="host"), facts("worker2"))
     assert (case3.verdict, case3.backends, case3.masquerade) == ("dnat", (f"{POD_W3}:80", f"{POD_W1}:80"), True)
