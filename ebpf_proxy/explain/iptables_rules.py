@@ -16,6 +16,7 @@ through the chains kube-proxy's packets take.
 
 from __future__ import annotations
 
+import re
 import shlex
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -133,7 +134,26 @@ class _ChainsBuilder:
                        for t, chains in self.tables.items()})
 
 
+_TOKEN = re.compile(r'"((?:[^"\\]|\\.)*)"|(\S+)')
+_ESCAPE = re.compile(r"\\(.)")
+
+
 def _split(text: str, where: str) -> list[str]:
+    """Shell-like words, as iptables-save quotes them ("..." with backslash escapes). A regex, not
+    shlex, for the common case: shlex takes seconds over a 10,000-service dump."""
+    if '"' not in text and "'" not in text and "\\" not in text:
+        return text.split()
+    if "'" not in text:
+        tokens = []
+        for m in _TOKEN.finditer(text):
+            if m.group(1) is not None:
+                tokens.append(_ESCAPE.sub(r"\1", m.group(1)))
+            elif '"' in m.group(2) or "\\" in m.group(2):
+                break  # quotes inside a word, or unbalanced: let shlex decide
+            else:
+                tokens.append(m.group(2))
+        else:
+            return tokens
     try:
         return shlex.split(text)
     except ValueError as exc:  # unbalanced quotes
