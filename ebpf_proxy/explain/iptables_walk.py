@@ -445,8 +445,11 @@ def summarise(paths: list[_Path], flow: FlowSpec, node: NodeFacts, notes: Iterab
                  f"only via {', '.join(only)} (a backend reaching itself: hairpin), else the backend sees {flow.src}")
     elif verdict in ("drop", "reject") and first.decider is not None:
         story = _why(verdict, service, reason, first.decider)
-    return Trace("iptables", verdict, reason, service, backends, masquerade, source_after,
-                 _steps(paths), story=story, details=details)
+    trace = Trace("iptables", verdict, reason, service, backends, masquerade, source_after,
+                  _steps(paths), story=story, details=details)
+    if details["notes"]:  # e.g. a dump without its filter table: say what was not checked
+        trace = replace(trace, story=f"{trace.sentence()} [{'; '.join(details['notes'])}]")
+    return trace
 
 
 def _reason(verdict: str, p: _Path, flow: FlowSpec) -> str:

@@ -412,3 +412,12 @@ def test_service_names_are_read_from_comments_not_cidrs():
     assert service_of("other traffic to ns1/svc1:p80 will be dropped by KUBE-PROXY-FIREWALL") == "ns1/svc1:p80"
     assert service_of("block incoming localnet connections 127.0.0.0/8") is None
     assert service_of(None) is None
+
+
+def test_what_was_not_checked_is_said_and_quoted_comments_are_read_whole():
+    nat_only = SEED_WORKER2.split("*filter")[0].replace(
+        '"default/my-nginx cluster IP"', '"default/my-nginx \\"cluster\\" IP"')
+    t = walk(parse_save(nat_only), FlowSpec("10.244.3.5", "10.104.89.245", 80, origin="pod", in_iface="veth1"),
+             facts("worker2"))
+    assert t.verdict == "dnat" and t.reason == 'default/my-nginx "cluster" IP'
+    assert "[the rules hold no filter table: filter FORWARD was not checked]" in t.sentence()
