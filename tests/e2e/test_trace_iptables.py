@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -119,3 +120,50 @@ def test_unknown_places_and_bad_targets_are_named(lab):
     assert code == 1 and "'nowhere' is not a node, pod or client" in err
     code, _, err = cli(lab, "trace", "--from", "outside", "--to", W2)
     assert code == 1 and "has no port" in err
+
+
+# ---- the device a pod's packets enter by decides, with an interface detector -------------------------
+
+LT_TOPOLOGY = Path(__file__).parent / "local_traffic_topology.yaml"  # worker1's pods on bridge cbr0
+LT_LOCAL = """apiVersion: v1
+kind: Service
+metadata: {name: tt-local}
+spec:
+  type: NodePort
+  clusterIP: 10.96.110.20
+  externalTrafficPolicy: Local
+  selector: {app: web}
+  ports: [{name: http, port: 80, targetPort: 80, nodePort: 30320}]
+"""
+WEB_1, WEB_2 = "10.244.5.4:80", "10.244.4.3:80"  # on worker1 (bridged) and worker3
+
+
+@pytest.fixture(scope="module")
+def bridged_lab():
+    name = f"trb{os.getpid() % 10000}"
+    destroy(name)
+    try:
+        lab = Lab.up(name, str(LT_TOPOLOGY), mode="iptables")
+        lab.apply_manifests(LT_LOCAL, "trace-test")
+        lab.wait_converged()
+        yield lab
+    finally:
+        destroy(name)
+
+
+@pytest.mark.parametrize("mode, backends", [("BridgeInterface", [WEB_2, WEB_1]), ("InterfaceNamePrefix", [WEB_1])])
+def test_a_bridged_pod_enters_through_the_bridge(bridged_lab, mode, backends):
+    """client-a hangs off worker1's bridge cbr0: `-i cbr0` (BridgeInterface) sees it as local and
+    short-circuits it to every endpoint; `-i lxc+` (InterfaceNamePrefix) does not, so it gets
+    worker1's endpoint only. The trace must enter by the bridge, as the kernel does."""
+    bridged_lab.set_proxy_config({"apiVersion": "kubeproxy.config.k8s.io/v1alpha1", "kind": "KubeProxyConfiguration",
+                                  "detectLocalMode": mode,
+                                  "detectLocal": {"bridgeInterface": "cbr0", "interfaceNamePrefix": "lxc"}})
+    bridged_lab.wait_converged()
+    client_a = next(p.ip for p in bridged_lab.topology.pods if p.name == "client-a")
+    t = trace(bridged_lab, "client-a", "172.20.20.15:30320")
+    assert (t["verdict"], t["backends"], t["masquerade"], t["sourceAfter"]) == ("dnat", backends, False, client_a), t
+    p = probe(bridged_lab, "client-a", "172.20.20.15:30320", 12)
+    assert {r["outcome"] for r in p["results"]} == {"ok"}
+    assert {r["backend"] for r in p["results"]} <= set(backends)
+    assert {r["source"].rpartition(":")[0] for r in p["results"]} == {client_a}
