@@ -207,14 +207,17 @@ def trace_(name: str, where: str, target: str, mode: str, as_json: bool) -> None
     from ebpf_proxy.lab import trace as lab_trace
 
     try:
-        p, result = lab_trace.run(_load(name), where, target, mode, as_json)
+        runs = lab_trace.run(_load(name), where, target, mode, as_json)
     except (LabError, FlowError) as exc:
         raise _fail(exc) from None
-    if not as_json and result.returncode == 0:
-        click.echo(f"on {p.node}: {p.why}")
-    sys.stdout.write(result.stdout)
-    sys.stderr.write(result.stderr)
-    sys.exit(result.returncode)
+    for i, (p, result) in enumerate(runs):
+        last = i == len(runs) - 1
+        if not as_json and result.returncode == 0:
+            click.echo(f"on {p.node}: {p.why}")
+        if last or not as_json:  # --json: exactly one object, the deciding node's
+            sys.stdout.write(result.stdout)
+        sys.stderr.write(result.stderr)
+    sys.exit(runs[-1][1].returncode)
 
 
 @lab.command(epilog="\b\nExamples:\n  ebpf-proxy lab mode iptables\n  ebpf-proxy lab mode none")

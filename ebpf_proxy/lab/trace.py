@@ -11,11 +11,15 @@ idea of how it got there; the lab knows both, so the user names a place, not a n
              entering through eth0
 Then `ebpf-proxy trace` runs inside that node's network namespace (and cgroup), exactly as an
 operator would run it on a real node, and its output (text or the one JSON object) is passed on.
+When that node passes the packet on unchanged to another node's address (a pod or a node calling
+another node's NodePort), the other node decides: it is asked next, as the packet arrives there
+(origin external, through eth0), and with --json its answer is the one printed.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import json
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -70,9 +74,40 @@ def plan(lab, where: str, target: str, mode: str = "auto", as_json: bool = False
     return TracePlan(node, tuple(args), why)
 
 
+def follow(lab, first: TracePlan, target: str, mode: str, as_json: bool) -> TracePlan | None:
+    """When the first node passes the packet on unchanged to another node's address (a pod or node
+    calling another node's NodePort), that node decides: the plan for asking it, else None."""
+    dst, port, proto = parse_endpoint(target, "--to")
+    owner = next((n.name for n in lab.topology.nodes if dst in n.all_ips), None)
+    if owner is None or owner == first.node:
+        return None
+    src = first.argv[first.argv.index("--from") + 1]
+    args = ["--from", src, "--in-iface", "eth0", "--to", f"{dst}:{port}/{proto.lower}", "--mode", mode,
+            "--bpffs", str(lab.dir / "bpffs" / owner)] + (["--json"] if as_json else [])
+    return TracePlan(owner, tuple(args), f"{first.node} passes it on unchanged to {owner}'s address "
+                                        "(origin external, entering through eth0)")
+
+
+def _passed(result: subprocess.CompletedProcess, as_json: bool) -> bool:
+    if result.returncode != 0:
+        return False
+    if as_json:
+        try:
+            return json.loads(result.stdout).get("verdict") == "pass"
+        except ValueError:
+            return False
+    return result.stdout.split(" ", 2)[1:2] == ["pass:"]  # "[iptables] pass: ..."
+
+
 def run(lab, where: str, target: str, mode: str = "auto", as_json: bool = False,
-        timeout: float = 60.0) -> tuple[TracePlan, subprocess.CompletedProcess]:
-    """Run the planned `ebpf-proxy trace` in the node's netns; its stdout, stderr and exit status."""
-    p = plan(lab, where, target, mode, as_json)
-    argv = [sys.executable, "-m", "ebpf_proxy", "trace", *p.argv]
-    return p, lab.exec(p.node, argv, check=False, timeout=timeout)
+        timeout: float = 60.0) -> list[tuple[TracePlan, subprocess.CompletedProcess]]:
+    """Run the planned `ebpf-proxy trace` in the node's netns, and on the next node when the first
+    passes the packet on to it; every (plan, stdout/stderr/exit status), the deciding one last."""
+    out = []
+    p: TracePlan | None = plan(lab, where, target, mode, as_json)
+    while p is not None:
+        argv = [sys.executable, "-m", "ebpf_proxy", "trace", *p.argv]
+        result = lab.exec(p.node, argv, check=False, timeout=timeout)
+        out.append((p, result))
+        p = follow(lab, p, target, mode, as_json) if len(out) == 1 and _passed(result, as_json) else None
+    return out

@@ -77,6 +77,8 @@ CASES = [
     ("outside-to-worker2-nodeport", "outside", f"{W2}:{NODE_PORT}", "drop", [], False, None),
     ("outside-to-worker3-nodeport", "outside", f"{W3}:{NODE_PORT}", "dnat", [POD_W3], False, "203.0.113.5"),
     ("worker2-to-own-nodeport", "worker2", f"{W2}:{NODE_PORT}", "dnat", [POD_W3, POD_W1], True, W2),
+    # worker1 passes it on unchanged; worker2 decides (lab trace follows it there)
+    ("worker1-to-worker2-nodeport", "worker1", f"{W2}:{NODE_PORT}", "drop", [], False, None),
     ("pod-to-service-without-endpoints", "my-nginx-1", f"{EMPTY_IP}:80", "reject", [], False, None),
     ("pod-on-worker3-to-cluster-ip", "my-nginx-2", f"{CLUSTER_IP}:80", "dnat", [POD_W3, POD_W1], True, None),
 ]

@@ -10,7 +10,7 @@ import pytest
 from ebpf_proxy.explain.packet import FlowError
 from ebpf_proxy.lab import naming
 from ebpf_proxy.lab.topology import load_topology
-from ebpf_proxy.lab.trace import plan
+from ebpf_proxy.lab.trace import follow, plan
 
 TOPOLOGY = Path(__file__).parents[1] / "e2e" / "local_traffic_topology.yaml"  # worker1's pods on bridge cbr0
 
@@ -49,3 +49,12 @@ def test_a_node_sends_from_its_address_or_from_loopback(lab):
 def test_errors_name_the_option(lab, where, target, message):
     with pytest.raises(FlowError, match=message):
         plan(lab, where, target)
+
+
+def test_a_packet_passed_on_to_another_nodes_address_is_asked_there(lab):
+    first = plan(lab, "worker1", "172.20.20.16:30320", as_json=True)
+    nxt = follow(lab, first, "172.20.20.16:30320", "auto", True)
+    assert nxt.node == "worker2" and nxt.argv[:4] == ("--from", "172.20.20.15", "--in-iface", "eth0")
+    assert nxt.argv[-1] == "--json"
+    assert follow(lab, first, "10.96.110.20:80", "auto", True) is None  # not a node's address
+    assert follow(lab, plan(lab, "worker2", "172.20.20.16:30320"), "172.20.20.16:30320", "auto", False) is None
