@@ -21,18 +21,17 @@ from __future__ import annotations
 
 import functools
 import ipaddress
-import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from ebpf_proxy.explain.iptables_answer import generic_comment, summarise
 from ebpf_proxy.explain.iptables_rules import Chain, Match, Rule, Tables
 from ebpf_proxy.explain.packet import FlowSpec
-from ebpf_proxy.explain.result import Step, Trace
+from ebpf_proxy.explain.result import Trace
 
 LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
 MAX_DEPTH = 64  # chain nesting; deeper means a loop
 MAX_PATHS = 4096  # forks multiply; far more than any service has endpoints x affinity branches
-_SERVICE_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?/[a-z]([-a-z0-9]*[a-z0-9])?(:[-a-z0-9]+)?$")
 _PROTO_NUMBERS = {"6": "tcp", "17": "udp", "132": "sctp"}
 
 
@@ -58,14 +57,14 @@ class NodeFacts:
 
 
 @dataclass(frozen=True)
-class _Visit:
+class Visit:
     hook: str
     chain: str
     actions: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
-class _Path:
+class WalkPath:
     """One way the connection can go (forks copy it)."""
 
     src: str
@@ -80,10 +79,10 @@ class _Path:
     policy: str | None = None  # "filter FORWARD policy DROP" when a chain's policy dropped it
     marked_by: str | None = None  # the comment of the rule that led to the last MARK (KUBE-MARK-DROP's caller)
     rules: tuple[Rule, ...] = ()  # every rule whose condition matched, in order
-    visits: tuple[_Visit, ...] = ()
+    visits: tuple[Visit, ...] = ()
     stages: tuple[int, ...] = ()  # index in `visits` where each hook starts
 
-    def act(self, at: int, action: str) -> _Path:
+    def act(self, at: int, action: str) -> WalkPath:
         v = self.visits[at]
         return replace(self, visits=(*self.visits[:at], replace(v, actions=(*v.actions, action)), *self.visits[at + 1:]))
 
@@ -97,8 +96,8 @@ class _Walker:
     notes: list[str] = field(default_factory=list)
 
     # ---- the hooks -----------------------------------------------------------------------------
-    def walk(self) -> list[_Path]:
-        start = _Path(src=self.flow.src, dst=self.flow.dst, dport=self.flow.dport)
+    def walk(self) -> list[WalkPath]:
+        start = WalkPath(src=self.flow.src, dst=self.flow.dst, dport=self.flow.dport)
         if self.flow.origin == "host":
             paths = self.hook("nat", "OUTPUT", [start])
             paths = self.hook("filter", "OUTPUT", paths)
@@ -107,7 +106,7 @@ class _Walker:
             # consulted again, the connection's NAT was decided in OUTPUT)
             return [q for p in paths
                     for q in (self.hook("filter", "INPUT", [p]) if self.node.is_local(p.dst) else [p])]
-        out: list[_Path] = []
+        out: list[WalkPath] = []
         for p in self.hook("nat", "PREROUTING", [start]):
             if self.node.is_local(p.dst):
                 out += self.hook("filter", "INPUT", [p])
@@ -115,7 +114,7 @@ class _Walker:
                 out += self.hook("nat", "POSTROUTING", self.hook("filter", "FORWARD", [p]))
         return out
 
-    def hook(self, table: str, hook: str, paths: list[_Path]) -> list[_Path]:
+    def hook(self, table: str, hook: str, paths: list[WalkPath]) -> list[WalkPath]:
         """Run the built-in chain `hook` of `table` on every path still going; fall-through meets its policy."""
         chain = self.tables.chain(table, hook)
         if chain is None:
@@ -141,13 +140,13 @@ class _Walker:
         return out
 
     # ---- one chain -----------------------------------------------------------------------------
-    def run(self, chain: Chain, hook: str, p: _Path, depth: int) -> list[tuple[_Path, str]]:
+    def run(self, chain: Chain, hook: str, p: WalkPath, depth: int) -> list[tuple[WalkPath, str]]:
         """Enter `chain`; every way out as (path, how), how: return, accept, drop, reject, dnat, snat."""
         if depth > MAX_DEPTH:
             raise WalkError(f"{chain.name}: chains nested more than {MAX_DEPTH} deep (a jump loop?)")
         at = len(p.visits)
-        p = replace(p, visits=(*p.visits, _Visit(hook, chain.name)))
-        out: list[tuple[_Path, str]] = []
+        p = replace(p, visits=(*p.visits, Visit(hook, chain.name)))
+        out: list[tuple[WalkPath, str]] = []
         work = [(p, 0)]
         while work:
             p, i = work.pop()
@@ -183,7 +182,7 @@ class _Walker:
                             "this much)")
 
     # ---- targets ----------------------------------------------------------------------------------
-    def target(self, chain: Chain, hook: str, rule: Rule, p: _Path, at: int, depth: int) -> list[tuple[_Path, str]]:
+    def target(self, chain: Chain, hook: str, rule: Rule, p: WalkPath, at: int, depth: int) -> list[tuple[WalkPath, str]]:
         """The ways out of a matched rule; how == "continue": go on with the next rule of this chain."""
         t = rule.target
         if t is None:  # no target: the rule only counts; its comment may still say something
@@ -209,7 +208,7 @@ class _Walker:
             return [self._snat(rule, p, at)]
         if t == "MARK":
             mark = _apply_mark(rule, p.mark)
-            why = next((r.comment for r in reversed(p.rules) if r.comment and not _generic(r.comment)), None)
+            why = next((r.comment for r in reversed(p.rules) if r.comment and not generic_comment(r.comment)), None)
             return [(replace(p, mark=mark, marked_by=why).act(at, f"MARK {p.mark:#x} → {mark:#x}"), "continue")]
         if t in ("LOG", "NFLOG"):
             return [(p, "continue")]
@@ -218,7 +217,7 @@ class _Walker:
         raise WalkError(f"{rule.where}: target {t} is neither a chain of the {rule.table} table nor a target "
                         "the walk knows (ACCEPT, DROP, REJECT, RETURN, DNAT, SNAT, MASQUERADE, MARK, LOG)")
 
-    def _dnat(self, rule: Rule, p: _Path, at: int) -> tuple[_Path, str]:
+    def _dnat(self, rule: Rule, p: WalkPath, at: int) -> tuple[WalkPath, str]:
         if rule.table != "nat":
             raise WalkError(f"{rule.where}: DNAT outside the nat table")
         to = rule.target_args.get("--to-destination")
@@ -231,7 +230,7 @@ class _Walker:
         dest = f"{host}:{dport}"
         return replace(p, dst=host, dport=dport, dnat=dest).act(at, f"DNAT to {dest}"), "dnat"
 
-    def _snat(self, rule: Rule, p: _Path, at: int) -> tuple[_Path, str]:
+    def _snat(self, rule: Rule, p: WalkPath, at: int) -> tuple[WalkPath, str]:
         if rule.target == "MASQUERADE":
             addr = self.node.masquerade_ip
             if addr is None:
@@ -246,7 +245,7 @@ class _Walker:
         return replace(p, snat=addr).act(at, text + _quoted(rule)), "snat"
 
     # ---- matches ------------------------------------------------------------------------------------
-    def matches(self, rule: Rule, p: _Path, hook: str):
+    def matches(self, rule: Rule, p: WalkPath, hook: str):
         """True, False, or "fork" (the kernel decides at random or by memory: both can happen)."""
         fork = False
         for m in rule.matches:
@@ -262,7 +261,7 @@ class _Walker:
             return "lo" if hook == "INPUT" else ""  # "": generated here, no input device
         return self.flow.in_iface
 
-    def _one(self, rule: Rule, m: Match, p: _Path, hook: str):
+    def _one(self, rule: Rule, m: Match, p: WalkPath, hook: str):
         """The match's own truth (before its `!`), or "fork"."""
         k, v = m.kind, m.value
         if k in ("src", "dst"):
@@ -310,7 +309,7 @@ class _Walker:
 def walk(tables: Tables, flow: FlowSpec, node: NodeFacts) -> Trace:
     """Every way `flow` (a new connection) can go through `tables` on `node`, as one Trace."""
     w = _Walker(tables, flow, node)
-    return summarise(w.walk(), flow, node, w.notes)
+    return summarise(w.walk(), flow, w.notes)
 
 
 def _branch_label(chain: Chain, rule: Rule) -> str:
@@ -343,11 +342,7 @@ def _is_ipv4(text: str) -> bool:
 def _quoted(rule: Rule) -> str:
     """The rule's comment for a step, unless it is one of the fixed "kubernetes ..." plumbing comments
     (the chain names say as much)."""
-    return f' "{rule.comment}"' if rule.comment and not _generic(rule.comment) else ""
-
-
-def _generic(comment: str) -> bool:
-    return comment.startswith("kubernetes ")
+    return f' "{rule.comment}"' if rule.comment and not generic_comment(rule.comment) else ""
 
 
 def _in_networks(ip: str, value: str, rule: Rule) -> bool:
@@ -396,105 +391,3 @@ def _apply_mark(rule: Rule, mark: int) -> int:
     except ValueError:
         raise WalkError(f"{rule.where}: the MARK value is not a number") from None
     raise WalkError(f"{rule.where}: MARK without --set-xmark, --set-mark, --or-mark, --and-mark or --xor-mark")
-
-
-# ---- from paths to one answer ----------------------------------------------------------------------
-
-_ORDER = ("dnat", "reject", "drop", "accept", "pass")
-_ENTRY_CHAINS = ("KUBE-SERVICES", "KUBE-NODEPORTS")
-_ENTRY_PREFIXES = ("KUBE-EXT-", "KUBE-FW-", "KUBE-XLB-")
-
-
-def _verdict(p: _Path) -> str:
-    return p.end or ("dnat" if p.dnat else "accept" if p.kube_accept else "pass")
-
-
-def service_of(comment: str | None) -> str | None:
-    """The "ns/name[:port]" a kube-proxy comment names ("default/web:http cluster IP" -> "default/web:http")."""
-    for word in (comment or "").split():
-        if _SERVICE_RE.match(word):
-            return word
-    return None
-
-
-def summarise(paths: list[_Path], flow: FlowSpec, node: NodeFacts, notes: Iterable[str] = ()) -> Trace:
-    """One Trace for every way the connection can go: the verdict is the first of
-    dnat, reject, drop, accept, pass that any path reaches (paths differ only where the kernel picks
-    at random, so in practice they all agree; `details["verdicts"]` shows it when they do not)."""
-    verdicts = [_verdict(p) for p in paths]
-    verdict = next(v for v in _ORDER if v in verdicts)
-    chosen = [p for p, v in zip(paths, verdicts) if v == verdict]
-    first = chosen[0]
-    service = next((s for p in chosen for r in p.rules if (s := service_of(r.comment))), None)
-    backends = tuple(dict.fromkeys(p.dnat for p in chosen if p.dnat))
-    masq = [p for p in chosen if p.snat]
-    masquerade = verdict not in ("drop", "reject") and bool(masq)
-    if verdict in ("drop", "reject"):
-        source_after = None
-    else:
-        source_after = masq[0].snat if masquerade else flow.src
-    details: dict = {"paths": len(paths), "notes": list(notes)}
-    if len(set(verdicts)) > 1:
-        details["verdicts"] = sorted(set(verdicts))
-    story = ""
-    reason = _reason(verdict, first, flow)
-    if verdict == "dnat" and masquerade and len(masq) < len(chosen):
-        only = sorted({p.dnat for p in masq if p.dnat})
-        details["masqueradedVia"] = only
-        story = (f"dnat{' ' + service if service else ''}: to one of {', '.join(sorted(backends))}; masqueraded "
-                 f"only via {', '.join(only)} (a backend reaching itself: hairpin), else the backend sees {flow.src}")
-    elif verdict in ("drop", "reject") and first.decider is not None:
-        story = _why(verdict, service, reason, first.decider)
-    trace = Trace("iptables", verdict, reason, service, backends, masquerade, source_after,
-                  _steps(paths), story=story, details=details)
-    if details["notes"]:  # e.g. a dump without its filter table: say what was not checked
-        trace = replace(trace, story=f"{trace.sentence()} [{'; '.join(details['notes'])}]")
-    return trace
-
-
-def _reason(verdict: str, p: _Path, flow: FlowSpec) -> str:
-    if verdict in ("drop", "reject", "accept"):
-        if p.decider is None:
-            return p.policy or "a chain's policy"
-        said = p.decider.comment or p.decider.where
-        if p.marked_by and any(m.kind == "mark" for m in p.decider.matches):
-            said += f" (marked by: {p.marked_by})"  # e.g. kube-proxy < 1.22's KUBE-MARK-DROP
-        return said
-    if verdict == "dnat":
-        said = [f"{r.comment} node port" if r.chain == "KUBE-NODEPORTS" and service_of(r.comment) == r.comment
-                else r.comment for r in p.rules
-                if r.comment and not _generic(r.comment) and r.table == "nat"
-                and (r.chain in _ENTRY_CHAINS or r.chain.startswith(_ENTRY_PREFIXES))]
-        said = list(dict.fromkeys(said))
-        return "; ".join(said) if said else f"DNAT by {next(r for r in reversed(p.rules) if r.target == 'DNAT').where}"
-    return f"no rule translates, drops or rejects {flow.dst}:{flow.dport}/{flow.protocol.lower}: not a service here"
-
-
-def _why(verdict: str, service: str | None, reason: str, rule: Rule) -> str:
-    """The drop/reject sentence, with what kube-proxy's comment means spelt out."""
-    head = f"{verdict}{' ' + service if service else ''}: {reason}"
-    if "has no local endpoints" in reason:
-        policy = "internalTrafficPolicy" if rule.chain == "KUBE-SERVICES" else "externalTrafficPolicy"
-        return f"{head} ({policy}: Local, and none of its ready endpoints runs on this node)"
-    if "has no endpoints" in reason:
-        return f"{head} (no ready endpoint anywhere: the client gets ICMP port unreachable)"
-    return head
-
-
-def _steps(paths: list[_Path]) -> tuple[Step, ...]:
-    """Every chain entered, in order, hook by hook; where paths fork, each branch's chains follow
-    the branch point (a chain visit identical in two paths is listed once)."""
-    hooks = max((len(p.stages) for p in paths), default=0)
-    out: list[Step] = []
-    for h in range(hooks):
-        seen: set[tuple[str, str, tuple[str, ...]]] = set()
-        for p in paths:
-            if h >= len(p.stages):
-                continue
-            end = p.stages[h + 1] if h + 1 < len(p.stages) else len(p.visits)
-            for v in p.visits[p.stages[h]:end]:
-                key = (v.hook, v.chain, v.actions)
-                if key not in seen:
-                    seen.add(key)
-                    out.append(Step(v.hook, v.chain, "; ".join(v.actions) or "no rule matched: return", kind="chain"))
-    return tuple(out)

@@ -15,7 +15,8 @@ import pytest
 
 from ebpf_proxy.datapath.iptables.render import render
 from ebpf_proxy.explain.iptables_rules import RulesError, from_ruleset, parse_save
-from ebpf_proxy.explain.iptables_walk import NodeFacts, WalkError, service_of, walk
+from ebpf_proxy.explain.iptables_answer import service_of
+from ebpf_proxy.explain.iptables_walk import NodeFacts, WalkError, walk
 from ebpf_proxy.explain.packet import FlowSpec
 from ebpf_proxy.model import Endpoint, LocalDetector, LocalMode, NodeConfig, Protocol, ProxyState, ServicePort, ServicePortName
 
