@@ -422,3 +422,25 @@ def test_what_was_not_checked_is_said_and_quoted_comments_are_read_whole():
              facts("worker2"))
     assert t.verdict == "dnat" and t.reason == 'default/my-nginx "cluster" IP'
     assert "[the rules hold no filter table: filter FORWARD was not checked]" in t.sentence()
+
+
+def test_a_new_connection_is_new_and_dnat_once_translated():
+    """KUBE-FIREWALL's localnet rule: `! --ctstate RELATED,ESTABLISHED,DNAT` matches a NEW connection
+    that was not DNATed (dropped) and not one that was (a localhost NodePort)."""
+    tables = tables_for("worker2", [(nginx(False), endpoints(NGINX, "worker2"))])
+    ssh = walk(tables, FlowSpec("10.244.3.5", "127.0.0.1", 22, origin="pod", in_iface="lxc1"), facts("worker2"))
+    assert (ssh.verdict, ssh.reason) == ("drop", "block incoming localnet connections")
+    local_dnat = parse_save("""*nat
+:PREROUTING ACCEPT [0:0]
+-A PREROUTING -p tcp --dport 22 -j DNAT --to-destination 127.0.0.1:2222
+COMMIT
+*filter
+:INPUT ACCEPT [0:0]
+-A INPUT -m conntrack --ctstate RELATED,ESTABLISHED -j DROP
+-A INPUT -d 127.0.0.0/8 -m conntrack ! --ctstate DNAT -j DROP
+-A INPUT -m state --state NEW -m conntrack --ctstate NEW,DNAT -p tcp --dport 2222 -j ACCEPT
+COMMIT
+""")
+    t = walk(local_dnat, FlowSpec("10.244.3.5", "127.0.0.1", 22, origin="pod", in_iface="lxc1"), facts("worker2"))
+    assert (t.verdict, t.backends, t.masquerade) == ("dnat", ("127.0.0.1:2222",), False)
+    assert t.steps[-1].action == "ACCEPT"
