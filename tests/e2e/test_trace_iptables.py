@@ -41,7 +41,7 @@ PROBE_OUTCOME = {"dnat": "ok", "drop": "timeout", "reject": "refused"}
 
 @pytest.fixture(scope="module")
 def lab():
-    name = f"trc{os.getpid() % 10000}"
+    name = f"iptr{os.getpid() % 10000}"  # "trc…" is another suite's prefix
     destroy(name)
     try:
         lab = Lab.up(name, None, mode="iptables")  # the default topology is seed 000's cluster
@@ -142,7 +142,7 @@ WEB_1, WEB_2 = "10.244.5.4:80", "10.244.4.3:80"  # on worker1 (bridged) and work
 
 @pytest.fixture(scope="module")
 def bridged_lab():
-    name = f"trb{os.getpid() % 10000}"
+    name = f"iptb{os.getpid() % 10000}"
     destroy(name)
     try:
         lab = Lab.up(name, str(LT_TOPOLOGY), mode="iptables")
