@@ -190,6 +190,36 @@ def probe(name: str, where: str, target: str, source_ip: str | None, count: int,
     click.echo(f"summary: ok={s['ok']} refused={s['refused']} timeout={s['timeout']} by_pod={s['by_pod']}")
 
 
+@lab.command("trace", epilog="\b\nExamples:\n  ebpf-proxy lab trace --from outside --to 172.20.20.16:30294\n"
+             "  ebpf-proxy lab trace --from my-nginx-1 --to 10.104.89.245:80 --json\n"
+             "  ebpf-proxy lab trace --from worker2 --to 127.0.0.1:30294\n"
+             "\b\nExit status: that of `ebpf-proxy trace` on the node (2: eBPF tracing not available).")
+@name_option
+@click.option("--from", "where", required=True, help="Node, pod or client the connection starts from.")
+@click.option("--to", "target", required=True, help="IP:PORT[/tcp|udp|sctp]")
+@click.option("--mode", type=click.Choice(["auto", "iptables", "ebpf"]), default="auto", show_default=True,
+              help="Which datapath to ask; auto: the one the node runs.")
+@click.option("--json", "as_json", is_flag=True, help="Print exactly one JSON object (stable interface).")
+def trace_(name: str, where: str, target: str, mode: str, as_json: bool) -> None:
+    """Explain what the datapath does with a new connection from WHERE: runs `ebpf-proxy trace` on the
+    node the packet first reaches (a pod's node, the node itself, or a client's entry node)."""
+    from ebpf_proxy.explain.packet import FlowError
+    from ebpf_proxy.lab import trace as lab_trace
+
+    try:
+        runs = lab_trace.run(_load(name), where, target, mode, as_json)
+    except (LabError, FlowError) as exc:
+        raise _fail(exc) from None
+    for i, (p, result) in enumerate(runs):
+        last = i == len(runs) - 1
+        if not as_json and result.returncode == 0:
+            click.echo(f"on {p.node}: {p.why}")
+        if last or not as_json:  # --json: exactly one object, the deciding node's
+            sys.stdout.write(result.stdout)
+        sys.stderr.write(result.stderr)
+    sys.exit(runs[-1][1].returncode)
+
+
 @lab.command(epilog="\b\nExamples:\n  ebpf-proxy lab mode iptables\n  ebpf-proxy lab mode none")
 @name_option
 @click.argument("mode", type=click.Choice(MODES))

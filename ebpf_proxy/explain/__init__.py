@@ -6,4 +6,8 @@ k8s/), and explains or compares; nothing below it imports it.
 
 - result.py      the one answer shape (Trace, Step), its JSON and its one-line story
 - packet.py      the packet a trace is about (FlowSpec): addresses, protocol, where it enters
+- iptables_rules.py  iptables rules as data: iptables-save text (legacy or nft) or our Ruleset
+- iptables_walk.py   a new connection walked through those rules hook by hook, every branch
+- iptables_answer.py those branches summed up as one Trace (verdict, reason, backends, steps)
+- iptables_live.py   the node's live rules (right backend), addresses and masquerade address
 """
