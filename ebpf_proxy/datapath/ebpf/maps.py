@@ -24,6 +24,8 @@ from ebpf_proxy.datapath.ebpf import libbpf
 from ebpf_proxy.datapath.ebpf import structs as s
 
 IPPROTO = {"TCP": socket.IPPROTO_TCP, "UDP": socket.IPPROTO_UDP, "SCTP": 132}
+# Array maps: a fixed number of entries that are never deleted (config, counters, trace records).
+ARRAY_MAPS = ("epx_config", "epx_stats", "epx_trace")
 
 
 # ---- byte order: the only conversions in the project ----
@@ -484,6 +486,18 @@ class Maps:
             out[reason] = (sum(c.packets for c in per_cpu), sum(c.bytes for c in per_cpu))
         return out
 
+    def trace_record(self, nonce: int) -> s.EpxTraceRec | None:
+        """The trace record carrying `nonce` (trace mode, common.h): epx_trace is per-CPU and the
+        run happened on whichever CPU the kernel chose, so every CPU's slot is looked at."""
+        ncpu = libbpf.num_possible_cpus()
+        per_cpu = (s.EpxTraceRec * ncpu)()
+        if not libbpf.map_lookup(self._fd("epx_trace"), s.u32(0), per_cpu):
+            return None
+        for rec in per_cpu:
+            if rec.nonce == nonce and rec.hook:
+                return s.EpxTraceRec.from_buffer_copy(rec)
+        return None
+
     def reset_stats(self) -> None:
         ncpu = libbpf.num_possible_cpus()
         zero = (s.EpxStat * ncpu)()
@@ -493,7 +507,7 @@ class Maps:
     def reset(self) -> None:
         """Empty every map and zero the counters and settings: a blank datapath."""
         for name in s.MAPS:
-            if name not in ("epx_config", "epx_stats"):
+            if name not in ARRAY_MAPS:
                 self.clear(name)
         self._put("epx_config", s.u32(0), s.LB4Config())
         self.reset_stats()
@@ -594,7 +608,7 @@ def _backend_addrs_batched(fd: int) -> set[tuple[str, int]]:
 
 # Maps whose entries exist only when written: their counts are the datapath's state (arrays
 # always hold max_entries slots).
-COUNTED_MAPS = tuple(name for name in s.MAPS if name not in ("epx_config", "epx_stats"))
+COUNTED_MAPS = tuple(name for name in s.MAPS if name not in ARRAY_MAPS)
 
 
 def entry_counts(bpffs_dir: str | Path) -> dict[str, int]:
