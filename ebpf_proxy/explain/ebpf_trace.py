@@ -60,6 +60,8 @@ ORIGIN_NAMES = {s.ORIGIN_POD: "pod", s.ORIGIN_NODE: "node", s.ORIGIN_EXTERNAL: "
 
 _DNAT = {s.Reason.FWD_NEW, s.Reason.FWD_ESTABLISHED, s.Reason.SOCK_FWD}
 _REJECT = {s.Reason.REJECT, s.Reason.SOCK_REJECT}
+# lb4_policy verdicts that can come before it chose an endpoint set and a masquerade
+_BEFORE_SCOPE = _REJECT | {s.Reason.DROP_SOURCE_RANGE}
 
 Names = Mapping[tuple[str, int, str], str]
 
@@ -369,7 +371,7 @@ def _service_name(names: Names | None, flow: FlowSpec) -> str | None:
 def _scope_words(rec: s.EpxTraceRec) -> str:
     if rec.scope == s.LB4_SCOPE_LOCAL:
         why = "internalTrafficPolicy=Local" if not rec.svc_flags & s.LB4_F_EXTERNAL else "externalTrafficPolicy=Local"
-        return f"this node's endpoints only ({why})"
+        return f"this node's endpoints only: {why}"
     return "every endpoint"
 
 
@@ -383,6 +385,8 @@ def _decision_words(rec: s.EpxTraceRec, reason: s.Reason) -> str:
     parts = [reason_text(reason)]
     if rec.flags & s.TRACE_F_ESTABLISHED:
         parts.append(f"connection table: established, backend {ip_str(rec.backend_addr)}:{port_int(rec.backend_port)}")
+    elif rec.flags & s.TRACE_F_POLICY and reason in _BEFORE_SCOPE:
+        parts.append(f"origin {ORIGIN_NAMES.get(rec.origin, rec.origin)}")  # decided before an endpoint set
     elif rec.flags & s.TRACE_F_POLICY:
         parts.append(f"origin {ORIGIN_NAMES.get(rec.origin, rec.origin)}, {_scope_words(rec)}, {_masq_words(rec)}")
         if rec.flags & s.TRACE_F_BACKEND:
@@ -445,7 +449,7 @@ def _trace(dp: _Datapath, ipr, flow: FlowSpec, names: Names | None, cgroup: str 
         else:
             action = _decision_words(rec, reason) + " (decided at the socket: no packet carries the frontend)"
         steps.append(Step(HOOK_NAMES[rec.hook], program, action))
-        details.update(_rec_details(rec, cg=str(cg)))
+        details.update(_rec_details(rec, cgroup=str(cg)))
         verdict = _verdict(reason) if rec.flags & s.TRACE_F_SERVICE else "pass"
         backends = _backends(dp, rec) if verdict == "dnat" else []
         source_after = None
@@ -522,7 +526,9 @@ def _rec_details(rec: s.EpxTraceRec, **extra) -> dict:
     }
     if rec.flags & s.TRACE_F_SERVICE:
         out.update(svcId=rec.svc_id, svcFlags=rec.svc_flags, clusterSlots=rec.svc_count, localSlots=rec.svc_local_count)
-    if rec.flags & s.TRACE_F_POLICY:
+    if rec.flags & s.TRACE_F_POLICY and s.Reason(rec.reason) in _BEFORE_SCOPE:
+        out.update(origin=ORIGIN_NAMES.get(rec.origin, str(rec.origin)))
+    elif rec.flags & s.TRACE_F_POLICY:
         out.update(origin=ORIGIN_NAMES.get(rec.origin, str(rec.origin)),
                    scope="local" if rec.scope == s.LB4_SCOPE_LOCAL else "cluster",
                    masqueradePolicy=bool(rec.masq & s.TRACE_MASQ_POLICY),
