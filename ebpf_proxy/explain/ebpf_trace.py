@@ -396,7 +396,7 @@ def _decision_words(rec: s.EpxTraceRec, reason: s.Reason) -> str:
 
 
 def _story(verdict: str, reason: s.Reason, rec: s.EpxTraceRec, service: str | None, flow: FlowSpec,
-           backends: list[str], source_after: str | None, where: str) -> str:
+           backends: list[str], source_after: str | None, where: str, masquerade: bool = False) -> str:
     svc = f" {service}" if service else f" {flow.dst}:{flow.dport}/{flow.protocol.lower}"
     if reason == s.Reason.DROP_NO_LOCAL_EXTERNAL:
         return (f"drop{svc}: externalTrafficPolicy=Local and this node has no local endpoint; traffic from "
@@ -411,7 +411,7 @@ def _story(verdict: str, reason: s.Reason, rec: s.EpxTraceRec, service: str | No
             "an ICMP port unreachable goes back to the client"
         return f"reject{svc}: no usable endpoint; {how}"
     if verdict == "dnat":
-        seen = f"the node's address ({source_after})" if rec.masq else f"the client's address ({source_after})"
+        seen = f"the node's address ({source_after})" if masquerade else f"the client's address ({source_after})"
         return f"dnat{svc}: to one of {', '.join(backends)} ({_scope_words(rec)}); the backend sees {seen}"
     return f"{verdict}{svc}: {reason_text(reason)}"
 
@@ -460,7 +460,8 @@ def _trace(dp: _Datapath, ipr, flow: FlowSpec, names: Names | None, cgroup: str 
                 source_after = _route(ipr, ip_str(rec.backend_addr))[1] or (ip_str(cfg.snat_addr) or None)
         return Trace("ebpf", verdict, reason_text(reason), service, tuple(backends), bool(rec.masq) and verdict == "dnat",
                      source_after, tuple(steps),
-                     story=_story(verdict, reason, rec, service, flow, backends, source_after, program),
+                     story=_story(verdict, reason, rec, service, flow, backends, source_after, program,
+                                  masquerade=bool(rec.masq) and verdict == "dnat"),
                      details=details)
 
     ifindex = _ingress_device(ipr, flow)
@@ -491,31 +492,43 @@ def _trace(dp: _Datapath, ipr, flow: FlowSpec, names: Names | None, cgroup: str 
     details.update(_rec_details(rec))
 
     backends = _backends(dp, rec) if verdict == "dnat" else []
-    masquerade = bool(rec.masq) and verdict == "dnat"
+    masquerade = verdict == "dnat" and _masquerades(rec, backends, flow)
+    hairpin = [b for b in backends if b.rsplit(":", 1)[0] == flow.src]
+    if hairpin and not masquerade:
+        details["hairpinBackends"] = hairpin  # only a pick of these is masqueraded (rule 3)
     source_after = None
     if verdict == "dnat":
-        source_after = flow.src
+        snat = ip_str(cfg.snat_addr) if cfg.snat_addr else None
+        source_after = snat if masquerade else flow.src
         oif, _ = _route(ipr, ip_str(rec.backend_addr))
-        if oif:
-            _, eout, erec = _run_tc(dp, "tc_egress", out, oif, s.HOOK_TC_EGRESS)
-            oname = _link_name(ipr, oif)
+        if oif:  # the packet this run DNATed, on its way out toward the backend it picked
+            _, _, erec = _run_tc(dp, "tc_egress", out, oif, s.HOOK_TC_EGRESS)
             ereason = s.Reason(erec.reason)
             if erec.flags & s.TRACE_F_SNAT:
                 source_after = ip_str(erec.snat_addr)
                 eaction = f"{reason_text(ereason)}: source {source_after}:{port_int(erec.snat_port)}"
-            elif masquerade:
-                source_after = ip_str(cfg.snat_addr) if cfg.snat_addr else None
+            elif rec.masq:
                 eaction = (f"{reason_text(ereason)}; a dry run made no connection entry, so the masquerade decided "
-                           f"at ingress is applied here: source {source_after} (epx_config snat_addr)")
+                           f"at ingress is applied here: source {snat} (epx_config snat_addr)")
+                if rec.masq == s.TRACE_MASQ_HAIRPIN:
+                    eaction += " (hairpin: this run picked the client itself)"
             else:
                 eaction = f"{reason_text(ereason)}: source kept ({flow.src})"
-            steps.append(Step("tc-egress", f"tc_egress@{oname}", eaction))
-        elif masquerade:
-            source_after = ip_str(cfg.snat_addr) if cfg.snat_addr else None
+            steps.append(Step("tc-egress", f"tc_egress@{_link_name(ipr, oif)}", eaction))
     where = f"tc_ingress@{ifname}"
     return Trace("ebpf", verdict, reason_text(reason), service, tuple(backends), masquerade, source_after,
-                 tuple(steps), story=_story(verdict, reason, rec, service, flow, backends, source_after, where),
+                 tuple(steps), story=_story(verdict, reason, rec, service, flow, backends, source_after, where,
+                                            masquerade=masquerade),
                  details=details)
+
+
+def _masquerades(rec: s.EpxTraceRec, backends: list[str], flow: FlowSpec) -> bool:
+    """Whether the backend sees the node's address, whichever backend of the set it is: the policy
+    (or an established connection's entry) says so, or every backend is the client itself
+    (hairpin). A set where only some are the client depends on the draw: not masqueraded."""
+    if rec.flags & s.TRACE_F_ESTABLISHED or rec.masq & s.TRACE_MASQ_POLICY:
+        return bool(rec.masq)
+    return bool(backends) and all(b.rsplit(":", 1)[0] == flow.src for b in backends)
 
 
 def _rec_details(rec: s.EpxTraceRec, **extra) -> dict:

@@ -17,7 +17,7 @@ from scapy.layers.l2 import Ether
 
 from ebpf_proxy.datapath.ebpf import libbpf, loader, testrun
 from ebpf_proxy.datapath.ebpf import structs as s
-from ebpf_proxy.datapath.ebpf.maps import ip_str, port_int
+from ebpf_proxy.datapath.ebpf.maps import Backend, Frontend, Service, ip_str, port_int
 from tests.bpf import test_tc_ingress as tci
 from tests.bpf import test_xdp as txdp
 from tests.bpf import world as w
@@ -295,3 +295,47 @@ def test_trace_ebpf_asks_the_socket_lb_for_node_traffic(lab, datapath, maps, pin
     assert host.reason.startswith("SOCK_FWD")
     assert live[0] == "ok" and live[1].split(":")[0] == host.source_after == netlab.NODE_BACKEND_SIDE
     assert (dead.verdict, dead.reason.split(":")[0]) == ("reject", "SOCK_REJECT")
+
+
+ITP_VIP, LOCAL_NODE_PORT = "10.96.0.77", 30081  # iTP=Local and eTP=Local, neither with a local endpoint
+SOCK_CASES = {  # frontend: (trace verdict, reason, what the live connect() gets)
+    "clusterIP": ((VIP, PORT), "dnat", "SOCK_FWD", "ok"),
+    "eTP=Local NodePort from the node: any endpoint": ((netlab.NODE_OUTSIDE_SIDE, LOCAL_NODE_PORT), "dnat", "SOCK_FWD", "ok"),
+    "iTP=Local without a local endpoint": ((ITP_VIP, PORT), "drop", "DROP_NO_LOCAL_INTERNAL", "PermissionError"),
+    "no endpoints": ((DEAD_VIP, PORT), "reject", "SOCK_REJECT", "ConnectionRefusedError"),
+}
+
+
+@pytest.mark.parametrize("name", SOCK_CASES)
+def test_socket_lb_dry_run_decides_as_the_live_call(lab, datapath, maps, pin_dir, name):
+    (addr, port), verdict, reason, live_outcome = SOCK_CASES[name]
+    has, ext = s.LB4_F_HAS_ENDPOINTS, s.LB4_F_EXTERNAL
+    maps.set_service(Frontend(None, LOCAL_NODE_PORT, 6), Service(16, 1, 0, 0, has | ext | s.LB4_F_ETP_LOCAL))
+    maps.set_service(Frontend(ITP_VIP, PORT, 6), Service(16, 1, 0, 0, has | s.LB4_F_ITP_LOCAL))
+    cgroup = lab.cgroup()
+    maps.set_settings(replace(SETTINGS, host_netns_cookie=lab.netns_cookie("node")))
+    loader.attach_cgroup(datapath, cgroup)
+    try:
+        before = quiet_state(maps)
+        t = node_trace(lab, pin_dir, FlowSpec(netlab.NODE_OUTSIDE_SIDE, addr, port, origin="host"), cgroup=cgroup)
+        assert quiet_state(maps) == before
+        zero_trace_map(maps)
+        live = lab.client("node", "tcp", addr, port, cgroup=cgroup, timeout=1)
+        assert all_trace_records(maps) == bytes(len(all_trace_records(maps))), "a live connect() records nothing"
+    finally:
+        loader.detach_cgroup(datapath, cgroup)
+    assert (t.verdict, t.reason.split(":")[0]) == (verdict, reason)
+    assert (live[0] if live[0] == "ok" else live[1]) == live_outcome
+    if verdict == "dnat":
+        assert t.backends == (BACKEND,) and live[1].split(":")[0] == t.source_after
+
+
+def test_hairpin_backend_set_is_masqueraded(lab, datapath, maps, pin_dir):
+    """Rule 3: a pod whose service's only endpoint is itself is masqueraded to the node."""
+    maps.set_backend(50, Backend(netlab.POD_IP, 80))
+    maps.set_slots(50, s.LB4_SCOPE_CLUSTER, [50])
+    maps.set_service(Frontend("10.96.0.50", 80, 6), Service(50, 1, 0, 0, s.LB4_F_HAS_ENDPOINTS))
+    t = node_trace(lab, pin_dir, FlowSpec(netlab.POD_IP, "10.96.0.50", 80, origin="pod"))
+    assert (t.verdict, t.backends, t.masquerade, t.source_after) == \
+        ("dnat", (f"{netlab.POD_IP}:80",), True, SETTINGS.snat_addr)
+    assert "hairpin" in t.steps[-1].action
