@@ -6,4 +6,5 @@ k8s/), and explains or compares; nothing below it imports it.
 
 - result.py      the one answer shape (Trace, Step), its JSON and its one-line story
 - packet.py      the packet a trace is about (FlowSpec): addresses, protocol, where it enters
+- ebpf_trace.py  trace_ebpf: the eBPF datapath's answer, from its pinned programs run in trace mode
 """
