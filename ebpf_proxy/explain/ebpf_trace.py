@@ -188,16 +188,37 @@ def _link_name(ipr, index: int | None) -> str:
     return link.get_attr("IFLA_IFNAME") if link is not None else str(index)
 
 
+NETNS_DIR = "/run/netns"
+
+
 def _bridge_port(ipr, bridge: int, addr: str) -> int | None:
-    """The port of `bridge` behind which `addr` lives (neighbour MAC, then the forwarding database)."""
+    """The port of `bridge` behind which `addr` lives: its neighbour entry's MAC in the bridge's
+    forwarding database, else (the node has not talked to it yet) the veth whose other end holds
+    `addr` in one of the named network namespaces (where CNIs and the lab keep pods')."""
+    ports = {link["index"] for link in ipr.get_links() if link.get_attr("IFLA_MASTER") == bridge}
     mac = None
     for neigh in ipr.get_neighbours(ifindex=bridge, dst=addr):
         mac = neigh.get_attr("NDA_LLADDR")
-    if not mac:
+    if mac:
+        for entry in ipr.fdb("dump"):
+            if entry.get_attr("NDA_LLADDR") == mac and entry.get("ifindex") in ports:
+                return entry.get("ifindex")
+    try:
+        names = sorted(os.listdir(NETNS_DIR))
+    except OSError:
         return None
-    for entry in ipr.fdb("dump"):
-        if entry.get_attr("NDA_LLADDR") == mac and entry.get("ifindex") != bridge:
-            return entry.get("ifindex")
+    from pyroute2 import IPRoute  # noqa: PLC0415
+
+    for name in names:
+        try:
+            with IPRoute(netns=name) as other:
+                for found in other.get_addr(address=addr):
+                    links = other.get_links(found["index"])
+                    peer = links[0].get_attr("IFLA_LINK") if links else None
+                    if peer in ports:
+                        return peer
+        except Exception:  # noqa: BLE001,S112 - a namespace gone meanwhile, or not ours to read
+            continue
     return None
 
 

@@ -117,3 +117,47 @@ def test_tracing_leaves_the_datapath_as_it_was(lab):
         assert not [c for c in maps.connections() if c.sport == 45678]
     finally:
         maps.close()
+
+
+# ---- the interface local-traffic detector needs the device the packet really enters through ----
+
+BRIDGED_TOPOLOGY = os.path.join(os.path.dirname(__file__), "local_traffic_topology.yaml")
+WEB_VIP = "10.96.110.77"
+WEB = f"""
+apiVersion: v1
+kind: Service
+metadata: {{name: web}}
+spec:
+  clusterIP: {WEB_VIP}
+  selector: {{app: web}}
+  ports: [{{name: http, port: 80, targetPort: 80}}]
+"""
+
+
+@pytest.fixture(scope="module")
+def bridged_lab():
+    """worker1's pods on a bridge, the others' on routed veths; detectLocalMode BridgeInterface."""
+    name = f"trcb{os.getpid() % 10000}"
+    destroy(name)
+    lab = Lab.up(name, BRIDGED_TOPOLOGY, mode="ebpf")
+    try:
+        lab.set_proxy_config({"apiVersion": "kubeproxy.config.k8s.io/v1alpha1", "kind": "KubeProxyConfiguration",
+                              "detectLocalMode": "BridgeInterface", "detectLocal": {"bridgeInterface": "cbr0"}})
+        lab.apply_manifests(WEB, "trace-ebpf-bridged")
+        lab.wait_converged()
+        yield lab
+    finally:
+        destroy(name)
+
+
+@pytest.mark.parametrize("pod,node,masquerade", [("client-a", "worker1", False), ("client-c", "worker3", True)],
+                         ids=["bridged pod: local", "routed pod: not local for BridgeInterface"])
+def test_interface_detector_sees_the_pods_own_device(bridged_lab, pod, node, masquerade):
+    src = bridged_lab.topology.pod(pod).ip
+    t = trace_on(bridged_lab, node, FlowSpec(src, WEB_VIP, 80, origin="pod"))
+    assert (t.verdict, t.masquerade) == ("dnat", masquerade)
+    ingress = t.steps[0].unit.split("@", 1)[1]
+    assert ingress != "cbr0", "tc_ingress runs on the pod's port of the bridge, not on the bridge"
+    report = bridged_lab.probe(pod, f"{WEB_VIP}:80", count=6)
+    expected_source = bridged_lab.topology.node(node).ip if masquerade else src
+    assert report.summary["ok"] == 6 and hosts(report.sources) == {expected_source} == {t.source_after}
