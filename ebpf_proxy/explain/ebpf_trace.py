@@ -144,12 +144,35 @@ def _open(bpffs: str | Path) -> _Datapath:
     try:
         for name in ("xdp_lb", "tc_ingress", "tc_egress"):
             progs[name] = libbpf.obj_get(str(builds[-1] / name))
-    except OSError as exc:
+            _check_traceable(maps, progs[name], f"{builds[-1] / name}")
+    except (OSError, TraceError) as exc:
         maps.close()
         for fd in progs.values():
             os.close(fd)
+        if isinstance(exc, TraceError):
+            raise
         raise TraceError(f"{builds[-1]}: cannot open the pinned programs: {exc}") from exc
     return _Datapath(pin_dir, maps, progs)
+
+
+def _check_traceable(maps: Maps, prog_fd: int, what: str) -> None:
+    """Refuse a program without trace mode: it would take the trace packet (or socket) for a live
+    one and write connections and counters (or really connect). Such a program does not use
+    this datapath's epx_trace map."""
+    trace_map = libbpf.map_info(maps._fd("epx_trace")).id
+    _, map_ids = libbpf.prog_info(prog_fd)
+    if trace_map not in map_ids:
+        raise TraceError(f"{what} has no trace mode (it does not use this datapath's epx_trace): it was built by "
+                         "another version of ebpf-proxy; restart the agent with this version to trace")
+
+
+def _check_netns(cfg: s.LB4Config) -> None:
+    """BPF_PROG_TEST_RUN takes devices of the caller's netns, and the socket LB acts only in the
+    node's: a trace must run in the network namespace the datapath serves."""
+    here = pins.netns_cookie()
+    if cfg.host_netns_cookie and here and here != cfg.host_netns_cookie:
+        raise TraceError("this is not the network namespace the datapath serves: run the trace inside the node's "
+                         "netns (in the lab: lab exec NODE, or ebpf_proxy.lab._setns.run_in_netns)")
 
 
 def _config(dp: _Datapath) -> s.LB4Config:
@@ -323,9 +346,41 @@ def socket_lb_cgroup(pin_dir: Path) -> Path:
     raise TraceError(f"the socket LB is attached to cgroup id {cgroup_id}, which no cgroup2 mount shows")
 
 
+def _check_socket_lb(dp: _Datapath, cgroup: Path, program: str) -> None:
+    """The socket LB's `program` runs for processes of `cgroup`, in a build with trace mode: else a
+    marked socket would not be stopped, and would really connect or send."""
+    attach = pins.CGROUP_PROGRAMS[program]
+    try:
+        target = os.open(cgroup, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as exc:
+        raise TraceError(f"cgroup {cgroup}: {exc.strerror}") from exc
+    try:
+        ids = libbpf.prog_query(target, attach, libbpf.BPF_F_QUERY_EFFECTIVE)
+    except OSError as exc:
+        raise TraceError(f"cgroup {cgroup}: cannot list its {program} programs: {exc}") from exc
+    finally:
+        os.close(target)
+    ours = 0
+    for prog_id in ids:
+        try:
+            fd = libbpf.prog_fd_by_id(prog_id)
+        except OSError:
+            continue
+        try:
+            if libbpf.prog_info(fd)[0].name.decode() == program:
+                _check_traceable(dp.maps, fd, f"{program} (program id {prog_id}) on {cgroup}")
+                ours += 1
+        finally:
+            os.close(fd)
+    if not ours:
+        raise TraceError(f"no {program} program runs for cgroup {cgroup}: the socket LB is not attached there, so "
+                         "a node process's connection would not be decided by it (give the node's cgroup)")
+
+
 def _run_sock(dp: _Datapath, flow: FlowSpec, cgroup: Path) -> s.EpxTraceRec:
     udp = flow.protocol == Protocol.UDP
     hook = s.HOOK_SOCK_SENDMSG4 if udp else s.HOOK_SOCK_CONNECT4
+    _check_socket_lb(dp, cgroup, "sock_sendmsg4" if udp else "sock_connect4")
     nonce = _nonce()
     argv = [sys.executable, "-I", "-S", "-c", _SOCK_CHILD, str(cgroup), flow.dst, str(flow.dport),
             "1" if udp else "0", str(s.TRACE_MARK), str(nonce)]
@@ -454,6 +509,7 @@ def trace_ebpf(flow: FlowSpec, bpffs: str | Path, names: Names | None = None, cg
 def _trace(dp: _Datapath, ipr, flow: FlowSpec, names: Names | None, cgroup: str | Path | None) -> Trace:
     service = _service_name(names, flow)
     cfg = _config(dp)
+    _check_netns(cfg)
     steps: list[Step] = []
     details: dict = {"dryRun": True}
 

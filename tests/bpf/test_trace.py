@@ -9,6 +9,7 @@ the reason and the set of backends chosen among.
 from __future__ import annotations
 
 import ctypes
+import os
 import time
 from dataclasses import replace
 import pytest
@@ -339,3 +340,32 @@ def test_hairpin_backend_set_is_masqueraded(lab, datapath, maps, pin_dir):
     assert (t.verdict, t.backends, t.masquerade, t.source_after) == \
         ("dnat", (f"{netlab.POD_IP}:80",), True, SETTINGS.snat_addr)
     assert "hairpin" in t.steps[-1].action
+
+
+def test_programs_without_trace_mode_are_refused(datapath, maps):
+    """Such a program would take the trace packet for a live one: it must never be run."""
+    from ebpf_proxy.explain import ebpf_trace
+
+    fd = libbpf.prog_load(libbpf.PROG_TYPE_SCHED_CLS, libbpf.return_constant_program(0))
+    try:
+        with pytest.raises(ebpf_trace.TraceError, match="no trace mode"):
+            ebpf_trace._check_traceable(maps, fd, "old tc_ingress")
+    finally:
+        os.close(fd)
+    ebpf_trace._check_traceable(maps, datapath.prog_fds["tc_ingress"], "tc_ingress")  # ours passes
+
+
+def test_a_cgroup_without_the_socket_lb_is_refused(lab, pin_dir):
+    """A marked socket in a cgroup the socket LB does not cover would really connect."""
+    from ebpf_proxy.explain.ebpf_trace import TraceError
+
+    with pytest.raises(TraceError, match="no sock_connect4 program runs"):
+        node_trace(lab, pin_dir, FlowSpec(netlab.NODE_OUTSIDE_SIDE, VIP, PORT, origin="host"), cgroup=lab.cgroup())
+
+
+def test_a_trace_outside_the_datapaths_netns_is_refused(lab, maps, pin_dir):
+    from ebpf_proxy.explain.ebpf_trace import TraceError
+
+    maps.set_settings(replace(SETTINGS, host_netns_cookie=lab.netns_cookie("node")))
+    with pytest.raises(TraceError, match="not the network namespace"):
+        trace_ebpf(FlowSpec(netlab.POD_IP, VIP, PORT, origin="pod"), pin_dir)  # from this (the test's) netns
