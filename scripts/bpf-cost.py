@@ -14,6 +14,7 @@ one ClusterIP service with three endpoints, and measures, alternating the builds
                backend is the frontend itself, so the DNAT rewrites nothing and every run hits it
                (lookup, state and deadline update; no checksum helpers)
   pass         a packet to no service (untouched, so repeat=N is the kernel's own average)
+  xdp          xdp_lb on a new connection to the service (passed on to TC; repeat=N)
 and prints ns/run per round, the medians, and each program's size (translated instructions).
 Attaches nothing anywhere; unmounts and removes what it made.
 """
@@ -52,17 +53,21 @@ def build(src: Path, pin: Path):
     maps_mod = BPF(src_file=str(src / "maps.c").encode(), cflags=cflags)
     names = re.findall(r"BPF_TABLE_PINNED\(\"\w+\",[^,]+,[^,]+,\s*(\w+),", (src / "maps.c").read_text())
     fds = {n: maps_mod[n.encode()].get_fd() for n in names}
-    tc = BPF(src_file=str(src / "tc_lb.c").encode(), cflags=cflags + [f"-DEPX_FD_{n}={fd}" for n, fd in fds.items()])
+    fd_flags = [f"-DEPX_FD_{n}={fd}" for n, fd in fds.items()]
+    tc = BPF(src_file=str(src / "tc_lb.c").encode(), cflags=cflags + fd_flags)
     prog = tc.load_func(b"tc_ingress", BPF.SCHED_CLS)
+    xdp = BPF(src_file=str(src / "xdp_lb.c").encode(), cflags=cflags + fd_flags)
+    xdp_prog = xdp.load_func(b"xdp_lb", BPF.XDP)
     fds.setdefault("epx_trace", fds["epx_stats"])  # a build without trace mode: never read here
-    return (maps_mod, tc), Maps(fds), prog.fd
+    return (maps_mod, tc, xdp), Maps(fds), (prog.fd, xdp_prog.fd)
 
 
 def syn(sport: int) -> bytes:
     return bytes(Ether() / IP(src=w.POD_CLIENT, dst=w.VIP) / TCP(sport=sport, dport=80, flags="S"))
 
 
-def measure(maps: Maps, prog_fd: int, n_syn: int, repeat: int, sport0: int) -> tuple[float, float, float, float]:
+def measure(maps: Maps, prog_fds: tuple[int, int], n_syn: int, repeat: int, sport0: int) -> tuple[float, ...]:
+    prog_fd, xdp_fd = prog_fds
     maps.clear("epx_ct4")
     new = sum(testrun.run(prog_fd, syn(sport0 + i)).duration_ns for i in range(n_syn)) / n_syn
     acks = [bytes(Ether() / IP(src=w.POD_CLIENT, dst=w.VIP) / TCP(sport=sport0 + i, dport=80, flags="A"))
@@ -75,7 +80,8 @@ def measure(maps: Maps, prog_fd: int, n_syn: int, repeat: int, sport0: int) -> t
     est_repeat = testrun.run(prog_fd, same, repeat=repeat).duration_ns
     other = bytes(Ether() / IP(src=w.POD_CLIENT, dst="10.96.0.99") / TCP(sport=sport0, dport=80, flags="A"))
     passed = testrun.run(prog_fd, other, repeat=repeat).duration_ns
-    return new, established, est_repeat, passed
+    xdp = testrun.run(xdp_fd, syn(sport0 + n_syn), repeat=repeat).duration_ns
+    return new, established, est_repeat, passed, xdp
 
 
 def main() -> int:
@@ -102,21 +108,21 @@ def main() -> int:
                 maps.reset()
                 w.install_node(maps)
                 w.install(maps, w.web())
-                info, _ = libbpf.prog_info(fd)
+                info, _ = libbpf.prog_info(fd[0])
                 builds[label] = (modules, maps, fd, info.xlated_prog_len // 8, info.jited_prog_len)
             results: dict[str, list[tuple[float, ...]]] = {label: [] for label in builds}
             for r in range(args.rounds):
                 for label, (_, maps, fd, *_sizes) in builds.items():
                     results[label].append(measure(maps, fd, args.syn, args.repeat, 1024 + (r % 2) * 20000))
-                    new, est, est_repeat, passed = results[label][-1]
+                    new, est, est_repeat, passed, xdp = results[label][-1]
                     print(f"round {r + 1} {label:<22} syn {new:7.1f}   established {est:6.1f}   "
-                          f"est-repeat {est_repeat:6.1f}   pass {passed:6.1f}  (ns/run)", flush=True)
+                          f"est-repeat {est_repeat:6.1f}   pass {passed:6.1f}   xdp {xdp:5.1f}  (ns/run)", flush=True)
             print()
             for label, rows in results.items():
                 _, _, _, insns, jited = builds[label]
-                med = [statistics.median(r[i] for r in rows) for i in range(4)]
+                med = [statistics.median(r[i] for r in rows) for i in range(5)]
                 print(f"{label:<22} median syn {med[0]:7.1f}   established {med[1]:6.1f}   est-repeat {med[2]:6.1f}"
-                      f"   pass {med[3]:6.1f}  (ns/run; tc_ingress: {insns} insns, {jited} bytes jited)")
+                      f"   pass {med[3]:6.1f}   xdp {med[4]:5.1f}  (ns/run; tc_ingress: {insns} insns, {jited} bytes jited)")
         finally:
             for modules, *_ in builds.values():
                 for m in modules:
