@@ -41,6 +41,7 @@ static __always_inline int xdp_lb_run(struct xdp_md *ctx, struct epx_trace_rec *
 	struct ct4_key key;
 	__u32 zero = 0, reason;
 	struct lb4_config *cfg;
+	__u64 now;
 	__u8 origin;
 
 	reason = pkt4_parse(data, data_end, data_end - data, &p);
@@ -50,7 +51,8 @@ static __always_inline int xdp_lb_run(struct xdp_md *ctx, struct epx_trace_rec *
 		return xdp_done(EPX_CONTINUE, 0, tr);
 	/* packets of established connections keep flowing, as with kube-proxy (NEW only) */
 	key = ct4_key_make(p.saddr, p.daddr, p.sport, p.dport, p.proto, CT4_SVC);
-	if (tr ? ct4_find_svc(&key, bpf_ktime_get_ns()) != NULL : ct4_lookup_svc(&key, bpf_ktime_get_ns()) != NULL) {
+	now = bpf_ktime_get_ns();
+	if (tr ? ct4_find_svc(&key, now) : ct4_lookup_svc(&key, now)) {
 		if (tr)
 			tr->flags |= EPX_TRACE_F_ESTABLISHED;
 		return xdp_done(EPX_CONTINUE, 0, tr);
