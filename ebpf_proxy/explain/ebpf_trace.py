@@ -159,7 +159,7 @@ def _check_traceable(maps: Maps, prog_fd: int, what: str) -> None:
     """Refuse a program without trace mode: it would take the trace packet (or socket) for a live
     one and write connections and counters (or really connect). Such a program does not use
     this datapath's epx_trace map."""
-    trace_map = libbpf.map_info(maps._fd("epx_trace")).id
+    trace_map = maps.map_id("epx_trace")
     _, map_ids = libbpf.prog_info(prog_fd)
     if trace_map not in map_ids:
         raise TraceError(f"{what} has no trace mode (it does not use this datapath's epx_trace): it was built by "
@@ -173,12 +173,6 @@ def _check_netns(cfg: s.LB4Config) -> None:
     if cfg.host_netns_cookie and here and here != cfg.host_netns_cookie:
         raise TraceError("this is not the network namespace the datapath serves: run the trace inside the node's "
                          "netns (in the lab: lab exec NODE, or ebpf_proxy.lab._setns.run_in_netns)")
-
-
-def _config(dp: _Datapath) -> s.LB4Config:
-    cfg = s.LB4Config()
-    libbpf.map_lookup(dp.maps._fd("epx_config"), s.u32(0), cfg)
-    return cfg
 
 
 # ---- devices (of the calling thread's netns) ----
@@ -410,12 +404,11 @@ def _backends(dp: _Datapath, rec: s.EpxTraceRec) -> list[str]:
         return []
     count = rec.svc_local_count if rec.scope == s.LB4_SCOPE_LOCAL else rec.svc_count
     out = []
-    backend_id, backend = s.u32(), s.LB4Backend()
     for slot in range(count):
-        key = s.LB4SlotKey(svc_id=rec.svc_id, slot=slot, scope=rec.scope)
-        if libbpf.map_lookup(dp.maps._fd("epx_slot"), key, backend_id) and \
-                libbpf.map_lookup(dp.maps._fd("epx_backend"), backend_id, backend):
-            out.append(f"{ip_str(backend.addr)}:{port_int(backend.port)}")
+        backend_id = dp.maps.slot(rec.svc_id, rec.scope, slot)
+        backend = dp.maps.backend(backend_id) if backend_id is not None else None
+        if backend is not None:
+            out.append(f"{backend.addr}:{backend.port}")
     return out
 
 
@@ -508,7 +501,7 @@ def trace_ebpf(flow: FlowSpec, bpffs: str | Path, names: Names | None = None, cg
 
 def _trace(dp: _Datapath, ipr, flow: FlowSpec, names: Names | None, cgroup: str | Path | None) -> Trace:
     service = _service_name(names, flow)
-    cfg = _config(dp)
+    cfg = dp.maps.config()
     _check_netns(cfg)
     steps: list[Step] = []
     details: dict = {"dryRun": True}

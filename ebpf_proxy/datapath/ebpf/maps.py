@@ -236,6 +236,10 @@ class Maps:
         value = s.MAPS[name].leaf()
         return value if libbpf.map_lookup(self._fd(name), key, value) else None
 
+    def map_id(self, name: str) -> int:
+        """The kernel's id of map `name` (what a program's info lists among the maps it uses)."""
+        return libbpf.map_info(self._fd(name)).id
+
     def keys(self, name: str) -> Iterator:
         """Every key of a map (as its structs mirror)."""
         return _walk(self._fd(name), s.MAPS[name].key)
@@ -274,6 +278,10 @@ class Maps:
             return False
         self._put("epx_config", s.u32(0), value)
         return True
+
+    def config(self) -> s.LB4Config:
+        """epx_config as it is (the raw struct: flags and addresses as the programs read them)."""
+        return self._get("epx_config", s.u32(0)) or s.LB4Config()
 
     def set_node_addrs(self, addrs: Iterable[str]) -> int:
         """Make epx_node_addr exactly `addrs`, touching only what differs. Returns the writes."""
@@ -367,6 +375,13 @@ class Maps:
     def set_backend(self, backend_id: int, be: Backend) -> None:
         flags = (s.LB4_BE_IN_CLUSTER if be.in_cluster else 0) | (s.LB4_BE_IN_LOCAL if be.in_local else 0)
         self._put("epx_backend", s.u32(backend_id), s.LB4Backend(addr=be32(be.addr), port=be16(be.port), flags=flags))
+
+    def backend(self, backend_id: int) -> Backend | None:
+        v = self._get("epx_backend", s.u32(backend_id))
+        if v is None:
+            return None
+        return Backend(ip_str(v.addr), port_int(v.port), in_cluster=bool(v.flags & s.LB4_BE_IN_CLUSTER),
+                       in_local=bool(v.flags & s.LB4_BE_IN_LOCAL))
 
     def delete_backend(self, backend_id: int) -> bool:
         return libbpf.map_delete(self._fd("epx_backend"), s.u32(backend_id))
