@@ -46,4 +46,5 @@ BPF_TABLE_PINNED("lru_hash", struct sock4_rev_key, struct sock4_rev, epx_sock_re
 BPF_TABLE_PINNED("array", __u32, struct lb4_config, epx_config, 1, EPX_PIN(epx_config));
 /* per-CPU packet/byte counters by enum epx_reason */
 BPF_TABLE_PINNED("percpu_array", __u32, struct epx_stat, epx_stats, EPX_REASON_MAX, EPX_PIN(epx_stats));
-
+/* trace mode (common.h): what the last trace run on each CPU decided */
+BPF_TABLE_PINNED("percpu_array", __u32, struct epx_trace_rec, epx_trace, 1, EPX_PIN(epx_trace));

@@ -11,12 +11,18 @@
  *
  * REJECT becomes ECONNREFUSED from connect()/sendmsg() itself (bpf_set_retval), which is what a
  * TCP client sees after kube-proxy's ICMP port unreachable; policy drops fail with EPERM.
+ *
+ * Trace mode (common.h): BPF_PROG_TEST_RUN cannot run these programs, so a trace asks them through
+ * a real socket of the node's cgroup and netns marked EPX_TRACE_MARK (its SO_PRIORITY the nonce).
+ * The program decides as for any socket, records the decision in epx_trace, writes nothing, and
+ * fails the call (return 0: EPERM), so the trace socket never sends a packet.
  */
 #include "lib/common.h"
 #include "lib/maps.h"
 #include "lib/stats.h"
 #include "lib/lb4.h"
 #include "lib/sock4.h"
+#include "lib/trace.h"
 
 #define EPX_ECONNREFUSED 111
 
@@ -30,8 +36,9 @@ static __always_inline struct lb4_config *sock_config(struct bpf_sock_addr *ctx)
 	return cfg;
 }
 
-/* Rewrite ctx's destination to a backend. Returns 1 (proceed) or 0 (fail the call). */
-static __always_inline int sock4_forward(struct bpf_sock_addr *ctx, int remember)
+/* Rewrite ctx's destination to a backend. Returns 1 (proceed) or 0 (fail the call). With a trace
+ * record: decide, record, rewrite and remember nothing. */
+static __always_inline int sock4_decide(struct bpf_sock_addr *ctx, int remember, struct epx_trace_rec *tr)
 {
 	struct lb4_config *cfg = sock_config(ctx);
 	__be32 daddr = ctx->user_ip4;
@@ -44,20 +51,32 @@ static __always_inline int sock4_forward(struct bpf_sock_addr *ctx, int remember
 	struct lb4_backend be;
 	__u32 backend_id, reason;
 
-	if (!cfg || (proto != IPPROTO_TCP && proto != IPPROTO_UDP))
+	if (!cfg || (proto != IPPROTO_TCP && proto != IPPROTO_UDP)) {
+		if (tr)
+			tr->flags |= cfg ? 0 : EPX_TRACE_F_NETNS;
 		return 1;
+	}
 	svc = lb4_lookup_service(daddr, dport, proto);
 	if (!svc && loopback && (cfg->flags & CFG_F_LOCALHOST_NODEPORTS)) {
 		struct lb4_key key = { .addr = 0, .port = dport, .proto = proto };
 
 		svc = epx_lookup(epx_svc, &key);
 	}
-	if (!svc)
+	if (!svc) {
+		if (tr)
+			tr->reason = EPX_PASS_NO_SERVICE;
 		return 1;
+	}
+	trace_service(tr, svc);
 	/* the node's own address is the source kube-proxy's rules would see */
 	reason = lb4_policy(svc, cfg->snat_addr, origin, cfg->flags, &c);
+	trace_policy(tr, origin, c.scope, c.masq);
 	if (!reason)
-		reason = lb4_select_backend(svc, c.scope, cfg->snat_addr, bpf_ktime_get_ns(), &backend_id, &be);
+		reason = lb4_select_backend(svc, c.scope, cfg->snat_addr, bpf_ktime_get_ns(), &backend_id, &be, tr);
+	if (tr) {
+		tr->reason = reason == EPX_REJECT ? EPX_SOCK_REJECT : reason ? reason : EPX_SOCK_FWD;
+		return 0;
+	}
 	if (reason == EPX_REJECT) {
 		stats_count(EPX_SOCK_REJECT, 0);
 		bpf_set_retval(-EPX_ECONNREFUSED);
@@ -81,14 +100,29 @@ static __always_inline int sock4_forward(struct bpf_sock_addr *ctx, int remember
 	return 1;
 }
 
+/* A socket marked for tracing gets the decision recorded and the call failed: it sends nothing. */
+static __always_inline int sock4_forward(struct bpf_sock_addr *ctx, __u8 hook)
+{
+	struct bpf_sock *sk = ctx->sk;
+
+	if (sk->mark == EPX_TRACE_MARK) { /* the one test live sockets pay */
+		struct epx_trace_rec *tr = trace_begin(sk->priority, hook);
+
+		if (tr)
+			sock4_decide(ctx, 0, tr);
+		return 0;
+	}
+	return sock4_decide(ctx, 1, NULL);
+}
+
 int sock_connect4(struct bpf_sock_addr *ctx)
 {
-	return sock4_forward(ctx, 1);
+	return sock4_forward(ctx, EPX_HOOK_SOCK_CONNECT4);
 }
 
 int sock_sendmsg4(struct bpf_sock_addr *ctx)
 {
-	return sock4_forward(ctx, 1);
+	return sock4_forward(ctx, EPX_HOOK_SOCK_SENDMSG4);
 }
 
 /* UDP receive: a datagram from a backend shows the frontend the socket sent to as its source. */

@@ -16,6 +16,9 @@
  * Masquerade is split the same way kube-proxy splits it (mark in PREROUTING, MASQUERADE in
  * POSTROUTING): decided at ingress, applied at egress, after the kernel routed the DNATed packet;
  * rewriting the source to a node address at ingress would make the kernel drop it as martian.
+ *
+ * Trace mode (common.h, trace.h): each entry tests the signal once; a trace run takes the same
+ * logic, inlined a second time with its record, as a dry run that counts nothing.
  */
 #include "lib/common.h"
 #include "lib/maps.h"
@@ -23,10 +26,15 @@
 #include "lib/lb4.h"
 #include "lib/icmp4.h"
 #include "lib/arp4.h"
+#include "lib/trace.h"
 
-static __always_inline int tc_done(struct __sk_buff *skb, __u32 reason)
+/* The verdict for `reason`, counted (live) or recorded (trace). */
+static __always_inline int tc_done(struct __sk_buff *skb, __u32 reason, struct epx_trace_rec *tr)
 {
-	stats_count(reason, skb->len);
+	if (tr)
+		tr->reason = reason;
+	else
+		stats_count(reason, skb->len);
 	return epx_is_drop(reason) ? TC_ACT_SHOT : TC_ACT_OK;
 }
 
@@ -37,7 +45,7 @@ static __always_inline struct lb4_config *tc_config(void)
 	return epx_lookup(epx_config, &zero);
 }
 
-int tc_ingress(struct __sk_buff *skb)
+static __always_inline int tc_ingress_run(struct __sk_buff *skb, struct epx_trace_rec *tr)
 {
 	struct pkt4 p = {};
 	struct lb4_config *cfg;
@@ -46,15 +54,15 @@ int tc_ingress(struct __sk_buff *skb)
 
 	reason = pkt4_parse_skb(skb, &p);
 	if (reason)
-		return tc_done(skb, reason);
+		return tc_done(skb, reason, tr);
 	cfg = tc_config();
 	if (!cfg)
-		return tc_done(skb, EPX_PASS_NO_SERVICE);
+		return tc_done(skb, EPX_PASS_NO_SERVICE, tr);
 	now = bpf_ktime_get_ns();
 
-	reason = nat4_rev_snat(skb, &p, cfg, now);
+	reason = nat4_rev_snat(skb, &p, cfg, now, tr);
 	if (!reason)
-		reason = lb4_forward(skb, &p, cfg, now);
+		reason = lb4_forward(skb, &p, cfg, now, tr);
 	if (reason == EPX_REJECT) {
 		__u32 len = skb->len;
 
@@ -63,14 +71,29 @@ int tc_ingress(struct __sk_buff *skb)
 		int partial_safe = (lb4_iface_flags(skb->ifindex) & EPX_IF_POD) || lb4_in_pod_cidr(p.saddr);
 
 		if (icmp4_reject(skb, &p, partial_safe))
-			return tc_done(skb, EPX_DROP_REJECT_FAILED);
-		stats_count(EPX_REJECT, len);
+			return tc_done(skb, EPX_DROP_REJECT_FAILED, tr);
+		if (tr)
+			tr->reason = EPX_REJECT;
+		else
+			stats_count(EPX_REJECT, len);
 		return bpf_redirect(skb->ifindex, 0);
 	}
-	return tc_done(skb, reason);
+	return tc_done(skb, reason, tr);
 }
 
-int tc_egress(struct __sk_buff *skb)
+int tc_ingress(struct __sk_buff *skb)
+{
+	if (trace_skb_requested(skb)) { /* the one test live packets pay */
+		struct epx_trace_rec *tr = trace_begin(skb->cb[1], EPX_HOOK_TC_INGRESS);
+
+		if (tr)
+			tr->ifindex = skb->ifindex;
+		return tr ? tc_ingress_run(skb, tr) : TC_ACT_OK;
+	}
+	return tc_ingress_run(skb, NULL);
+}
+
+static __always_inline int tc_egress_run(struct __sk_buff *skb, struct epx_trace_rec *tr)
 {
 	struct pkt4 p = {};
 	struct lb4_config *cfg;
@@ -81,18 +104,30 @@ int tc_egress(struct __sk_buff *skb)
 	if (reason == EPX_PASS_NOT_IPV4 && (cfg = tc_config()))
 		reason = arp4_masq_loopback_sender(skb, cfg) ?: reason;
 	if (reason)
-		return tc_done(skb, reason);
+		return tc_done(skb, reason, tr);
 	cfg = tc_config();
 	if (!cfg)
-		return tc_done(skb, EPX_PASS_NO_SERVICE);
+		return tc_done(skb, EPX_PASS_NO_SERVICE, tr);
 	now = bpf_ktime_get_ns();
 
 	/* A hairpin connection whose client and backend ports are equal has identical forward and
 	 * reply tuples here; forward (SNAT) wins. Such a flow is not distinguishable by tuple. */
-	reason = nat4_snat(skb, &p, cfg, now);
+	reason = nat4_snat(skb, &p, cfg, now, tr);
 	if (!reason)
-		reason = nat4_rev_dnat(skb, &p, cfg, now);
+		reason = nat4_rev_dnat(skb, &p, cfg, now, tr);
 	if (!reason)
-		reason = nat4_masq_local(skb, &p, cfg, now);
-	return tc_done(skb, reason ? reason : EPX_PASS_NO_SERVICE);
+		reason = nat4_masq_local(skb, &p, cfg, now, tr);
+	return tc_done(skb, reason ? reason : EPX_PASS_NO_SERVICE, tr);
+}
+
+int tc_egress(struct __sk_buff *skb)
+{
+	if (trace_skb_requested(skb)) { /* the one test live packets pay */
+		struct epx_trace_rec *tr = trace_begin(skb->cb[1], EPX_HOOK_TC_EGRESS);
+
+		if (tr)
+			tr->ifindex = skb->ifindex;
+		return tr ? tc_egress_run(skb, tr) : TC_ACT_OK;
+	}
+	return tc_egress_run(skb, NULL);
 }

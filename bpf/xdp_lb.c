@@ -6,11 +6,15 @@
  * externalTrafficPolicy=Local service without a local endpoint (and internalTrafficPolicy=Local
  * without one). The decision is the TC program's own (lb4_policy), counted under the same
  * reasons. Everything else passes untouched and uncounted: the TC program counts it.
+ *
+ * Trace mode (common.h): a struct epx_trace_meta in data_meta; the decision is recorded in
+ * epx_trace (reason CONTINUE: passed on to TC), nothing counted, no expired entry removed.
  */
 #include "lib/common.h"
 #include "lib/maps.h"
 #include "lib/stats.h"
 #include "lib/lb4.h"
+#include "lib/trace.h"
 
 static __always_inline int xdp_early_drop(__u32 reason)
 {
@@ -18,7 +22,17 @@ static __always_inline int xdp_early_drop(__u32 reason)
 	       reason == EPX_DROP_NO_LOCAL_INTERNAL;
 }
 
-int xdp_lb(struct xdp_md *ctx)
+/* The verdict for `reason` (a drop, or CONTINUE: TC decides), counted (live) or recorded (trace). */
+static __always_inline int xdp_done(__u32 reason, __u32 len, struct epx_trace_rec *tr)
+{
+	if (tr)
+		tr->reason = reason;
+	else if (reason)
+		stats_count(reason, len);
+	return reason ? XDP_DROP : XDP_PASS;
+}
+
+static __always_inline int xdp_lb_run(struct xdp_md *ctx, struct epx_trace_rec *tr)
 {
 	void *data = (void *)(long)ctx->data, *data_end = (void *)(long)ctx->data_end;
 	struct pkt4 p = {};
@@ -27,25 +41,43 @@ int xdp_lb(struct xdp_md *ctx)
 	struct ct4_key key;
 	__u32 zero = 0, reason;
 	struct lb4_config *cfg;
+	__u64 now;
+	__u8 origin;
 
 	reason = pkt4_parse(data, data_end, data_end - data, &p);
-	if (epx_is_drop(reason)) {
-		stats_count(reason, data_end - data);
-		return XDP_DROP;
-	}
+	if (epx_is_drop(reason))
+		return xdp_done(reason, data_end - data, tr);
 	if (reason || p.frag == EPX_FRAG_LATER)
-		return XDP_PASS;
+		return xdp_done(EPX_CONTINUE, 0, tr);
 	/* packets of established connections keep flowing, as with kube-proxy (NEW only) */
 	key = ct4_key_make(p.saddr, p.daddr, p.sport, p.dport, p.proto, CT4_SVC);
-	if (ct4_lookup_svc(&key, bpf_ktime_get_ns()))
-		return XDP_PASS;
+	now = bpf_ktime_get_ns();
+	if (tr ? ct4_find_svc(&key, now) : ct4_lookup_svc(&key, now)) {
+		if (tr)
+			tr->flags |= EPX_TRACE_F_ESTABLISHED;
+		return xdp_done(EPX_CONTINUE, 0, tr);
+	}
 	svc = lb4_lookup_service(p.daddr, p.dport, p.proto);
 	cfg = epx_lookup(epx_config, &zero);
 	if (!svc || !cfg)
-		return XDP_PASS;
-	reason = lb4_policy(svc, p.saddr, lb4_origin(p.saddr, ctx->ingress_ifindex, cfg->flags), cfg->flags, &c);
-	if (!xdp_early_drop(reason))
-		return XDP_PASS;
-	stats_count(reason, data_end - data);
-	return XDP_DROP;
+		return xdp_done(EPX_CONTINUE, 0, tr);
+	trace_service(tr, svc);
+	origin = lb4_origin(p.saddr, ctx->ingress_ifindex, cfg->flags);
+	reason = lb4_policy(svc, p.saddr, origin, cfg->flags, &c);
+	trace_policy(tr, origin, c.scope, c.masq);
+	return xdp_done(xdp_early_drop(reason) ? reason : EPX_CONTINUE, data_end - data, tr);
+}
+
+int xdp_lb(struct xdp_md *ctx)
+{
+	struct epx_trace_meta *meta = trace_xdp_meta(ctx); /* the one test live packets pay */
+
+	if (meta) {
+		struct epx_trace_rec *tr = trace_begin(meta->nonce, EPX_HOOK_XDP);
+
+		if (tr)
+			tr->ifindex = ctx->ingress_ifindex;
+		return tr ? xdp_lb_run(ctx, tr) : XDP_PASS;
+	}
+	return xdp_lb_run(ctx, NULL);
 }

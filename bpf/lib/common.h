@@ -271,4 +271,68 @@ struct epx_stat {
 	__u64 bytes;
 };
 
+/* ---- trace mode: one packet explained by the real programs, without touching any state ----
+ * `ebpf-proxy trace` (ebpf_proxy/explain/ebpf_trace.py) asks the loaded programs what they would
+ * do with a packet. Live packets never carry the signal, so they pay one predictable branch:
+ *   TC    BPF_PROG_TEST_RUN with a struct __sk_buff ctx: mark = EPX_TRACE_MARK,
+ *         cb[0] = EPX_TRACE_MAGIC, cb[1] = the caller's nonce (both: a live skb's mark may be
+ *         anything another program set, its cb[] is scratch space)
+ *   XDP   BPF_PROG_TEST_RUN with a struct epx_trace_meta in front of the frame (data_meta)
+ *   sock  a node socket with SO_MARK = EPX_TRACE_MARK and SO_PRIORITY = the nonce calling
+ *         connect() (TCP) or sendto() (UDP): the program decides, records, and fails the call, so
+ *         nothing is ever sent (BPF_PROG_TEST_RUN cannot run CGROUP_SOCK_ADDR programs)
+ * A trace run is a dry run: the same decision as a live packet's (origin, policy, backend choice
+ * including the affinity lookup), but no connection-table entry, no affinity entry, no masquerade
+ * port, no fragment entry and no counter is written. What it decided goes to epx_trace (per-CPU,
+ * one entry: the reader picks the CPU whose record carries its nonce). */
+#define EPX_TRACE_MARK 0x65707874  /* "epxt" */
+#define EPX_TRACE_MAGIC 0x54524143 /* "TRAC" */
+
+struct epx_trace_meta {
+	__u32 magic; /* EPX_TRACE_MAGIC */
+	__u32 nonce;
+};
+
+/* epx_trace_rec.hook: the program that wrote the record */
+#define EPX_HOOK_XDP 1
+#define EPX_HOOK_TC_INGRESS 2
+#define EPX_HOOK_TC_EGRESS 3
+#define EPX_HOOK_SOCK_CONNECT4 4
+#define EPX_HOOK_SOCK_SENDMSG4 5
+
+/* epx_trace_rec.flags */
+#define EPX_TRACE_F_SERVICE 0x01     /* a service frontend matched (svc_* are set) */
+#define EPX_TRACE_F_POLICY 0x02      /* lb4_policy ran (origin, scope, masq are set) */
+#define EPX_TRACE_F_BACKEND 0x04     /* a backend was chosen (backend_* are set) */
+#define EPX_TRACE_F_ESTABLISHED 0x08 /* the connection table already holds the flow: its backend */
+#define EPX_TRACE_F_AFFINITY 0x10    /* session affinity picked the backend */
+#define EPX_TRACE_F_SNAT 0x20        /* egress: the source became snat_addr:snat_port */
+#define EPX_TRACE_F_NETNS 0x40       /* socket LB: not the node's netns, nothing done */
+
+/* epx_trace_rec.masq */
+#define EPX_TRACE_MASQ_POLICY 0x01  /* lb4_policy masquerades (or the connection table says so) */
+#define EPX_TRACE_MASQ_HAIRPIN 0x02 /* a pod landing on itself */
+
+struct epx_trace_rec {
+	__u32 nonce;         /* the caller's, echoed: tells its record from another CPU's */
+	__u32 reason;        /* enum epx_reason: the verdict (CONTINUE: XDP passed it on) */
+	__u32 svc_id;
+	__u32 svc_flags;     /* LB4_F_* of the frontend */
+	__u32 backend_id;
+	__be32 backend_addr;
+	__be16 backend_port;
+	__u16 svc_count;     /* cluster slots when decided */
+	__u16 svc_local_count;
+	__u8 hook;           /* EPX_HOOK_* */
+	__u8 origin;         /* EPX_ORIGIN_* */
+	__u8 scope;          /* LB4_SCOPE_* */
+	__u8 masq;           /* EPX_TRACE_MASQ_* */
+	__u8 flags;          /* EPX_TRACE_F_* */
+	__u8 pad;
+	__be32 snat_addr;    /* egress SNAT, or an established connection's masquerade source */
+	__be16 snat_port;
+	__u16 pad2;
+	__u32 ifindex;       /* the device the program saw (TC: skb->ifindex, XDP: the ingress device) */
+};
+
 #endif /* EPX_COMMON_H */

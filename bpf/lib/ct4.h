@@ -100,6 +100,14 @@ static __always_inline void ct4_touch(struct ct4_entry *e, const struct lb4_conf
 	e->expires = now + ct4_lifetime_ns(cfg, p->proto, flags);
 }
 
+/* The entry at `key` if it has not expired, read only (trace mode: an expired entry stays). */
+static __always_inline struct ct4_entry *ct4_find_svc(struct ct4_key *key, __u64 now)
+{
+	struct ct4_entry *e = epx_lookup(epx_ct4, key);
+
+	return e && e->expires > now ? e : NULL;
+}
+
 /* The entry at `key` if it has not expired; an expired CT4_SVC entry is removed. */
 static __always_inline struct ct4_entry *ct4_lookup_svc(struct ct4_key *key, __u64 now)
 {
@@ -114,13 +122,14 @@ static __always_inline struct ct4_entry *ct4_lookup_svc(struct ct4_key *key, __u
 	return e;
 }
 
-/* The live connection owning a half-entry whose client side is client:cport. */
+/* The live connection owning a half-entry whose client side is client:cport (`ro`: trace mode,
+ * an expired owner is left in place). */
 static __always_inline struct ct4_entry *ct4_owner(__be32 client, __be16 cport, const struct ct4_entry *half, __u8 proto,
-						    __u64 now)
+						    __u64 now, int ro)
 {
 	struct ct4_key key = ct4_key_make(client, half->svc_addr, cport, half->svc_port, proto, CT4_SVC);
 
-	return ct4_lookup_svc(&key, now);
+	return ro ? ct4_find_svc(&key, now) : ct4_lookup_svc(&key, now);
 }
 
 /* What the connection holding the masquerade port of REV_SNAT entry `old` (key `key`) still needs
@@ -129,7 +138,7 @@ static __always_inline struct ct4_entry *ct4_owner(__be32 client, __be16 cport, 
 static __always_inline __u32 ct4_snat_port_use(const struct ct4_entry *old, const struct ct4_key *key, __u8 proto,
 					       __u64 now)
 {
-	struct ct4_entry *owner = ct4_owner(old->nat_addr, old->nat_port, old, proto, now);
+	struct ct4_entry *owner = ct4_owner(old->nat_addr, old->nat_port, old, proto, now, 0);
 
 	if (!owner || owner->snat_port != key->dport || owner->nat_addr != key->saddr || owner->nat_port != key->sport)
 		return CT4_PORT_FREE;
@@ -148,6 +157,18 @@ static __always_inline int ct4_snat_claim(struct ct4_key *key, struct ct4_entry 
 	return epx_insert(epx_ct4, key, rev);
 }
 
+/* Whether masquerade is possible at all: an address and a port range. Returns 0 or a drop reason
+ * (the trace dry run's answer too: it allocates no port, so it cannot see SNAT_NO_PORT from a
+ * range that is full). */
+static __always_inline __u32 ct4_snat_check(const struct lb4_config *cfg)
+{
+	if (!cfg->snat_addr)
+		return EPX_DROP_SNAT_NO_ADDR;
+	if (!cfg->snat_port_min || cfg->snat_port_max < cfg->snat_port_min)
+		return EPX_DROP_SNAT_NO_PORT;
+	return 0;
+}
+
 /* Pick a masquerade port for (backend, snat addr) and insert the CT4_REV_SNAT entry.
  * Random start, then linear probing: an unused port, or one whose holder is done with it, is
  * taken at once; one the backend may still hold in TIME_WAIT only when the probes found nothing
@@ -163,10 +184,10 @@ static __always_inline __u32 ct4_snat_alloc(const struct pkt4 *p, const struct l
 	__u32 range, start;
 	__be16 last_resort = 0;
 
-	if (!cfg->snat_addr)
-		return EPX_DROP_SNAT_NO_ADDR;
-	if (!min || max < min)
-		return EPX_DROP_SNAT_NO_PORT;
+	__u32 reason = ct4_snat_check(cfg);
+
+	if (reason)
+		return reason;
 	range = max - min + 1;
 	start = bpf_get_prandom_u32();
 #pragma unroll

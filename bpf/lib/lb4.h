@@ -6,6 +6,9 @@
  * lb4_policy          endpoint set (cluster or local), masquerade, or REJECT / DROP
  * lb4_select_backend  session affinity, else a uniformly random slot
  * lb4_forward         the ingress path: established connection, or a new one
+ *
+ * lb4_select_backend and lb4_forward take a trace record (trace.h): NULL for live packets; with
+ * one they decide alike, record the decision, and write nothing (no affinity, no connection).
  */
 #ifndef EPX_LB4_H
 #define EPX_LB4_H
@@ -123,7 +126,7 @@ static __always_inline __u32 lb4_policy(const struct lb4_service *svc, __be32 sa
 /* Choose a backend of `svc` in `scope` for `client` (rules 1, 10, 13). Returns 0 with *backend_id
  * and *be filled, or EPX_DROP_NO_BACKEND. */
 static __always_inline __u32 lb4_select_backend(const struct lb4_service *svc, __u8 scope, __be32 client, __u64 now,
-						__u32 *backend_id, struct lb4_backend *be)
+						__u32 *backend_id, struct lb4_backend *be, struct epx_trace_rec *tr)
 {
 	struct lb4_affinity_key akey = { .svc_id = svc->id, .client = client };
 	__u8 member = scope == LB4_SCOPE_LOCAL ? LB4_BE_IN_LOCAL : LB4_BE_IN_CLUSTER;
@@ -141,9 +144,11 @@ static __always_inline __u32 lb4_select_backend(const struct lb4_service *svc, _
 		 * still in the endpoint set this traffic may use */
 		if (aff && now - aff->last_used <= (__u64)svc->affinity_timeout * EPX_NSEC_PER_SEC) {
 			found = epx_lookup(epx_backend, &aff->backend_id);
-			if (found && (found->flags & member))
+			if (found && (found->flags & member)) {
 				*backend_id = aff->backend_id;
-			else
+				if (tr)
+					tr->flags |= EPX_TRACE_F_AFFINITY;
+			} else
 				found = NULL;
 		}
 	}
@@ -158,7 +163,8 @@ static __always_inline __u32 lb4_select_backend(const struct lb4_service *svc, _
 			return EPX_DROP_NO_BACKEND;
 	}
 	*be = *found;
-	if (svc->affinity_timeout) {
+	trace_backend(tr, *backend_id, be->addr, be->port);
+	if (svc->affinity_timeout && !tr) {
 		struct lb4_affinity aff = { .last_used = now, .backend_id = *backend_id };
 
 		epx_update(epx_affinity, &akey, &aff);
@@ -168,23 +174,44 @@ static __always_inline __u32 lb4_select_backend(const struct lb4_service *svc, _
 
 /* Ingress: DNAT a packet of an established connection, or decide and record a new one.
  * Returns EPX_FWD_ESTABLISHED / EPX_FWD_NEW, EPX_PASS_NO_SERVICE, EPX_REJECT or a drop. */
-static __always_inline __u32 lb4_forward(struct __sk_buff *skb, struct pkt4 *p, const struct lb4_config *cfg, __u64 now)
+/* Trace mode: what an established connection's entry says (its backend, its masquerade). */
+static __always_inline void lb4_trace_established(struct epx_trace_rec *tr, const struct ct4_entry *e)
+{
+	if (!tr)
+		return;
+	tr->flags |= EPX_TRACE_F_ESTABLISHED;
+	trace_backend(tr, e->backend_id, e->nat_addr, e->nat_port);
+	if (e->flags & CT4_F_MASQ) {
+		tr->masq = EPX_TRACE_MASQ_POLICY;
+		tr->snat_addr = e->snat_addr;
+		tr->snat_port = e->snat_port;
+	}
+}
+
+static __always_inline __u32 lb4_forward(struct __sk_buff *skb, struct pkt4 *p, const struct lb4_config *cfg, __u64 now,
+					 struct epx_trace_rec *tr)
 {
 	struct ct4_key key = ct4_key_make(p->saddr, p->daddr, p->sport, p->dport, p->proto, CT4_SVC);
-	struct ct4_entry *e = ct4_lookup_svc(&key, now);
+	struct ct4_entry *e = tr ? ct4_find_svc(&key, now) : ct4_lookup_svc(&key, now);
 	struct lb4_service *svc;
 	struct lb4_choice c = {};
 	struct lb4_backend be;
 	__u32 backend_id, reason;
+	__u8 origin;
+	int hairpin;
 
 	/* a new SYN on a closing connection's tuple is a new connection (port reuse) */
 	if (e && p->proto == IPPROTO_TCP && (e->flags & CT4_F_CLOSING) &&
 	    (p->tcp_flags & (EPX_TCP_SYN | EPX_TCP_ACK)) == EPX_TCP_SYN) {
-		epx_delete(epx_ct4, &key);
+		if (!tr)
+			epx_delete(epx_ct4, &key);
 		e = NULL;
 	}
 	if (e) {
-		ct4_touch(e, cfg, p, 0, now);
+		if (tr)
+			lb4_trace_established(tr, e);
+		else
+			ct4_touch(e, cfg, p, 0, now);
 		reason = nat4_rewrite(skb, p, NAT4_DST, e->nat_addr, e->nat_port);
 		return reason ? reason : EPX_FWD_ESTABLISHED;
 	}
@@ -192,17 +219,26 @@ static __always_inline __u32 lb4_forward(struct __sk_buff *skb, struct pkt4 *p, 
 	svc = lb4_lookup_service(p->daddr, p->dport, p->proto);
 	if (!svc)
 		return EPX_PASS_NO_SERVICE;
+	trace_service(tr, svc);
 	if (p->frag == EPX_FRAG_LATER)
 		return EPX_PASS_FRAG_UNKNOWN; /* its first fragment made no connection */
-	reason = lb4_policy(svc, p->saddr, lb4_origin(p->saddr, skb->ifindex, cfg->flags), cfg->flags, &c);
+	origin = lb4_origin(p->saddr, skb->ifindex, cfg->flags);
+	reason = lb4_policy(svc, p->saddr, origin, cfg->flags, &c);
+	trace_policy(tr, origin, c.scope, c.masq);
 	if (reason)
 		return reason;
-	reason = lb4_select_backend(svc, c.scope, p->saddr, now, &backend_id, &be);
+	reason = lb4_select_backend(svc, c.scope, p->saddr, now, &backend_id, &be, tr);
 	if (reason)
 		return reason;
 	/* rule 3, hairpin: a pod that lands on itself is masqueraded */
-	reason = ct4_create(p, cfg, now, backend_id, be.addr, be.port,
-			    (c.masq || be.addr == p->saddr) ? CT4_F_MASQ : 0);
+	hairpin = be.addr == p->saddr;
+	if (tr) {
+		if (hairpin)
+			tr->masq |= EPX_TRACE_MASQ_HAIRPIN;
+		/* the dry run allocates no port: only the static masquerade failures show */
+		reason = (c.masq || hairpin) ? ct4_snat_check(cfg) : 0;
+	} else
+		reason = ct4_create(p, cfg, now, backend_id, be.addr, be.port, (c.masq || hairpin) ? CT4_F_MASQ : 0);
 	if (reason)
 		return reason;
 	reason = nat4_rewrite(skb, p, NAT4_DST, be.addr, be.port);

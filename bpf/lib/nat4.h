@@ -1,12 +1,14 @@
 /* Address translation: the in-place rewrite (checksums included), and the three translations
  * that follow a connection's CT entries (masquerade, and undoing masquerade and DNAT on replies).
- * Each returns 0 when it does not apply, its EPX_* reason when it translated, or a drop reason. */
+ * Each returns 0 when it does not apply, its EPX_* reason when it translated, or a drop reason.
+ * With a trace record (`tr`, trace.h) they translate the packet alike but change no entry. */
 #ifndef EPX_NAT4_H
 #define EPX_NAT4_H
 
 #include "lib/csum.h"
 #include "lib/ct4.h"
 #include "lib/sock4.h"
+#include "lib/trace.h"
 
 #define NAT4_SRC 0
 #define NAT4_DST 1
@@ -52,7 +54,8 @@ static __always_inline __u32 nat4_rewrite(struct __sk_buff *skb, struct pkt4 *p,
 }
 
 /* Egress toward the backend: masquerade a masqueraded connection's forward packets. */
-static __always_inline __u32 nat4_snat(struct __sk_buff *skb, struct pkt4 *p, const struct lb4_config *cfg, __u64 now)
+static __always_inline __u32 nat4_snat(struct __sk_buff *skb, struct pkt4 *p, const struct lb4_config *cfg, __u64 now,
+					struct epx_trace_rec *tr)
 {
 	struct ct4_key key = ct4_key_make(p->saddr, p->daddr, p->sport, p->dport, p->proto, CT4_SNAT);
 	struct ct4_entry *half = epx_lookup(epx_ct4, &key), *owner;
@@ -60,13 +63,18 @@ static __always_inline __u32 nat4_snat(struct __sk_buff *skb, struct pkt4 *p, co
 
 	if (!half)
 		return 0;
-	owner = ct4_owner(p->saddr, p->sport, half, p->proto, now);
+	owner = ct4_owner(p->saddr, p->sport, half, p->proto, now, tr != NULL);
 	if (!owner || !(owner->flags & CT4_F_MASQ) || owner->nat_addr != p->daddr || owner->nat_port != p->dport ||
 	    owner->snat_port != half->nat_port) {
-		epx_delete(epx_ct4, &key); /* left behind by an earlier connection */
+		if (!tr)
+			epx_delete(epx_ct4, &key); /* left behind by an earlier connection */
 		return 0;
 	}
-	if (owner->flags & CT4_F_SOCK_MASQ)
+	if (tr) {
+		tr->flags |= EPX_TRACE_F_SNAT;
+		tr->snat_addr = half->nat_addr;
+		tr->snat_port = half->nat_port;
+	} else if (owner->flags & CT4_F_SOCK_MASQ)
 		ct4_touch(owner, cfg, p, 0, now);
 	reason = nat4_rewrite(skb, p, NAT4_SRC, half->nat_addr, half->nat_port);
 	return reason ? reason : EPX_SNAT;
@@ -74,7 +82,7 @@ static __always_inline __u32 nat4_snat(struct __sk_buff *skb, struct pkt4 *p, co
 
 /* Ingress from the backend: a reply to a masqueraded connection goes back to the real client. */
 static __always_inline __u32 nat4_rev_snat(struct __sk_buff *skb, struct pkt4 *p, const struct lb4_config *cfg,
-					   __u64 now)
+					   __u64 now, struct epx_trace_rec *tr)
 {
 	struct ct4_key key;
 	struct ct4_entry *half, *owner;
@@ -87,10 +95,10 @@ static __always_inline __u32 nat4_rev_snat(struct __sk_buff *skb, struct pkt4 *p
 	half = epx_lookup(epx_ct4, &key);
 	if (!half)
 		return 0;
-	owner = ct4_owner(half->nat_addr, half->nat_port, half, p->proto, now);
+	owner = ct4_owner(half->nat_addr, half->nat_port, half, p->proto, now, tr != NULL);
 	if (!owner || owner->snat_port != p->dport || owner->nat_addr != p->saddr || owner->nat_port != p->sport)
 		return 0; /* stale: left for the port allocator to reclaim */
-	if (owner->flags & CT4_F_SOCK_MASQ)
+	if (!tr && (owner->flags & CT4_F_SOCK_MASQ))
 		ct4_touch(owner, cfg, p, 1, now);
 	reason = nat4_rewrite(skb, p, NAT4_DST, half->nat_addr, half->nat_port);
 	return reason ? reason : EPX_REV_SNAT;
@@ -98,7 +106,7 @@ static __always_inline __u32 nat4_rev_snat(struct __sk_buff *skb, struct pkt4 *p
 
 /* Egress toward the client: a reply leaves with the frontend it was sent to as its source. */
 static __always_inline __u32 nat4_rev_dnat(struct __sk_buff *skb, struct pkt4 *p, const struct lb4_config *cfg,
-					   __u64 now)
+					   __u64 now, struct epx_trace_rec *tr)
 {
 	struct ct4_key key = ct4_key_make(p->saddr, p->daddr, p->sport, p->dport, p->proto, CT4_REV_DNAT);
 	struct ct4_entry *half = epx_lookup(epx_ct4, &key), *owner;
@@ -106,12 +114,14 @@ static __always_inline __u32 nat4_rev_dnat(struct __sk_buff *skb, struct pkt4 *p
 
 	if (!half)
 		return 0;
-	owner = ct4_owner(p->daddr, p->dport, half, p->proto, now);
+	owner = ct4_owner(p->daddr, p->dport, half, p->proto, now, tr != NULL);
 	if (!owner || owner->nat_addr != p->saddr || owner->nat_port != p->sport) {
-		epx_delete(epx_ct4, &key);
+		if (!tr)
+			epx_delete(epx_ct4, &key);
 		return 0;
 	}
-	ct4_touch(owner, cfg, p, 1, now);
+	if (!tr)
+		ct4_touch(owner, cfg, p, 1, now);
 	reason = nat4_rewrite(skb, p, NAT4_SRC, half->nat_addr, half->nat_port);
 	return reason ? reason : EPX_REV_DNAT;
 }
@@ -125,20 +135,20 @@ static __always_inline __u32 nat4_rev_dnat(struct __sk_buff *skb, struct pkt4 *p
  * source leaving the node for any other reason is not ours to touch.
  * Returns 0 when it does not apply, EPX_SNAT, or a drop reason. */
 static __always_inline __u32 nat4_masq_local(struct __sk_buff *skb, struct pkt4 *p, const struct lb4_config *cfg,
-					     __u64 now)
+					     __u64 now, struct epx_trace_rec *tr)
 {
 	struct sock4_rev_key skey = { .addr = p->daddr, .port = p->dport };
 	__u32 reason;
 
-	if (!epx_is_loopback(p->saddr) || p->frag == EPX_FRAG_LATER)
-		return 0;
+	if (tr || !epx_is_loopback(p->saddr) || p->frag == EPX_FRAG_LATER)
+		return 0; /* a trace run has no socket (and would have to write the connection) */
 	skey.cookie = epx_get_socket_cookie(skb);
 	if (!skey.cookie || !epx_lookup(epx_sock_rev, &skey))
 		return 0;
 	reason = ct4_create(p, cfg, now, 0, p->daddr, p->dport, CT4_F_MASQ | CT4_F_SOCK_MASQ);
 	if (reason)
 		return reason;
-	reason = nat4_snat(skb, p, cfg, now);
+	reason = nat4_snat(skb, p, cfg, now, NULL);
 	return reason ? reason : EPX_DROP_CT_FAILED; /* the entries just written must be found */
 }
 

@@ -10,4 +10,8 @@ k8s/), and explains or compares; nothing below it imports it.
 - iptables_walk.py   a new connection walked through those rules hook by hook, every branch
 - iptables_answer.py those branches summed up as one Trace (verdict, reason, backends, steps)
 - iptables_live.py   the node's live rules (right backend), addresses and masquerade address
+- ebpf_trace.py  trace_ebpf: the eBPF datapath's answer, from its pinned programs run in trace mode
+- expect.py        the model's statement of a flow's outcome (verify's third opinion)
+- verify.py        every frontend x sender of a node, put to the model and to each tracer
+- state.py         a node's desired state from listed API objects, as its agent builds it
 """

@@ -60,7 +60,7 @@ def test_reasons_match_the_c_enum():
 
 def test_flag_constants_match_common_h():
     defines = dict(
-        re.findall(r"#define ((?:LB4_F|LB4_SCOPE|LB4_BE|CT4|CFG_F|EPX_ORIGIN)_?\w*)\s+(0x[0-9a-fA-F]+|\d+)\b", COMMON_H.read_text())
+        re.findall(r"#define ((?:LB4_F|LB4_SCOPE|LB4_BE|CT4|CFG_F|EPX_ORIGIN|EPX_TRACE|EPX_HOOK)_?\w*)\s+(0x[0-9a-fA-F]+|\d+)\b", COMMON_H.read_text())
     )
     assert len(defines) >= 20
     for name, value in defines.items():

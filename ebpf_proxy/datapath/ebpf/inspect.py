@@ -188,22 +188,28 @@ def _check_layout(path: Path, fd: int) -> None:
                            f"{want[0]}/{want[1]}: the agent is another version; run this version's stats")
 
 
-def read(bpffs: str | Path | None = None) -> Snapshot:
-    """Counters and map fill levels of the datapath pinned under `bpffs` (see locate()), opened
-    read-only without compiling anything. Raises InspectError (NoPinnedMaps when nothing is there)."""
-    pin_dir = locate(bpffs)
+def open_maps_readonly(pin_dir: Path, by_default: bool = False) -> Maps:
+    """Every map pinned in `pin_dir`, opened read-only and checked against this build's layouts
+    (stats, trace). Raises InspectError (NoPinnedMaps when nothing is there)."""
     try:
-        fds = _open_all(pin_dir, by_default=bpffs is None)
+        fds = _open_all(pin_dir, by_default=by_default)
     except libbpf.LibbpfMissing as exc:
         raise InspectError(str(exc)) from exc
     except PermissionError as exc:
         raise InspectError(f"{exc.filename}: {exc.strerror}: reading BPF maps needs root (CAP_BPF)") from exc
     except OSError as exc:
         raise InspectError(f"{exc.filename or pin_dir}: cannot open: {exc.strerror or exc}") from exc
-    maps = Maps(fds, owned=True)
+    return Maps(fds, owned=True)
+
+
+def read(bpffs: str | Path | None = None) -> Snapshot:
+    """Counters and map fill levels of the datapath pinned under `bpffs` (see locate()), opened
+    read-only without compiling anything. Raises InspectError (NoPinnedMaps when nothing is there)."""
+    pin_dir = locate(bpffs)
+    maps = open_maps_readonly(pin_dir, by_default=bpffs is None)
     try:
         counters = maps.stats()
-        usage = {name: (maps.count(name), libbpf.map_info(fds[name]).max_entries) for name in MAP_CONTENTS}
+        usage = {name: (maps.count(name), libbpf.map_info(maps._fd(name)).max_entries) for name in MAP_CONTENTS}
     except OSError as exc:
         raise InspectError(f"{pin_dir}: reading the maps failed: {exc}") from exc
     finally:

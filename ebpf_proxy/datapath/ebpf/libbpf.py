@@ -287,12 +287,16 @@ def link_detach(link_fd: int) -> None:
         raise _error(ret)
 
 
-def prog_query(target_fd: int, attach_type: int) -> list[int]:
-    """Ids of the programs attached to `target_fd` (a cgroup) for `attach_type`. Raises OSError."""
+BPF_F_QUERY_EFFECTIVE = 1  # include/uapi/linux/bpf.h: what runs there, ancestors' programs included
+
+
+def prog_query(target_fd: int, attach_type: int, query_flags: int = 0) -> list[int]:
+    """Ids of the programs attached to `target_fd` (a cgroup) for `attach_type` (with
+    BPF_F_QUERY_EFFECTIVE: every program that runs for it). Raises OSError."""
     ids = (ctypes.c_uint32 * 64)()
     count = ctypes.c_uint32(len(ids))
     flags = ctypes.c_uint32(0)
-    ret = lib().bpf_prog_query(target_fd, attach_type, 0, ctypes.byref(flags), ids, ctypes.byref(count))
+    ret = lib().bpf_prog_query(target_fd, attach_type, query_flags, ctypes.byref(flags), ids, ctypes.byref(count))
     if ret < 0:
         raise _error(ret)
     return list(ids[: count.value])

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 # installed wheel has no source tree around it.
 BPF_SRC_DIR = Path(os.environ.get("EBPF_PROXY_BPF_DIR") or Path(__file__).resolve().parents[3] / "bpf")
 
-# Capacity of each map (passed as -DEPX_<MAP>_MAX); epx_config and epx_stats are fixed-size.
+# Capacity of each map (passed as -DEPX_<MAP>_MAX); epx_config, epx_stats and epx_trace are fixed-size.
 MAX_ENTRIES: dict[str, int] = {
     "epx_svc": 65536,
     "epx_backend": 65536,
@@ -58,7 +58,7 @@ MAX_ENTRIES: dict[str, int] = {
     "epx_frag4": 8192,
     "epx_sock_rev": 65536,
 }
-_FIXED_ENTRIES = {"epx_config": 1, "epx_stats": structs.REASON_MAX}
+_FIXED_ENTRIES = {"epx_config": 1, "epx_stats": structs.REASON_MAX, "epx_trace": 1}
 
 # bcc program type names (BPF.<name>) and attach types (BPFAttachType.<name>)
 PROGRAMS: dict[str, tuple[str, str, str | None]] = {

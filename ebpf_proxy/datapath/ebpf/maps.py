@@ -24,6 +24,8 @@ from ebpf_proxy.datapath.ebpf import libbpf
 from ebpf_proxy.datapath.ebpf import structs as s
 
 IPPROTO = {"TCP": socket.IPPROTO_TCP, "UDP": socket.IPPROTO_UDP, "SCTP": 132}
+# Array maps: a fixed number of entries that are never deleted (config, counters, trace records).
+ARRAY_MAPS = ("epx_config", "epx_stats", "epx_trace")
 
 
 # ---- byte order: the only conversions in the project ----
@@ -234,6 +236,10 @@ class Maps:
         value = s.MAPS[name].leaf()
         return value if libbpf.map_lookup(self._fd(name), key, value) else None
 
+    def map_id(self, name: str) -> int:
+        """The kernel's id of map `name` (what a program's info lists among the maps it uses)."""
+        return libbpf.map_info(self._fd(name)).id
+
     def keys(self, name: str) -> Iterator:
         """Every key of a map (as its structs mirror)."""
         return _walk(self._fd(name), s.MAPS[name].key)
@@ -272,6 +278,10 @@ class Maps:
             return False
         self._put("epx_config", s.u32(0), value)
         return True
+
+    def config(self) -> s.LB4Config:
+        """epx_config as it is (the raw struct: flags and addresses as the programs read them)."""
+        return self._get("epx_config", s.u32(0)) or s.LB4Config()
 
     def set_node_addrs(self, addrs: Iterable[str]) -> int:
         """Make epx_node_addr exactly `addrs`, touching only what differs. Returns the writes."""
@@ -365,6 +375,13 @@ class Maps:
     def set_backend(self, backend_id: int, be: Backend) -> None:
         flags = (s.LB4_BE_IN_CLUSTER if be.in_cluster else 0) | (s.LB4_BE_IN_LOCAL if be.in_local else 0)
         self._put("epx_backend", s.u32(backend_id), s.LB4Backend(addr=be32(be.addr), port=be16(be.port), flags=flags))
+
+    def backend(self, backend_id: int) -> Backend | None:
+        v = self._get("epx_backend", s.u32(backend_id))
+        if v is None:
+            return None
+        return Backend(ip_str(v.addr), port_int(v.port), in_cluster=bool(v.flags & s.LB4_BE_IN_CLUSTER),
+                       in_local=bool(v.flags & s.LB4_BE_IN_LOCAL))
 
     def delete_backend(self, backend_id: int) -> bool:
         return libbpf.map_delete(self._fd("epx_backend"), s.u32(backend_id))
@@ -484,6 +501,18 @@ class Maps:
             out[reason] = (sum(c.packets for c in per_cpu), sum(c.bytes for c in per_cpu))
         return out
 
+    def trace_record(self, nonce: int) -> s.EpxTraceRec | None:
+        """The trace record carrying `nonce` (trace mode, common.h): epx_trace is per-CPU and the
+        run happened on whichever CPU the kernel chose, so every CPU's slot is looked at."""
+        ncpu = libbpf.num_possible_cpus()
+        per_cpu = (s.EpxTraceRec * ncpu)()
+        if not libbpf.map_lookup(self._fd("epx_trace"), s.u32(0), per_cpu):
+            return None
+        for rec in per_cpu:
+            if rec.nonce == nonce and rec.hook:
+                return s.EpxTraceRec.from_buffer_copy(rec)
+        return None
+
     def reset_stats(self) -> None:
         ncpu = libbpf.num_possible_cpus()
         zero = (s.EpxStat * ncpu)()
@@ -493,7 +522,7 @@ class Maps:
     def reset(self) -> None:
         """Empty every map and zero the counters and settings: a blank datapath."""
         for name in s.MAPS:
-            if name not in ("epx_config", "epx_stats"):
+            if name not in ARRAY_MAPS:
                 self.clear(name)
         self._put("epx_config", s.u32(0), s.LB4Config())
         self.reset_stats()
@@ -594,7 +623,7 @@ def _backend_addrs_batched(fd: int) -> set[tuple[str, int]]:
 
 # Maps whose entries exist only when written: their counts are the datapath's state (arrays
 # always hold max_entries slots).
-COUNTED_MAPS = tuple(name for name in s.MAPS if name not in ("epx_config", "epx_stats"))
+COUNTED_MAPS = tuple(name for name in s.MAPS if name not in ARRAY_MAPS)
 
 
 def entry_counts(bpffs_dir: str | Path) -> dict[str, int]:

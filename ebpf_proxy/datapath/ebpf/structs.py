@@ -119,6 +119,14 @@ CFG_F_DETECT_IFACE = 0x08
 EPX_IF_POD = 0x01
 EPX_IF_LOCAL = 0x02
 
+# trace mode (common.h): the signal, the hooks and what a record says
+TRACE_MARK = 0x65707874
+TRACE_MAGIC = 0x54524143
+HOOK_XDP, HOOK_TC_INGRESS, HOOK_TC_EGRESS, HOOK_SOCK_CONNECT4, HOOK_SOCK_SENDMSG4 = 1, 2, 3, 4, 5
+TRACE_F_SERVICE, TRACE_F_POLICY, TRACE_F_BACKEND, TRACE_F_ESTABLISHED = 0x01, 0x02, 0x04, 0x08
+TRACE_F_AFFINITY, TRACE_F_SNAT, TRACE_F_NETNS = 0x10, 0x20, 0x40
+TRACE_MASQ_POLICY, TRACE_MASQ_HAIRPIN = 0x01, 0x02
+
 
 class _Struct(ctypes.Structure):
     def __repr__(self) -> str:
@@ -226,6 +234,36 @@ class EpxStat(_Struct):
     _fields_ = [("packets", u64), ("bytes", u64)]
 
 
+class EpxTraceMeta(_Struct):
+    """struct epx_trace_meta: what an XDP trace run carries in data_meta."""
+
+    _fields_ = [("magic", u32), ("nonce", u32)]
+
+
+class EpxTraceRec(_Struct):
+    _fields_ = [
+        ("nonce", u32),
+        ("reason", u32),
+        ("svc_id", u32),
+        ("svc_flags", u32),
+        ("backend_id", u32),
+        ("backend_addr", be32),
+        ("backend_port", be16),
+        ("svc_count", u16),
+        ("svc_local_count", u16),
+        ("hook", u8),
+        ("origin", u8),
+        ("scope", u8),
+        ("masq", u8),
+        ("flags", u8),
+        ("pad", u8),
+        ("snat_addr", be32),
+        ("snat_port", be16),
+        ("pad2", u16),
+        ("ifindex", u32),
+    ]
+
+
 @dataclass(frozen=True)
 class MapSpec:
     """One map of bpf/maps.c: its name (table and pin file) and its key/value mirror."""
@@ -251,5 +289,6 @@ MAPS: dict[str, MapSpec] = {
         MapSpec("epx_sock_rev", Sock4RevKey, Sock4Rev),
         MapSpec("epx_config", u32, LB4Config),
         MapSpec("epx_stats", u32, EpxStat),
+        MapSpec("epx_trace", u32, EpxTraceRec),
     )
 }

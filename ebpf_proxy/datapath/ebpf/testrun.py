@@ -17,6 +17,42 @@ from ebpf_proxy.datapath.ebpf import libbpf
 _HEADROOM = 512
 
 
+class SkBuffCtx(ctypes.Structure):
+    """The head of struct __sk_buff (include/uapi/linux/bpf.h) up to cb[]: what a TC test run may
+    set (the kernel rejects non-zero fields it does not take: len, pkt_type, ...; a shorter ctx
+    reads as zeros). `ifindex` names a device of the caller's netns; it becomes skb->dev."""
+
+    _fields_ = [
+        ("len", ctypes.c_uint32),
+        ("pkt_type", ctypes.c_uint32),
+        ("mark", ctypes.c_uint32),
+        ("queue_mapping", ctypes.c_uint32),
+        ("protocol", ctypes.c_uint32),
+        ("vlan_present", ctypes.c_uint32),
+        ("vlan_tci", ctypes.c_uint32),
+        ("vlan_proto", ctypes.c_uint32),
+        ("priority", ctypes.c_uint32),
+        ("ingress_ifindex", ctypes.c_uint32),
+        ("ifindex", ctypes.c_uint32),
+        ("tc_index", ctypes.c_uint32),
+        ("cb", ctypes.c_uint32 * 5),
+    ]
+
+
+class XdpMd(ctypes.Structure):
+    """struct xdp_md for an XDP test run: data is the length of the metadata in front of the frame
+    (data_meta must be 0), data_end the length of the whole input."""
+
+    _fields_ = [
+        ("data", ctypes.c_uint32),
+        ("data_end", ctypes.c_uint32),
+        ("data_meta", ctypes.c_uint32),
+        ("ingress_ifindex", ctypes.c_uint32),
+        ("rx_queue_index", ctypes.c_uint32),
+        ("egress_ifindex", ctypes.c_uint32),
+    ]
+
+
 @dataclass(frozen=True)
 class RunResult:
     retval: int  # the program's return value: TC_ACT_* or XDP_*
@@ -24,8 +60,10 @@ class RunResult:
     duration_ns: int  # kernel-measured average per run
 
 
-def run(prog_fd: int, packet: bytes, repeat: int = 1) -> RunResult:
-    """Run program `prog_fd` on `packet` (an Ethernet frame). Raises OSError from the kernel."""
+def run(prog_fd: int, packet: bytes, repeat: int = 1, ctx: ctypes.Structure | None = None) -> RunResult:
+    """Run program `prog_fd` on `packet` (an Ethernet frame; for XDP with metadata, the metadata
+    and then the frame), with `ctx` as the program's context when given (SkBuffCtx, XdpMd).
+    Raises OSError from the kernel."""
     data_in = ctypes.create_string_buffer(packet, len(packet))
     out_size = len(packet) + _HEADROOM
     data_out = ctypes.create_string_buffer(out_size)
@@ -36,5 +74,8 @@ def run(prog_fd: int, packet: bytes, repeat: int = 1) -> RunResult:
         data_size_out=out_size,
         repeat=repeat,
     )
+    if ctx is not None:
+        opts.ctx_in = ctypes.addressof(ctx)
+        opts.ctx_size_in = ctypes.sizeof(ctx)
     libbpf.prog_test_run(prog_fd, opts)
     return RunResult(retval=opts.retval, packet=data_out.raw[: opts.data_size_out], duration_ns=opts.duration)
