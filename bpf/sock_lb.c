@@ -5,8 +5,10 @@
  * the node is "from the node", 127.0.0.0/8:<nodePort> is the localhost case). No packet carries
  * the frontend address, so nothing needs translating on the wire; the kernel picks the source
  * address for the backend's route, which is the masquerade kube-proxy would apply. A socket
- * already bound to 127.0.0.0/8 keeps that source, so its packets are masqueraded on egress by
- * tc_egress (nat4_masq_local), which recognises the socket by its cookie in epx_sock_rev. UDP
+ * already bound keeps its source: the policy sees that source (loadBalancerSourceRanges,
+ * affinity), and when it is not the masquerade address (127.0.0.0/8, or an LB IP the node holds)
+ * and kube-proxy would masquerade, its packets are masqueraded on egress by tc_egress
+ * (nat4_masq_local), which recognises the socket by its cookie in epx_sock_rev. UDP
  * sockets that receive get the frontend back as the peer address (recvmsg4), using epx_sock_rev.
  *
  * REJECT becomes ECONNREFUSED from connect()/sendmsg() itself (bpf_set_retval), which is what a
@@ -38,7 +40,7 @@ static __always_inline struct lb4_config *sock_config(struct bpf_sock_addr *ctx)
 
 /* Rewrite ctx's destination to a backend. Returns 1 (proceed) or 0 (fail the call). With a trace
  * record: decide, record, rewrite and remember nothing. */
-static __always_inline int sock4_decide(struct bpf_sock_addr *ctx, int remember, struct epx_trace_rec *tr)
+static __always_inline int sock4_decide(struct bpf_sock_addr *ctx, __u8 hook, int remember, struct epx_trace_rec *tr)
 {
 	struct lb4_config *cfg = sock_config(ctx);
 	__be32 daddr = ctx->user_ip4;
@@ -50,6 +52,8 @@ static __always_inline int sock4_decide(struct bpf_sock_addr *ctx, int remember,
 	struct lb4_choice c = {};
 	struct lb4_backend be;
 	__u32 backend_id, reason;
+	__be32 src;
+	int masq_source;
 
 	if (!cfg || (proto != IPPROTO_TCP && proto != IPPROTO_UDP)) {
 		if (tr)
@@ -68,11 +72,18 @@ static __always_inline int sock4_decide(struct bpf_sock_addr *ctx, int remember,
 		return 1;
 	}
 	trace_service(tr, svc);
-	/* the node's own address is the source kube-proxy's rules would see */
-	reason = lb4_policy(svc, cfg->snat_addr, origin, cfg->flags, &c);
+	/* the source kube-proxy's rules would see: the socket's own if it is bound, else the one the
+	 * kernel will pick for the backend's route, the node's masquerade address */
+	src = sock4_bound_source(ctx, hook == EPX_HOOK_SOCK_SENDMSG4) ?: cfg->snat_addr;
+	reason = lb4_policy(svc, src, origin, cfg->flags, &c);
 	trace_policy(tr, origin, c.scope, c.masq);
 	if (!reason)
-		reason = lb4_select_backend(svc, c.scope, cfg->snat_addr, bpf_ktime_get_ns(), &backend_id, &be, tr);
+		reason = lb4_select_backend(svc, c.scope, src, bpf_ktime_get_ns(), &backend_id, &be, tr);
+	/* kube-proxy's REJECT for an externalIP or LB IP sits in KUBE-EXTERNAL-SERVICES, which only
+	 * INPUT and FORWARD reach: the node's own call to one that is not its own address leaves
+	 * unrejected (a nodePort on the node, 127.0.0.1 or a clusterIP is rejected: OUTPUT sees those) */
+	if (reason == EPX_REJECT && (svc->flags & LB4_F_EXTERNAL) && !loopback && !epx_lookup(epx_node_addr, &daddr))
+		reason = EPX_PASS_SOCK_EXTERNAL;
 	if (tr) {
 		tr->reason = reason == EPX_REJECT ? EPX_SOCK_REJECT : reason ? reason : EPX_SOCK_FWD;
 		return 0;
@@ -82,17 +93,23 @@ static __always_inline int sock4_decide(struct bpf_sock_addr *ctx, int remember,
 		bpf_set_retval(-EPX_ECONNREFUSED);
 		return 0;
 	}
+	if (reason == EPX_PASS_SOCK_EXTERNAL) {
+		stats_count(reason, 0);
+		return 1;
+	}
 	if (reason) {
 		stats_count(reason, 0);
 		return 0;
 	}
 	ctx->user_ip4 = be.addr;
 	ctx->user_port = be.port;
-	/* UDP: recvmsg4 shows the frontend as the peer. Loopback: a socket bound to 127.0.0.0/8
-	 * must be masqueraded on egress (nat4_masq_local), which looks for this entry. */
-	if (remember && (proto == IPPROTO_UDP || loopback)) {
+	/* UDP: recvmsg4 shows the frontend as the peer. A socket bound to 127.0.0.0/8, or bound to
+	 * another address than the masquerade one where kube-proxy masquerades, must be masqueraded
+	 * on egress (nat4_masq_local), which looks for this entry. */
+	masq_source = loopback || (c.masq && src != cfg->snat_addr);
+	if (remember && (proto == IPPROTO_UDP || masq_source)) {
 		struct sock4_rev_key key = { .cookie = epx_get_socket_cookie(ctx), .addr = be.addr, .port = be.port };
-		struct sock4_rev rev = { .addr = daddr, .port = dport };
+		struct sock4_rev rev = { .addr = daddr, .port = dport, .flags = masq_source ? SOCK4_F_MASQ : 0 };
 
 		epx_update(epx_sock_rev, &key, &rev);
 	}
@@ -109,10 +126,10 @@ static __always_inline int sock4_forward(struct bpf_sock_addr *ctx, __u8 hook)
 		struct epx_trace_rec *tr = trace_begin(sk->priority, hook);
 
 		if (tr)
-			sock4_decide(ctx, 0, tr);
+			sock4_decide(ctx, hook, 0, tr);
 		return 0;
 	}
-	return sock4_decide(ctx, 1, NULL);
+	return sock4_decide(ctx, hook, 1, NULL);
 }
 
 int sock_connect4(struct bpf_sock_addr *ctx)

@@ -69,7 +69,8 @@ enum epx_reason {
 	EPX_SOCK_REV = 23,               /* socket LB: recvmsg source restored to the frontend */
 	EPX_SOCK_REJECT = 24,            /* socket LB: no usable endpoint, call fails with ECONNREFUSED */
 	EPX_ARP_MASQ = 25,               /* ARP request announcing 127.0.0.0/8: sender set to the masquerade address */
-	EPX_REASON_MAX = 26,
+	EPX_PASS_SOCK_EXTERNAL = 26,     /* socket LB: the node's own call to an externalIP/LB IP of a service without endpoints, left alone (kube-proxy rejects it only in INPUT/FORWARD) */
+	EPX_REASON_MAX = 27,
 };
 #define EPX_DROP_FIRST EPX_DROP_MALFORMED_IP
 #define EPX_DROP_LAST EPX_DROP_REJECT_FAILED
@@ -229,10 +230,13 @@ struct sock4_rev_key {
 	__u16 pad;
 };
 
+/* sock4_rev.flags */
+#define SOCK4_F_MASQ 0x01 /* the socket's bound source must be masqueraded on egress (nat4_masq_local) */
+
 struct sock4_rev {
 	__be32 addr;    /* frontend */
 	__be16 port;
-	__u16 pad;
+	__u16 flags;    /* SOCK4_F_* */
 };
 
 /* ---- node configuration: a single-entry array ---- */

@@ -127,23 +127,30 @@ static __always_inline __u32 nat4_rev_dnat(struct __sk_buff *skb, struct pkt4 *p
 }
 
 /* Egress: the first packet of a node socket bound to 127.0.0.0/8 that the socket LB sent to a
- * backend (a localhost NodePort, rule 8). kube-proxy masquerades it in POSTROUTING; here the
+ * backend (a localhost NodePort, rule 8), or bound to another address of the node than the
+ * masquerade address (an LB IP the node holds) where kube-proxy masquerades. kube-proxy
+ * masquerades it in POSTROUTING; here the
  * connection is recorded as masqueraded toward the backend it already addresses (the "frontend"
  * of its CT entries is the backend itself: nothing was DNATed on the wire), so that later
  * packets take nat4_snat and the replies nat4_rev_snat, and are delivered to 127.0.0.1 again.
- * Only sockets the socket LB remembered in epx_sock_rev for this backend qualify: a loopback
- * source leaving the node for any other reason is not ours to touch.
+ * Only sockets the socket LB remembered in epx_sock_rev for this backend qualify: such a source
+ * leaving the node for any other reason is not ours to touch. (A UDP socket's entry, there for
+ * recvmsg4, leaves with the masquerade address unless bound elsewhere: nothing to do then.)
  * Returns 0 when it does not apply, EPX_SNAT, or a drop reason. */
 static __always_inline __u32 nat4_masq_local(struct __sk_buff *skb, struct pkt4 *p, const struct lb4_config *cfg,
 					     __u64 now, struct epx_trace_rec *tr)
 {
 	struct sock4_rev_key skey = { .addr = p->daddr, .port = p->dport };
+	struct sock4_rev *rev;
 	__u32 reason;
 
-	if (tr || !epx_is_loopback(p->saddr) || p->frag == EPX_FRAG_LATER)
+	if (tr || p->saddr == cfg->snat_addr || p->frag == EPX_FRAG_LATER)
 		return 0; /* a trace run has no socket (and would have to write the connection) */
 	skey.cookie = epx_get_socket_cookie(skb);
-	if (!skey.cookie || !epx_lookup(epx_sock_rev, &skey))
+	if (!skey.cookie)
+		return 0;
+	rev = epx_lookup(epx_sock_rev, &skey);
+	if (!rev || !(rev->flags & SOCK4_F_MASQ))
 		return 0;
 	reason = ct4_create(p, cfg, now, 0, p->daddr, p->dport, CT4_F_MASQ | CT4_F_SOCK_MASQ);
 	if (reason)

@@ -220,6 +220,37 @@ def trace_(name: str, where: str, target: str, mode: str, as_json: bool) -> None
     sys.exit(runs[-1][1].returncode)
 
 
+@lab.command("verify", epilog="\b\nExamples:\n  ebpf-proxy lab verify\n  ebpf-proxy lab verify worker2 --json\n"
+             "\b\nExit status: 0 when every node agrees with the model, else 1.")
+@name_option
+@click.argument("nodes", nargs=-1)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: node -> verify's report.")
+def verify_(name: str, nodes: tuple[str, ...], as_json: bool) -> None:
+    """Run `ebpf-proxy verify` on every node (or NODES): each frontend × the lab's real senders, the
+    model against the rendered iptables rules and the node's running datapath."""
+    from ebpf_proxy.lab import verify as lab_verify
+
+    lab_ = _load(name)
+    for node in nodes:
+        try:
+            lab_.topology.node(node)
+        except KeyError as exc:
+            raise _fail(LabError(str(exc.args[0]))) from None
+    results = lab_verify.run(lab_, list(nodes) or None)
+    if as_json:
+        click.echo(json.dumps(results))
+    else:
+        for node, report in results.items():
+            for m in report.get("mismatches", []):
+                click.echo(f"MISMATCH on {node}: {m['service']} {m['frontend']} from {m['sender']}: "
+                           + "; ".join(m["problems"]))
+            for e in report.get("errors", []):
+                click.echo(f"ERROR on {node}: {e}")
+            click.echo(f"{node}: {report.get('flows', 0)} flows, {len(report.get('mismatches', []))} mismatches, "
+                       f"{len(report.get('errors', []))} errors")
+    sys.exit(0 if all(r["exit"] == 0 for r in results.values()) else 1)
+
+
 @lab.command(epilog="\b\nExamples:\n  ebpf-proxy lab mode iptables\n  ebpf-proxy lab mode none")
 @name_option
 @click.argument("mode", type=click.Choice(MODES))

@@ -90,6 +90,11 @@ def expected(flow: FlowSpec, state: ProxyState, node: NodeConfig) -> Expectation
     name = str(svc.name)
     sets = categorize(svc, state.endpoints_of(svc.name), state.topology)
     if not sets.has_any:
+        if flow.origin == "host" and fe.kind in ("externalIP", "loadBalancerIP") and flow.dst not in node.node_ips:
+            # kube-proxy rejects these in KUBE-EXTERNAL-SERVICES, which only INPUT and FORWARD
+            # reach: the node's own connection leaves untouched
+            return Expectation("pass", service=name, reason=f"{name} has no endpoints; the node's own traffic to "
+                                                            f"its {fe.kind} is not rejected (OUTPUT)")
         return Expectation("reject", service=name, reason=f"{name} has no endpoints")
     if fe.kind == "loadBalancerIP" and svc.load_balancer_source_ranges:
         src = ipaddress.ip_address(flow.src)

@@ -32,3 +32,27 @@ def desired_state(services: Iterable[dict], slices: Iterable[dict], nodes: Itera
             tracker.update_slice(sl.namespace, sl.name, sl.service, sl.endpoints, sl.trigger_time)
     state, _changes = tracker.take(full=True)
     return state, tracker.node
+
+
+def listed_state(api, node_name: str) -> tuple[ProxyState, NodeState | None]:
+    """desired_state() from the API server, listed as the agent lists (same selectors)."""
+    from ebpf_proxy.k8s.client import agent_collections
+
+    collections = agent_collections(api, node_name)
+    items = {kind: collections[kind].list()[0] for kind in ("Service", "EndpointSlice", "Node")}
+    return desired_state(items["Service"], items["EndpointSlice"], items["Node"], node_name)
+
+
+def frontend_names(state: ProxyState, node_ips: Iterable[str] = ()) -> dict[tuple[str, int, str], str]:
+    """(ip, port, protocol) -> "ns/name:port" for every frontend: the names a trace of the eBPF
+    datapath prints (its maps hold ids, not names)."""
+    names = {}
+    for name, svc in state.services.items():
+        proto, label = svc.protocol.value, str(name)
+        for ip in (svc.cluster_ip, *svc.external_ips, *svc.load_balancer_ips):
+            if ip:
+                names[(ip, svc.port, proto)] = label
+        if svc.node_port:
+            for ip in (*node_ips, "127.0.0.1"):
+                names[(ip, svc.node_port, proto)] = label
+    return names

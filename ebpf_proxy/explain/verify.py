@@ -98,22 +98,26 @@ def flows_for(state: ProxyState, node: NodeConfig, senders: Sequence[Origin]) ->
             for sender in senders:
                 if sender.src in backends or (host_only and sender.origin != "host"):
                     continue
-                spec = FlowSpec(sender.src, dst, port, svc.protocol, origin=sender.origin, in_iface=sender.in_iface)
+                # a node socket connecting to 127.0.0.1 has 127.0.0.1 as its source
+                src = "127.0.0.1" if host_only else sender.src
+                spec = FlowSpec(src, dst, port, svc.protocol, origin=sender.origin, in_iface=sender.in_iface)
                 out.append(Flow(spec, sender, str(name), kind))
     return out
 
 
-def compare(exp: Expectation, trace: Trace) -> list[str]:
-    """What `trace` gets wrong against the model's expectation (empty: agrees)."""
+def compare(exp: Expectation, trace: Trace, who: str | None = None) -> list[str]:
+    """What `trace` (from tracer `who`, default its datapath) gets wrong against the model's
+    expectation (empty: agrees)."""
+    who = who or trace.datapath
     verdict = "pass" if trace.verdict == "accept" else trace.verdict
     if verdict != exp.verdict:
-        return [f"{trace.datapath}: verdict {trace.verdict}, the model says {exp.verdict}"]
+        return [f"{who}: verdict {trace.verdict}, the model says {exp.verdict}"]
     problems = []
     if verdict == "dnat":
         if frozenset(trace.backends) != exp.backends:
-            problems.append(f"{trace.datapath}: backends {sorted(trace.backends)}, the model says {sorted(exp.backends)}")
+            problems.append(f"{who}: backends {sorted(trace.backends)}, the model says {sorted(exp.backends)}")
         if trace.masquerade != exp.masquerade:
-            problems.append(f"{trace.datapath}: masquerade {trace.masquerade}, the model says {exp.masquerade}")
+            problems.append(f"{who}: masquerade {trace.masquerade}, the model says {exp.masquerade}")
     return problems
 
 
@@ -130,7 +134,7 @@ def verify(flows: Iterable[Flow], state: ProxyState, node: NodeConfig, tracers: 
             except Exception as exc:  # a tracer that cannot answer is a finding, not a crash
                 report.errors.append(f"{name} could not trace {flow.spec.label} ({flow.service}): {exc}")
                 continue
-            problems += compare(exp, traces[name])
+            problems += compare(exp, traces[name], name)
         if problems:
             report.mismatches.append(Mismatch(flow, exp, traces, problems))
     return report

@@ -385,6 +385,10 @@ class Lab:
             "--cgroup-path", naming.node_cgroup(self.name, node.name),
             "--bpffs", str(self.dir / "bpffs" / node.name),
         ]
+        return argv + self.proxy_config_args()
+
+    def proxy_config_args(self) -> list[str]:
+        """The agents' kube-proxy settings as command-line options (`run`, `verify` take them)."""
         if self.topology.kube_proxy_configuration:
             # The topology's clusterCIDR is the file's default, as a kubeadm ConfigMap has it; a
             # file that sets clusterCIDR itself (even "": kube-proxy's no-op local detector) wins.
@@ -392,10 +396,8 @@ class Lab:
             kpc.setdefault("clusterCIDR", self.topology.cluster_cidr)
             cfg = self.dir / "kube-proxy-config.yaml"  # JSON is YAML
             cfg.write_text(json.dumps(kpc))
-            argv += ["--config", str(cfg)]
-        else:
-            argv += ["--cluster-cidr", self.topology.cluster_cidr]
-        return argv
+            return ["--config", str(cfg)]
+        return ["--cluster-cidr", self.topology.cluster_cidr]
 
     def set_proxy_config(self, config: Mapping[str, Any] | None, timeout: float = 30.0) -> None:
         """Give every agent another KubeProxyConfiguration (None: none, flags only) and restart

@@ -79,6 +79,15 @@ class ServicePort:
     def session_affinity(self) -> bool:
         return self.affinity_timeout_seconds > 0
 
+    def lb_ips_admitted_as_source(self, node_ips: tuple[str, ...]) -> bool:
+        """kube-proxy's "implicitly allowed" sources: when loadBalancerSourceRanges admit one of the
+        node's addresses, the LB IPs are admitted as sources too, since a VIP bound on the node
+        makes the node's own traffic to it leave with the VIP as source (pkg/proxy/iptables
+        proxier.go, KUBE-FW; upstream TestLoadBalancer "same node to LB1, SNATted to LB1")."""
+        nets = [ipaddress.ip_network(r.strip(), strict=False) for r in self.load_balancer_source_ranges]
+        addrs = [ipaddress.ip_address(ip) for ip in node_ips]
+        return any(a.version == n.version and a in n for n in nets for a in addrs)
+
 
 @dataclass(frozen=True, order=True, slots=True)
 class Endpoint:

@@ -20,6 +20,7 @@ VIP, PORT, BACKEND_PORT, NODE_PORT = "10.96.0.10", 80, 8080, 30080
 LB_IP = "192.0.2.80"  # a load-balancer IP admitting 198.51.100.0/24 only
 SETTINGS = NodeSettings(snat_addr=NODE_OUTSIDE_SIDE, snat_port_min=61000, snat_port_max=65535)
 DEAD_VIP = "10.96.0.99"  # a service without endpoints
+DEAD_EXTERNAL_IP = "192.0.2.99"  # that service's externalIP
 
 
 @pytest.fixture
@@ -36,6 +37,7 @@ def lab(datapath, maps):
             maps.set_service(Frontend(VIP, PORT, proto), Service(svc_id, 1, 0, 0, has))
             maps.set_service(Frontend(None, NODE_PORT, proto), Service(svc_id, 1, 0, 0, has | s.LB4_F_EXTERNAL))
             maps.set_service(Frontend(DEAD_VIP, PORT, proto), Service(svc_id + 100, 0, 0, 0, 0))
+            maps.set_service(Frontend(DEAD_EXTERNAL_IP, PORT, proto), Service(svc_id + 100, 0, 0, 0, s.LB4_F_EXTERNAL))
             ranged = has | s.LB4_F_EXTERNAL | s.LB4_F_SOURCE_RANGES
             maps.set_service(Frontend(LB_IP, PORT, proto), Service(svc_id, 1, 0, 0, ranged))
             maps.add_source_range(svc_id, "198.51.100.0/24")
@@ -87,6 +89,20 @@ def test_node_process_through_socket_lb(lab, datapath, maps, proto):
         assert result[2] == f"{VIP}:{PORT}", "recvmsg shows the frontend, not the backend"
     assert refused == ["error", "ConnectionRefusedError"]
     assert maps.stats()[s.Reason.SOCK_FWD][0] >= 1
+
+
+def test_node_call_to_an_external_ip_without_endpoints_is_not_rejected(lab, datapath, maps):
+    """kube-proxy rejects a Service's externalIPs/LB IPs without endpoints in KUBE-EXTERNAL-SERVICES,
+    which INPUT and FORWARD reach but not the node's own OUTPUT: its call leaves untouched."""
+    cgroup = lab.cgroup()
+    loader.attach_cgroup(datapath, cgroup)
+    try:
+        result = lab.client("node", "tcp", DEAD_EXTERNAL_IP, PORT, cgroup=cgroup)
+    finally:
+        loader.detach_cgroup(datapath, cgroup)
+    assert result != ["error", "ConnectionRefusedError"], result
+    assert maps.stats()[s.Reason.PASS_SOCK_EXTERNAL][0] >= 1
+    assert not maps.stats()[s.Reason.SOCK_REJECT][0]
 
 
 def test_socket_lb_acts_only_in_the_host_namespace(lab, datapath, maps):

@@ -275,6 +275,17 @@ def test_source_ranges_are_normalized():
     assert e.source_ranges == {"203.0.113.0/24"}
 
 
+def test_lb_ips_join_the_source_ranges_when_a_node_address_is_admitted():
+    """As kube-proxy's KUBE-FW "-s <LB IP>" rule: the node's own traffic from a VIP it holds."""
+    svc = replace(WEB, load_balancer_source_ranges=(f"{w.NODE_IP}/32",))
+    lb_ips = set(svc.load_balancer_ips)
+    assert lb_ips, "WEB has an LB IP"
+    admitted = ServicePrograms(maps=None, node_ips=(w.NODE_IP,)).entries(svc, (REMOTE,)).source_ranges
+    assert admitted == {f"{w.NODE_IP}/32", *(f"{ip}/32" for ip in lb_ips)}
+    elsewhere = ServicePrograms(maps=None, node_ips=("10.9.9.9",)).entries(svc, (REMOTE,)).source_ranges
+    assert elsewhere == {f"{w.NODE_IP}/32"}
+
+
 @pytest.mark.bpf
 @pytest.mark.root
 def test_program_node_writes_only_differences(maps):

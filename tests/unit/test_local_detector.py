@@ -117,3 +117,12 @@ def test_masquerade_all_masquerades_the_cluster_ip_only_not_short_circuited_pod_
     masq = [line for line in lines if line.endswith("-j KUBE-MARK-MASQ") and line.startswith("-A KUBE-SVC-")]
     assert len(masq) == 1 and "-d 10.96.0.10/32" not in masq[0] and "-d 10.96.0.10" in masq[0]
     assert "! -s" not in masq[0]
+
+
+def test_lb_ips_are_admitted_as_sources_when_a_node_address_is():
+    """Upstream TestLoadBalancer: "same node to LB1, SNATted to LB1 (implicitly allowed)"."""
+    lb = ServicePort(SPN, "10.96.0.10", 80, Protocol.TCP, load_balancer_ips=("1.2.3.4",),
+                     load_balancer_source_ranges=(" 192.168.0.0/24 ", "203.0.113.0/25"))
+    assert lb.lb_ips_admitted_as_source(("192.168.0.2",))
+    assert not lb.lb_ips_admitted_as_source(("10.0.0.2",))
+    assert not ServicePort(SPN, "10.96.0.10", 80, Protocol.TCP).lb_ips_admitted_as_source(("192.168.0.2",))

@@ -122,7 +122,7 @@ class EbpfDatapath(Datapath):
         loaded = loader.load(pin_dir, max_entries=self._max_entries, reuse=True)
         try:
             maps = Maps.from_loaded(loaded)
-            programs = ServicePrograms(maps)
+            programs = ServicePrograms(maps, self.node.node_ips)
             writes = adopt.adopt(programs, state)
             self._devices = devices.Devices(
                 devices.Programs(loaded.prog_fds["tc_ingress"], loaded.prog_fds["tc_egress"],

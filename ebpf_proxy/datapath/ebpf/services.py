@@ -141,8 +141,9 @@ def _normalized(cidrs: Iterable[str]) -> frozenset[str]:
 class ServicePrograms:
     """Keeps the maps equal to the desired service ports, one service port at a time."""
 
-    def __init__(self, maps: Maps) -> None:
+    def __init__(self, maps: Maps, node_ips: tuple[str, ...] = ()) -> None:
         self.maps = maps
+        self.node_ips = node_ips  # for the LB IPs a node address admits as sources (ServicePort)
         self._next_svc = itertools.count(1)
         self._next_backend = itertools.count(1)
         self.current: dict[ServicePortName, ServiceEntries] = {}
@@ -193,6 +194,8 @@ class ServicePrograms:
             if ipaddress.ip_address(ip).version == 4:
                 frontends[Frontend(ip, svc.port, proto)] = external
         ranges = frozenset(svc.load_balancer_source_ranges)
+        if ranges and svc.lb_ips_admitted_as_source(self.node_ips):
+            ranges |= {f"{ip}/32" for ip in svc.load_balancer_ips}
         for ip in svc.load_balancer_ips:
             if ipaddress.ip_address(ip).version == 4:
                 frontends[Frontend(ip, svc.port, proto)] = external | (s.LB4_F_SOURCE_RANGES if ranges else 0)

@@ -45,6 +45,7 @@ class Reason(enum.IntEnum):
     SOCK_REV = 23
     SOCK_REJECT = 24
     ARP_MASQ = 25
+    PASS_SOCK_EXTERNAL = 26
 
     @property
     def is_drop(self) -> bool:
@@ -86,9 +87,10 @@ REASON_DESCRIPTIONS: dict[Reason, str] = {
     Reason.SOCK_REV: "socket LB: recvmsg source restored to the frontend",
     Reason.SOCK_REJECT: "socket LB: no usable endpoint, call fails with ECONNREFUSED",
     Reason.ARP_MASQ: "ARP request announcing 127.0.0.0/8: sender set to the masquerade address",
+    Reason.PASS_SOCK_EXTERNAL: "socket LB: the node's own call to an externalIP/LB IP of a service without endpoints, left alone (kube-proxy rejects it only in INPUT/FORWARD)",
 }
 
-REASON_MAX = 26
+REASON_MAX = 27
 
 # Origins (EPX_ORIGIN_*)
 ORIGIN_POD, ORIGIN_NODE, ORIGIN_EXTERNAL, ORIGIN_LOCALHOST = 0, 1, 2, 3
@@ -114,6 +116,9 @@ CFG_F_MASQ_ALL = 0x01
 CFG_F_LOCALHOST_NODEPORTS = 0x02
 CFG_F_DETECT_NONE = 0x04
 CFG_F_DETECT_IFACE = 0x08
+
+# sock4_rev.flags
+SOCK4_F_MASQ = 0x01
 
 # epx_iface values
 EPX_IF_POD = 0x01
@@ -212,7 +217,7 @@ class Sock4RevKey(_Struct):
 
 
 class Sock4Rev(_Struct):
-    _fields_ = [("addr", be32), ("port", be16), ("pad", u16)]
+    _fields_ = [("addr", be32), ("port", be16), ("flags", u16)]
 
 
 class LB4Config(_Struct):

@@ -299,13 +299,9 @@ def render_service(
     # and meets the DROP in filter KUBE-PROXY-FIREWALL.
     if uses_fw:
         own.declare(fw)
-        allow_from_node = False
         for cidr in source_ranges:
-            net = ipaddress.ip_network(cidr)
             own.add(fw, *_comment(f"{label} loadbalancer IP"), "-s", cidr, "-j", external_chain)
-            if any(ipaddress.ip_address(ip) in net for ip in ctx.node_ips):
-                allow_from_node = True
-        if allow_from_node:
+        if svc.lb_ips_admitted_as_source(ctx.node_ips):
             # A VIP bound locally makes node -> VIP traffic loop back with the VIP as source.
             for ip in lb_ips:
                 own.add(fw, *_comment(f"{label} loadbalancer IP"), "-s", ip, "-j", external_chain)

@@ -1,0 +1,143 @@
+"""`ebpf-proxy verify`: on a node, every flow that matters, explained three ways, compared.
+
+The node's desired state comes from the API (listed as the agent lists it), its configuration
+from the agent's own flags or --config (so the same command line as the agent's works), and the
+flows from every frontend × each sender class. Each flow goes to the model (explain/expect), to
+the iptables rules iptables mode would write for this state (rendered here, never installed,
+walked by the same walker `trace` uses), and to what runs in this node's kernel: the eBPF
+programs in trace mode when their maps are pinned, else the live iptables rules. Any
+disagreement is printed with every opinion, and the exit status is 1.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import socket
+import sys
+
+import click
+
+SENDER_HELP = ("A sender, repeatable: LABEL=IP/ORIGIN[@IFACE], ORIGIN pod|external|host "
+               "(default: the node itself, a client outside through the default-route device, and "
+               "the pods of this node's routed veths)")
+
+
+def parse_sender(text: str):
+    from ebpf_proxy.explain.packet import ORIGINS
+    from ebpf_proxy.explain.verify import Origin
+
+    label, sep, rest = text.partition("=")
+    addr, _, iface = rest.partition("@")
+    ip, _, origin = addr.partition("/")
+    try:
+        ipaddress.IPv4Address(ip)
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: {ip!r} is not an IPv4 address", param_hint="--sender") from None
+    if not sep or not label or origin not in ORIGINS:
+        raise click.BadParameter(f"{text!r} is not LABEL=IP/ORIGIN[@IFACE] with ORIGIN one of {', '.join(ORIGINS)}",
+                                 param_hint="--sender")
+    return Origin(label, ip, origin, iface or None)
+
+
+def default_senders(node_ips: tuple[str, ...], cluster_cidrs: tuple[str, ...]):
+    """The node itself, an outside client (TEST-NET-3) through the default-route device, and each
+    pod of this node that has a routed veth (a /32 route into the cluster CIDR)."""
+    from pyroute2 import IPRoute
+
+    from ebpf_proxy.explain.iptables_live import route_device
+    from ebpf_proxy.explain.verify import Origin
+
+    senders = []
+    if node_ips:
+        senders.append(Origin("the node itself", node_ips[0], "host"))
+    senders.append(Origin("a client outside", "203.0.113.77", "external", route_device("203.0.113.77")))
+    nets = [ipaddress.ip_network(c, strict=False) for c in cluster_cidrs]
+    with IPRoute() as ipr:
+        names = {link["index"]: link.get("IFLA_IFNAME") for link in ipr.get_links()}
+        for route in ipr.get_routes(family=socket.AF_INET):
+            dst, oif = route.get("RTA_DST"), route.get("RTA_OIF")
+            if route["dst_len"] == 32 and dst and oif and any(ipaddress.ip_address(dst) in n for n in nets):
+                senders.append(Origin(f"pod {dst} (this node)", dst, "pod", names.get(oif)))
+    return senders
+
+
+def run_verify(config, node_ips: tuple[str, ...], senders, bpffs: str | None, kernel: str):
+    """The Report, and a description of the tracers used."""
+    from ebpf_proxy.agent.nodeconfig import build_node_config
+    from ebpf_proxy.datapath.iptables.render import render
+    from ebpf_proxy.explain import iptables_live as live
+    from ebpf_proxy.explain.iptables_rules import from_ruleset, parse_save
+    from ebpf_proxy.explain.iptables_walk import walk
+    from ebpf_proxy.explain.state import frontend_names, listed_state
+    from ebpf_proxy.explain.verify import flows_for, verify
+    from ebpf_proxy.k8s.client import make_api_client
+
+    state, node_state = listed_state(make_api_client(config.kubeconfig, config.master), config.node_name)
+    node = build_node_config(config, list(node_ips), node_state)
+    facts = live.node_facts(node_ips or None)
+    rendered = from_ruleset(render(node, state))
+    tracers = {"iptables (rendered)": lambda f: walk(rendered, f, facts)}
+    if kernel == "ebpf":
+        from ebpf_proxy.explain.ebpf_trace import trace_ebpf
+
+        names = frontend_names(state, node.node_ips)
+        tracers["ebpf"] = lambda f: trace_ebpf(f, bpffs or "/sys/fs/bpf", names)
+    else:
+        text, source = live.read_rules(config.iptables_backend)
+        live_rules = parse_save(text, source)
+        tracers["iptables (live)"] = lambda f: walk(live_rules, f, facts)
+    senders = senders or default_senders(node.node_ips, node.cluster_cidrs)
+    return verify(flows_for(state, node, senders), state, node, tracers), sorted(tracers)
+
+
+@click.command(epilog="\b\nExamples:\n  ebpf-proxy verify --config /var/lib/kube-proxy/config.conf --hostname-override $(NODE_NAME)\n"
+                      "  ebpf-proxy verify --kubeconfig kc --hostname-override worker1 --cluster-cidr 10.244.0.0/16 --json")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
+              help="The agent's KubeProxyConfiguration file.")
+@click.option("--kubeconfig", default=None, type=click.Path(dir_okay=False), help="Kubeconfig for the API server.")
+@click.option("--master", default=None, help="API server URL.")
+@click.option("--hostname-override", default=None, help="This node's name, as the agent has it.")
+@click.option("--cluster-cidr", "cluster_cidrs", default=None, help="As the agent's flag.")
+@click.option("--detect-local-mode", default=None, help="As the agent's flag.")
+@click.option("--pod-bridge-interface", default=None, help="As the agent's flag.")
+@click.option("--pod-interface-name-prefix", default=None, help="As the agent's flag.")
+@click.option("--masquerade-all", default=None, help="As the agent's flag (true/false).")
+@click.option("--bpffs", default=None, help="bpffs mount of the eBPF datapath (default: found by netns).")
+@click.option("--sender", "senders", multiple=True, help=SENDER_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def verify(config_file, senders, bpffs, as_json, **flags) -> None:
+    """Compare, flow by flow, the model, the iptables rules and this node's datapath."""
+    from ebpf_proxy.agent.config import ConfigError, load_config
+    from ebpf_proxy.agent.nodeconfig import local_ipv4_addresses
+    from ebpf_proxy.cli.trace import ebpf_pinned
+
+    try:
+        config = load_config({k: v for k, v in flags.items() if v is not None}, config_file)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    pinned = ebpf_pinned(bpffs)
+    kernel = "ebpf" if pinned else "iptables"
+    parsed = [parse_sender(s) for s in senders]
+    node_ips = tuple(ip for ip in local_ipv4_addresses() if not ipaddress.ip_address(ip).is_loopback)
+    report, tracers = run_verify(config, node_ips, parsed, pinned, kernel)
+    if as_json:
+        click.echo(json.dumps({
+            "node": config.node_name, "tracers": tracers, "flows": report.flows,
+            "mismatches": [{"service": m.flow.service, "frontend": m.flow.frontend, "sender": m.flow.sender.label,
+                            "flow": m.flow.spec.label, "problems": m.problems,
+                            "model": {"verdict": m.expectation.verdict, "backends": sorted(m.expectation.backends),
+                                      "masquerade": m.expectation.masquerade},
+                            "traces": {k: t.to_json() for k, t in m.traces.items()}} for m in report.mismatches],
+            "errors": report.errors}))
+    else:
+        for m in report.mismatches:
+            click.echo(m.render())
+        for e in report.errors:
+            click.echo(f"ERROR {e}")
+        verdict = "ok" if report.ok else f"{len(report.mismatches)} mismatches, {len(report.errors)} errors"
+        click.echo(f"{config.node_name}: {report.flows} flows, model vs {', '.join(tracers)}: {verdict}")
+    sys.exit(0 if report.ok else 1)
+
+
+COMMANDS = [verify]
