@@ -93,7 +93,23 @@ def trace_iptables(flow_args: dict, backend: str, rules_file: str | None, node_i
     return walk(parse_save(text, source), flow, facts)
 
 
-def trace_ebpf_mode(flow_args: dict, bpffs: str | None):
+def frontend_names_from(kubeconfig: str | None, node_ips) -> dict | None:
+    """Service names for the eBPF maps' frontends, from the API (None without --kubeconfig, or
+    when the API does not answer: the trace then names no service, and says why on stderr)."""
+    if not kubeconfig:
+        return None
+    from ebpf_proxy.explain.state import frontend_names, listed_state
+    from ebpf_proxy.k8s.client import make_api_client
+
+    try:
+        state, _node = listed_state(make_api_client(kubeconfig), "")
+    except Exception as exc:  # noqa: BLE001 - naming is a courtesy; the verdict comes from the kernel
+        click.echo(f"--kubeconfig {kubeconfig}: cannot list services ({exc}); the trace names no service", err=True)
+        return None
+    return frontend_names(state, node_ips)
+
+
+def trace_ebpf_mode(flow_args: dict, bpffs: str | None, kubeconfig: str | None = None):
     try:
         from ebpf_proxy.explain.ebpf_trace import trace_ebpf
     except ModuleNotFoundError as exc:
@@ -105,7 +121,7 @@ def trace_ebpf_mode(flow_args: dict, bpffs: str | None):
 
     facts = live.node_facts()
     flow = build_flow(**flow_args, is_local=facts.is_local, route_device=live.route_device)
-    return trace_ebpf(flow, bpffs or "/sys/fs/bpf")
+    return trace_ebpf(flow, bpffs or "/sys/fs/bpf", frontend_names_from(kubeconfig, sorted(facts.local_ips)))
 
 
 @click.command(epilog=EPILOG)
@@ -126,9 +142,11 @@ def trace_ebpf_mode(flow_args: dict, bpffs: str | None):
               help="The node's addresses (repeatable; with --rules-file from another node): LOCAL for addrtype "
                    "matches, the first is the masquerade address.")
 @click.option("--masquerade-ip", help="Address MASQUERADE picks (default: primary address of the default-route device).")
+@click.option("--kubeconfig", type=click.Path(dir_okay=False), default=None,
+              help="eBPF mode: name the Service of a frontend from this API server (the maps hold ids only).")
 def trace(src: str, dst: str, in_iface: str | None, from_pod: bool, from_host: bool, as_json: bool, mode: str,
           bpffs: str | None, iptables_backend: str, rules_file: str | None, node_ips: tuple[str, ...],
-          masquerade_ip: str | None) -> None:
+          masquerade_ip: str | None, kubeconfig: str | None) -> None:
     """Explain what this node's datapath does with a new connection: DNAT (to which backends), drop,
     reject or pass, whether it is masqueraded, and every chain or program on the way."""
     from ebpf_proxy.explain.iptables_live import LiveError
@@ -145,7 +163,7 @@ def trace(src: str, dst: str, in_iface: str | None, from_pod: bool, from_host: b
         mode, bpffs = ("ebpf", found) if found else ("iptables", bpffs)
     try:
         if mode == "ebpf":
-            result = trace_ebpf_mode(flow_args, bpffs)
+            result = trace_ebpf_mode(flow_args, bpffs, kubeconfig)
         else:
             result = trace_iptables(flow_args, iptables_backend, rules_file, node_ips, masquerade_ip)
     except (FlowError, RulesError, WalkError, LiveError, OSError, ValueError) as exc:

@@ -68,7 +68,8 @@ def plan(lab, where: str, target: str, mode: str = "auto", as_json: bool = False
     else:
         known = ", ".join([*nodes, *pods, *clients])
         raise FlowError(f"--from: {where!r} is not a node, pod or client of lab {lab.name!r} (known: {known})")
-    args += ["--to", to, "--mode", mode, "--bpffs", str(lab.dir / "bpffs" / node)]
+    args += ["--to", to, "--mode", mode, "--bpffs", str(lab.dir / "bpffs" / node),
+             "--kubeconfig", str(lab.dir / "kubeconfig-node")]
     if as_json:
         args.append("--json")
     return TracePlan(node, tuple(args), why)
@@ -83,7 +84,8 @@ def follow(lab, first: TracePlan, target: str, mode: str, as_json: bool) -> Trac
         return None
     src = first.argv[first.argv.index("--from") + 1]
     args = ["--from", src, "--in-iface", "eth0", "--to", f"{dst}:{port}/{proto.lower}", "--mode", mode,
-            "--bpffs", str(lab.dir / "bpffs" / owner)] + (["--json"] if as_json else [])
+            "--bpffs", str(lab.dir / "bpffs" / owner), "--kubeconfig", str(lab.dir / "kubeconfig-node")] + \
+        (["--json"] if as_json else [])
     return TracePlan(owner, tuple(args), f"{first.node} passes it on unchanged to {owner}'s address "
                                         "(origin external, entering through eth0)")
 

@@ -24,7 +24,8 @@ def test_a_client_enters_at_the_node_it_addresses_else_at_its_gateway(lab):
     p = plan(lab, "outside", "172.20.20.16:30320", as_json=True)
     assert p.node == "worker2"
     assert p.argv == ("--from", "203.0.113.5", "--in-iface", "eth0", "--to", "172.20.20.16:30320/tcp",
-                      "--mode", "auto", "--bpffs", "/run/ebpf-proxy/labs/t/bpffs/worker2", "--json")
+                      "--mode", "auto", "--bpffs", "/run/ebpf-proxy/labs/t/bpffs/worker2",
+                      "--kubeconfig", "/run/ebpf-proxy/labs/t/kubeconfig-node", "--json")
     assert plan(lab, "outside", "10.96.110.10:80/udp").node == "worker1"  # outside's gateway
 
 
