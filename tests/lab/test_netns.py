@@ -422,16 +422,19 @@ def test_failed_build_removes_what_it_made(fresh_lab, monkeypatch):
 
 
 CRASHING_BUILDER = textwrap.dedent("""
-    import os, sys
+    import os, sys, time
     from ebpf_proxy.lab import naming, netns, nsexec
     from ebpf_proxy.lab.topology import load_topology
     lab = sys.argv[1]
     net = netns.build(lab, load_topology(None))
     node = net.nodes["worker1"]
     pod = net.pods["my-nginx-1"]
-    nsexec.spawn(node.netns, ["sleep", "600"], cgroup=node.cgroup)
-    nsexec.spawn(pod.netns, ["sleep", "600"])
-    nsexec.spawn(None, ["sleep", "600"], cgroup=naming.apiserver_cgroup(lab))
+    procs = [nsexec.spawn(node.netns, ["sleep", "600"], cgroup=node.cgroup),
+             nsexec.spawn(pod.netns, ["sleep", "600"]),
+             nsexec.spawn(None, ["sleep", "600"], cgroup=naming.apiserver_cgroup(lab))]
+    for proc in procs:  # the cgroup shim joins its cgroup, then execs sleep: wait for that
+        while b"/bin/sh" in open(f"/proc/{proc.pid}/cmdline", "rb").read():
+            time.sleep(0.01)
     os._exit(0)  # crash: no teardown, no state file anywhere
 """)
 
