@@ -16,10 +16,11 @@ from __future__ import annotations
 import ipaddress
 import logging
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ebpf_proxy.datapath.ebpf import structs as s
-from ebpf_proxy.datapath.ebpf.maps import IPPROTO, Backend, Frontend, Maps
+from ebpf_proxy.datapath.ebpf.maps import IPPROTO, Backend, Frontend, Maps, Service
 from ebpf_proxy.datapath.ebpf.services import SUPPORTED, ServiceEntries, ServicePrograms
 from ebpf_proxy.model import ProxyState
 
@@ -36,6 +37,7 @@ class Snapshot:
     backends: dict[int, Backend] = field(default_factory=dict)
     ranges: dict[int, set[str]] = field(default_factory=lambda: defaultdict(set))
     owner: dict[Frontend, int] = field(default_factory=dict)  # frontend -> service id
+    records: dict[Frontend, Service] = field(default_factory=dict)  # frontend -> its epx_svc entry
     max_svc_id: int = 0
     max_backend_id: int = 0
 
@@ -46,6 +48,7 @@ def read(maps: Maps) -> Snapshot:
         snap.frontends[svc.id][fe] = svc.flags
         snap.affinity[svc.id] = svc.affinity_timeout
         snap.owner[fe] = svc.id
+        snap.records[fe] = svc
     for svc_id, scope, slot, backend_id in maps.slots():
         snap.slots[(svc_id, scope, slot)] = backend_id
     snap.backends = maps.backends()
@@ -100,28 +103,53 @@ def adopt(programs: ServicePrograms, state: ProxyState) -> int:
         claimed[svc_id] = entries_of(snap, svc_id)
         programs.take_over(name, claimed[svc_id])
 
-    writes = 0
-    orphans = [entries_of(snap, svc_id) for svc_id in sorted(set(snap.frontends) - set(claimed))]
-    for entries in orphans:
-        writes += programs.remove(entries)
-    # what no service's entries cover: holes' slots, slots of services without frontends,
-    # unreferenced backends, source ranges of services that are gone
-    for svc_id, scope, slot in list(snap.slots):
-        owner = claimed.get(svc_id)
-        if owner is not None:
-            if slot >= len(owner.cluster_slots if scope == s.LB4_SCOPE_CLUSTER else owner.local_slots):
-                writes += maps.delete_slot(svc_id, scope, slot)
-        elif svc_id not in snap.frontends:
-            writes += maps.delete_slot(svc_id, scope, slot)
-    kept_backends = {bid for e in claimed.values() for bid in e.backends}
-    removed_backends = {bid for e in orphans for bid in e.backends}
-    for bid in set(snap.backends) - kept_backends - removed_backends:
-        writes += maps.delete_backend(bid)
-    for svc_id, cidrs in snap.ranges.items():
-        if svc_id not in snap.frontends:
-            for cidr in cidrs:
-                writes += maps.delete_source_range(svc_id, cidr)
+    writes = remove_strays(programs, strays(snap, claimed))
     if snap.frontends:
         log.info("adopted %d service ports from the pinned maps, removed %d orphans (%d writes)",
                  len(claimed), len(set(snap.frontends) - set(claimed)), writes)
+    return writes
+
+
+@dataclass(frozen=True)
+class Strays:
+    """What the maps hold that no service port of `claimed` accounts for (see strays())."""
+
+    services: tuple[ServiceEntries, ...] = ()  # frontends (with their slots, backends, ranges) of unknown ids
+    slots: tuple[tuple[int, int, int], ...] = ()  # (service id, scope, slot) beyond a service's count or of no service
+    backends: tuple[int, ...] = ()  # backend ids no service's slots or entries reach
+    ranges: tuple[tuple[int, str], ...] = ()  # (service id, CIDR) of no service
+
+
+def strays(snap: Snapshot, claimed: Mapping[int, ServiceEntries]) -> Strays:
+    """Everything in `snap` outside the entries of `claimed` (service id -> what it should hold):
+    services whose id nobody claims, slots past a claimed service's count (or of an id without
+    frontends), backends nobody references, source ranges of ids without frontends. Used after a
+    restart (adopt: delete them) and by the drift audit (report them, then delete them)."""
+    orphans = tuple(entries_of(snap, svc_id) for svc_id in sorted(set(snap.frontends) - set(claimed)))
+    slots = []
+    for svc_id, scope, slot in sorted(snap.slots):
+        owner = claimed.get(svc_id)
+        if owner is not None:
+            if slot >= len(owner.cluster_slots if scope == s.LB4_SCOPE_CLUSTER else owner.local_slots):
+                slots.append((svc_id, scope, slot))
+        elif svc_id not in snap.frontends:
+            slots.append((svc_id, scope, slot))
+    kept_backends = {bid for e in claimed.values() for bid in e.backends}
+    orphan_backends = {bid for e in orphans for bid in e.backends}
+    backends = tuple(sorted(set(snap.backends) - kept_backends - orphan_backends))
+    ranges = tuple((svc_id, cidr) for svc_id, cidrs in sorted(snap.ranges.items())
+                   if svc_id not in snap.frontends and svc_id not in claimed for cidr in sorted(cidrs))
+    return Strays(orphans, tuple(slots), backends, ranges)
+
+
+def remove_strays(programs: ServicePrograms, found: Strays) -> int:
+    """Delete what strays() found. Returns the map writes made."""
+    maps = programs.maps
+    writes = sum(programs.remove(entries) for entries in found.services)
+    for svc_id, scope, slot in found.slots:
+        writes += maps.delete_slot(svc_id, scope, slot)
+    for bid in found.backends:
+        writes += maps.delete_backend(bid)
+    for svc_id, cidr in found.ranges:
+        writes += maps.delete_source_range(svc_id, cidr)
     return writes

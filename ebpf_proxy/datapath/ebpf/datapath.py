@@ -24,22 +24,44 @@ own); call `cleanup()` from that namespace too.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from ebpf_proxy.datapath.base import Datapath, SyncResult
 from ebpf_proxy.datapath.ebpf import adopt, devices, loader, pins
 from ebpf_proxy.datapath.ebpf import structs as s
-from ebpf_proxy.datapath.ebpf.maps import Maps
-from ebpf_proxy.datapath.ebpf.services import ServicePrograms, node_settings, program_node
-from ebpf_proxy.model import ChangeSet, NodeConfig, ProxyState
+from ebpf_proxy.datapath.ebpf.maps import Maps, NodeSettings
+from ebpf_proxy.datapath.ebpf.services import (
+    ServiceEntries,
+    ServicePrograms,
+    detector_cidrs,
+    node_addresses,
+    node_settings,
+    program_node,
+)
+from ebpf_proxy.model import ChangeSet, NodeConfig, ProxyState, ServicePortName
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BPFFS = "/sys/fs/bpf"
 CT_COUNT_MAX_AGE = 10.0  # seconds a count of the connection table is reported before it is taken again
+
+
+@dataclass(frozen=True)
+class Believed:
+    """What the datapath believes the kernel holds since its last sync: the drift audit
+    (explain/audit_ebpf.py) compares the maps and devices with it."""
+
+    maps: Maps
+    services: Mapping[ServicePortName, ServiceEntries]
+    config: s.LB4Config
+    node_addrs: frozenset[str]
+    pod_cidrs: frozenset[str]
+    devices: devices.Devices
 
 
 class EbpfDatapath(Datapath):
@@ -79,6 +101,7 @@ class EbpfDatapath(Datapath):
         self._attached = False
         self._ct_count_max_age, self._clock = ct_count_max_age, clock
         self._ct_count: tuple[float, int] | None = None  # (when, entries)
+        self._settings: NodeSettings | None = None  # epx_config as the first sync wrote it
 
     # -- sync -----------------------------------------------------------------------------
 
@@ -134,6 +157,7 @@ class EbpfDatapath(Datapath):
             settings = node_settings(self.node, host_netns_cookie=pins.netns_cookie(),
                                      snat_addr=self._devices.primary_address())
             writes += program_node(maps, self.node, settings)
+            self._settings = settings
             log.info("ebpf datapath loaded", extra={
                 "pin_dir": str(pin_dir), "snat_addr": settings.snat_addr or "",
                 "node_ips": ",".join(self.node.node_ips), "cluster_cidrs": ",".join(self.node.cluster_cidrs),
@@ -157,6 +181,42 @@ class EbpfDatapath(Datapath):
 
     def _reconcile_devices(self) -> int:
         return self._devices.reconcile() if self._devices is not None else 0
+
+    # -- drift audit ----------------------------------------------------------------------
+
+    def believed(self) -> Believed | None:
+        """What the maps and devices should hold (None before the first sync). Call it, and the
+        repairs, between syncs (the agent holds its datapath lock)."""
+        if self._programs is None or self._maps is None or self._devices is None or self._settings is None:
+            return None
+        return Believed(
+            maps=self._maps, services=self._programs.current, config=Maps.config_of(self._settings),
+            node_addrs=frozenset(node_addresses(self.node)),
+            pod_cidrs=frozenset(str(ipaddress.ip_network(c, strict=False)) for c in detector_cidrs(self.node)),
+            devices=self._devices)
+
+    def repair_services(self, actual: Mapping[ServicePortName, ServiceEntries], strays: adopt.Strays) -> int:
+        """Write back what drifted: each service port of `actual` (what the maps hold for it, read
+        by the audit) is moved to what it should hold, writing only the differences, and `strays`
+        are deleted. Returns the map writes made."""
+        assert self._programs is not None
+        writes = 0
+        for name, held in actual.items():
+            believed = self._programs.current.get(name)
+            if believed is None:
+                continue
+            self._programs.take_over(name, held)
+            writes += self._programs.apply(name, believed)
+        return writes + adopt.remove_strays(self._programs, strays)
+
+    def repair_node(self) -> int:
+        """Write the node's facts (epx_config, addresses, detector CIDRs, device flags) again where they differ."""
+        assert self._maps is not None and self._settings is not None and self._devices is not None
+        return program_node(self._maps, self.node, self._settings) + self._maps.set_ifaces(self._devices.iface_flags())
+
+    def repair_devices(self, indexes: Iterable[int]) -> int:
+        """Attach our programs again to devices that lost them. Returns attachments made."""
+        return self._devices.reattach(indexes) if self._devices is not None else 0
 
     # -- stats ----------------------------------------------------------------------------
 
@@ -229,3 +289,4 @@ class EbpfDatapath(Datapath):
         self._devices = None
         self._attached = False
         self._ct_count = None
+        self._settings = None

@@ -240,6 +240,39 @@ class Devices:
         log.info("programs attached to %s device %s", dev.role, dev.name,
                  extra={"device": dev.name, "role": dev.role, "ifindex": dev.index})
 
+    def lost(self) -> dict[int, list[str]]:
+        """ifindex -> what of ours is no longer on an attached device (TC filter names, the XDP
+        program), for the drift audit. An XDP program that never attached (see `errors`) is not lost."""
+        from pyroute2 import IPRoute  # noqa: PLC0415
+
+        out: dict[int, list[str]] = {}
+        with self._lock, IPRoute() as ipr:
+            for index, dev in sorted(self.attached.items()):
+                try:
+                    missing = loader.missing_tc(ipr, index)
+                    wants_xdp = dev.role == EXTERNAL and self.programs.xdp is not None and dev.name not in self.errors
+                    if wants_xdp and not loader.xdp_program_id(ipr, index):
+                        missing.append(loader.XDP_PROGRAM_NAME)
+                except Exception:  # the device vanished meanwhile: the link watcher forgets it
+                    continue
+                if missing:
+                    out[index] = missing
+        return out
+
+    def reattach(self, indexes: Iterable[int]) -> int:
+        """Attach again to devices whose programs were removed behind our back. Returns attachments."""
+        with self._lock:
+            for index in indexes:
+                self.attached.pop(index, None)
+        return self.reconcile()
+
+    def iface_flags(self) -> dict[int, int]:
+        """What epx_iface should hold now."""
+        from pyroute2 import IPRoute  # noqa: PLC0415
+
+        with self._lock, IPRoute() as ipr:
+            return self.desired(ipr)[2]
+
     def primary_address(self) -> str | None:
         from pyroute2 import IPRoute  # noqa: PLC0415
 

@@ -380,6 +380,11 @@ def _our_filters(ipr, ifindex: int, parent: str) -> list:
     return found
 
 
+def missing_tc(ipr, ifindex: int) -> list[str]:
+    """Our TC filter names missing from `ifindex` (somebody ran `tc filter del`): [] when both are there."""
+    return [name for parent, name in TC_FILTER_NAMES.items() if not _our_filters(ipr, ifindex, parent)]
+
+
 def detach_tc(ipr, ifindex: int) -> int:
     """Remove our filters from `ifindex` (others' stay), and clsact if nothing else uses it.
 

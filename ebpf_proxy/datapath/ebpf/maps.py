@@ -258,10 +258,20 @@ class Maps:
 
     def set_settings(self, cfg: NodeSettings) -> bool:
         """Write epx_config; returns False (and writes nothing) when it already holds `cfg`."""
+        value = self.config_of(cfg)
+        current = self._get("epx_config", s.u32(0))
+        if current is not None and bytes(current) == bytes(value):
+            return False
+        self._put("epx_config", s.u32(0), value)
+        return True
+
+    @staticmethod
+    def config_of(cfg: NodeSettings) -> s.LB4Config:
+        """The epx_config struct that holds `cfg`."""
         flags = (s.CFG_F_MASQ_ALL if cfg.masquerade_all else 0) | (
             s.CFG_F_LOCALHOST_NODEPORTS if cfg.localhost_nodeports else 0
         ) | _DETECT_FLAGS[cfg.local_detect]
-        value = s.LB4Config(
+        return s.LB4Config(
             snat_addr=be32(cfg.snat_addr) if cfg.snat_addr else 0,
             snat_port_min=cfg.snat_port_min,
             snat_port_max=cfg.snat_port_max,
@@ -273,11 +283,6 @@ class Maps:
             udp_stream_timeout=cfg.udp_stream_timeout,
             host_netns_cookie=cfg.host_netns_cookie,
         )
-        current = self._get("epx_config", s.u32(0))
-        if current is not None and bytes(current) == bytes(value):
-            return False
-        self._put("epx_config", s.u32(0), value)
-        return True
 
     def config(self) -> s.LB4Config:
         """epx_config as it is (the raw struct: flags and addresses as the programs read them)."""
@@ -292,6 +297,18 @@ class Maps:
         for raw in wanted - present:
             self._put("epx_node_addr", s.be32(raw), s.u32(1))
         return len(present ^ wanted)
+
+    def node_addrs(self) -> set[str]:
+        """What epx_node_addr holds."""
+        return {ip_str(key.value) for key in self.keys("epx_node_addr")}
+
+    def ifaces(self) -> dict[int, int]:
+        """What epx_iface holds: ifindex -> EPX_IF_* flags."""
+        return {key.value: self._get("epx_iface", key).value for key in self.keys("epx_iface")}
+
+    def pod_cidrs(self) -> set[str]:
+        """What epx_pod_cidr holds, as CIDR strings."""
+        return {f"{ip_str(key.addr)}/{key.prefixlen}" for key in self.keys("epx_pod_cidr")}
 
     def set_ifaces(self, flags: Mapping[int, int]) -> int:
         """Make epx_iface exactly `flags` (ifindex -> EPX_IF_*, zero flags left out), touching only

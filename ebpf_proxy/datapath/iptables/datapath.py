@@ -16,7 +16,7 @@ per-service chains left by earlier runs, from iptables-save.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from ebpf_proxy.datapath.base import Datapath, SyncResult
 from ebpf_proxy.datapath.iptables import chains as ch
@@ -191,6 +191,39 @@ class IptablesDatapath(Datapath):
         for jump in ch.JUMP_RULES:
             if not self._cmd.rule_exists(jump.table, jump.chain, jump.rule_args):
                 self._cmd.insert_rule(jump.table, jump.chain, jump.rule_args)
+
+    # -- drift audit (explain/audit_iptables.py) ----------------------------------------------
+
+    def believed(self) -> Ruleset | None:
+        """The ruleset the kernel should hold since the last successful sync (None: none yet)."""
+        return self._applied
+
+    def save(self, table: str) -> str:
+        """iptables-save of `table`, as the kernel holds it now."""
+        return self._cmd.save(table)
+
+    def rewrite(self, write: Mapping[str, Iterable[str]], delete: Mapping[str, Iterable[str]]) -> int:
+        """Repair drift: restore chains of the applied ruleset (`write`, per table), delete stray
+        per-service chains (`delete`), and insert missing jumps from the built-in chains.
+        Returns the chains written and deleted plus the jumps inserted."""
+        if self._applied is None:
+            return 0
+        plan = RestorePlan(write={t: tuple(sorted(c for c in write.get(t, ()) if c in self._applied.chains(t)))
+                                  for t in TABLE_ORDER},
+                           delete={t: tuple(sorted(c for c in delete.get(t, ()) if ch.is_service_chain(c)))
+                                   for t in TABLE_ORDER})
+        try:
+            if not plan.empty:
+                self._cmd.restore(plan.text(self._applied))
+            jumps = 0
+            for jump in ch.JUMP_RULES:
+                if not self._cmd.rule_exists(jump.table, jump.chain, jump.rule_args):
+                    self._cmd.insert_rule(jump.table, jump.chain, jump.rule_args)
+                    jumps += 1
+        except Exception:
+            self._forget()  # the next sync is a full one
+            raise
+        return plan.count("write") + plan.count("delete") + jumps
 
     def _forget(self) -> None:
         self._applied = None
