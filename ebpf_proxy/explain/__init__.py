@@ -14,4 +14,7 @@ k8s/), and explains or compares; nothing below it imports it.
 - expect.py        the model's statement of a flow's outcome (verify's third opinion)
 - verify.py        every frontend x sender of a node, put to the model and to each tracer
 - state.py         a node's desired state from listed API objects, as its agent builds it
+- audit.py         drift of the kernel from the last sync (Drift, AuditReport); picks one of:
+- audit_iptables.py  iptables-save against the applied ruleset, in one canonical spelling
+- audit_ebpf.py    the maps and devices against the service entries and node facts last written
 """

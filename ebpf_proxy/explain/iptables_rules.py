@@ -138,7 +138,7 @@ _TOKEN = re.compile(r'"((?:[^"\\]|\\.)*)"|(\S+)')
 _ESCAPE = re.compile(r"\\(.)")
 
 
-def _split(text: str, where: str) -> list[str]:
+def split_words(text: str, where: str) -> list[str]:
     """Shell-like words, as iptables-save quotes them ("..." with backslash escapes). A regex, not
     shlex, for the common case: shlex takes seconds over a 10,000-service dump."""
     if '"' not in text and "'" not in text and "\\" not in text:
@@ -186,7 +186,7 @@ def parse_save(text: str, source: str = "iptables-save") -> Tables:
             policy = parts[1] if len(parts) > 1 and parts[1] != "-" else None
             b.declare(table, parts[0], policy)
         elif line.startswith("-A "):
-            tokens = _split(line, where)
+            tokens = split_words(line, where)
             if len(tokens) < 2:
                 raise RulesError(f"{where}: -A without a chain: {line!r}")
             b.add(table, tokens, line, no)
@@ -215,7 +215,7 @@ def from_ruleset(ruleset: Ruleset, jump_rules: Iterable[ch.JumpRule] = ch.JUMP_R
         for chain, lines in chains.items():
             b.declare(table, chain, None)
             for line in lines:
-                b.add(table, _split(line, f"ruleset {table} {chain}"), line, None)
+                b.add(table, split_words(line, f"ruleset {table} {chain}"), line, None)
     return b.build()
 
 

@@ -1,0 +1,88 @@
+"""The eBPF drift audit on a real node (netlab.py): clean after a sync; every kind of tampering
+another tool can do to the maps and devices is found and named; repair writes it back, traffic
+flows again, and the ids (so the connections) stay."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from ebpf_proxy.datapath.ebpf import pins
+from ebpf_proxy.datapath.ebpf import structs as s
+from ebpf_proxy.datapath.ebpf.maps import Backend, Frontend, NodeSettings, Service
+from ebpf_proxy.explain.audit import CHANGED, EXTRA, MISSING, audit
+from ebpf_proxy.lab._setns import run_in_netns
+from tests.bpf.test_datapath import NODE_PORT, VIP, _datapath, _state, _sync, _traffic_ok, node  # noqa: F401
+from tests.netns_util import nsenter
+
+pytestmark = [pytest.mark.bpf, pytest.mark.root]
+
+
+def _audit(lab, dp, repair=False):
+    return run_in_netns(lab.ns["node"], audit, dp, repair)
+
+
+def test_tampering_is_found_named_and_repaired(node):
+    lab = node
+    cgroup = lab.cgroup()
+    dp = _datapath(lab, cgroup)
+    _sync(lab, dp, _state())
+    clean = _audit(lab, dp)
+    assert clean.clean, "\n".join(clean.lines())
+    assert clean.checked == {"service ports": 2, "frontends": 4, "backends": 2, "devices": 3}
+
+    maps = pins.open_maps(lab.bpffs)  # another tool, with its own handles
+    try:
+        services = dict(maps.services())
+        tcp = services[Frontend(VIP, 80, 6)]
+        udp_node_port = Frontend(None, NODE_PORT, 17)
+        udp_id = services[udp_node_port].id
+        backend_id = maps.slot(tcp.id, s.LB4_SCOPE_CLUSTER, 0)
+        maps.delete_slot(tcp.id, s.LB4_SCOPE_CLUSTER, 0)
+        maps.set_backend(backend_id + 1000, Backend("10.99.0.1", 1))  # nobody's
+        maps.delete_service(udp_node_port)
+        maps.set_service(Frontend("10.96.9.9", 80, 6), Service(9999, 0))  # nobody's
+        udp_backend = maps.slot(udp_id, s.LB4_SCOPE_CLUSTER, 0)
+        maps.set_backend(udp_backend, Backend("10.99.0.2", 9, in_cluster=True))
+        maps.set_settings(NodeSettings(snat_addr="192.0.2.99"))
+        maps.set_node_addrs([*maps.node_addrs(), "192.0.2.98"])
+    finally:
+        maps.close()
+    subprocess.run([*nsenter(lab.ns["node"]), "tc", "filter", "del", "dev", "vpod", "ingress"], check=True)
+    assert lab.client("pod", "tcp", VIP, 80)[0] == "error", "the tampering breaks the service"
+
+    report = _audit(lab, dp)
+    found = {(d.kind, d.what) : d for d in report.drifts}
+    keys = {(d.kind, d.what, d.key) for d in report.drifts}
+    assert (MISSING, "slot") in found and "cluster slot 0" in found[(MISSING, "slot")].key
+    assert (EXTRA, "backend", str(backend_id + 1000)) in keys
+    assert (MISSING, "service frontend", f"<node>:{NODE_PORT}/udp") in keys
+    assert (EXTRA, "service frontend", "10.96.9.9:80/tcp") in keys
+    assert (CHANGED, "backend", str(udp_backend)) in keys and "10.99.0.2:9" in found[(CHANGED, "backend")].detail
+    assert (CHANGED, "node setting", "epx_config") in keys and "snat_addr" in found[(CHANGED, "node setting")].detail
+    assert (EXTRA, "node address", "192.0.2.98") in keys
+    assert (MISSING, "device program", "vpod epx_ingress") in keys
+    assert len(report.drifts) == 8, "\n".join(report.lines())
+    assert report.counts() == {MISSING: 3, EXTRA: 3, CHANGED: 2}
+
+    repaired = _audit(lab, dp, repair=True)
+    assert repaired.repaired and repaired.writes > 0
+    after = _audit(lab, dp)
+    assert after.clean, "\n".join(after.lines())
+    maps = pins.open_maps(lab.bpffs)
+    try:
+        now = dict(maps.services())
+    finally:
+        maps.close()
+    assert now[Frontend(VIP, 80, 6)] == tcp and now[udp_node_port].id == udp_id, "ids kept"
+    _traffic_ok(lab, cgroup)
+    dp.close()
+
+
+def test_no_audit_before_the_first_sync(node):
+    from ebpf_proxy.explain.audit import AuditUnavailable
+
+    dp = _datapath(node, node.cgroup())
+    with pytest.raises(AuditUnavailable, match="no sync has completed"):
+        audit(dp)
