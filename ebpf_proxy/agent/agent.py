@@ -6,7 +6,8 @@ Lifecycle (`run()`):
 3. wait until each collection has been listed once, as kube-proxy waits for its informers: a
    first sync from half the state would delete rules for services we have not seen yet;
 4. build the NodeConfig (local interface addresses, see nodeconfig.py), create the datapath;
-5. sync through the BoundedFrequencyRunner until stopped;
+5. sync through the BoundedFrequencyRunner until stopped, and audit the kernel against the last
+   sync every --audit-period (audit.py);
 6. SIGTERM/SIGINT: stop watching, `close()` the datapath *without* removing it (traffic keeps
    flowing while the agent restarts), exit 0.
 
@@ -22,6 +23,7 @@ import threading
 import time
 from typing import Any, Callable, Collection, Mapping
 
+from ebpf_proxy.agent.audit import DriftAuditor
 from ebpf_proxy.agent.config import AgentConfig
 from ebpf_proxy.agent.health import ProxierHealth, ServiceHealthServers, healthz_server
 from ebpf_proxy.agent.httpserve import BackgroundHTTPServer
@@ -149,6 +151,9 @@ class Agent:
         self._stop = threading.Event()
         self._runner_thread: threading.Thread | None = None
         self._sync_lock = threading.Lock()  # guards _syncing/_synced_rv against the /healthz reader
+        self._datapath_lock = threading.Lock()  # one of sync or drift audit at a time
+        self.auditor = DriftAuditor(lambda: self.datapath, self._datapath_lock, self.metrics,
+                                    period=config.audit_period, repair=config.audit_repair)
         self._syncing = False
         self._synced_rv = ""
         self.health.synced_resource_version = self.synced_resource_version
@@ -194,7 +199,7 @@ class Agent:
             return
         if self.config.metrics_bind_address:
             self._servers.append(metrics_server(self.config.metrics_bind_address, self.metrics,
-                                                lambda: self.mode).start())
+                                                lambda: self.mode, extra=self.auditor.respond).start())
         if self.config.healthz_bind_address:
             self._servers.append(healthz_server(self.config.healthz_bind_address, self.health).start())
 
@@ -269,7 +274,8 @@ class Agent:
             self._syncing = True
         started = time.monotonic()
         try:
-            result = self.datapath.sync(state, changes)
+            with self._datapath_lock:
+                result = self.datapath.sync(state, changes)
         except Exception:
             self.tracker.abort()
             with self._sync_lock:
@@ -357,6 +363,7 @@ class Agent:
             return EXIT_FAILED
         self._runner_thread = threading.Thread(target=self.runner.loop, name="sync-runner", daemon=True)
         self._runner_thread.start()
+        self.auditor.start()
         self._stop.wait()
         self.shutdown()
         return EXIT_OK
@@ -373,6 +380,7 @@ class Agent:
             reflector.stop()
         if self._runner_thread is not None:
             self._runner_thread.join(timeout=30)
+        self.auditor.stop()
         if self.service_health is not None:
             self.service_health.close()
         for server in self._servers:

@@ -60,6 +60,8 @@ class AgentConfig:
     iptables_backend: str = "auto"
     log_format: str = "text"
     log_level: str = "info"
+    audit_period: float = 60.0  # how often the drift audit compares the kernel with the last sync; 0: never
+    audit_repair: bool = True  # write back what the audit finds drifted
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)  # attr → flag/field name
 
     @property
@@ -238,6 +240,8 @@ _FIELDS: dict[str, _Field] = {
     "iptables_backend": _Field("--iptables-backend", (), _choice(("auto", "legacy", "nft"))),
     "log_format": _Field("--log-format", (), _choice(LOG_FORMATS)),
     "log_level": _Field("--log-level", (), _choice(LOG_LEVELS)),
+    "audit_period": _Field("--audit-period", (), _duration),
+    "audit_repair": _Field("--audit-repair", (), _bool),
 }
 _KNOWN_PATHS = {path for f in _FIELDS.values() for path in f.file_paths}
 
@@ -320,6 +324,8 @@ def _validate(config: AgentConfig) -> None:
     if config.min_sync_period > config.sync_period:
         raise ConfigError(f"{config.source_of('sync_period')}: must be greater than or equal to "
                           f"{config.source_of('min_sync_period')} ({config.min_sync_period:g}s)")
+    if config.audit_period < 0:
+        raise ConfigError(f"{config.source_of('audit_period')}: must be greater than or equal to 0 (0 disables)")
     if not config.node_name:
         raise ConfigError(f"{config.source_of('hostname_override')}: the node name is empty")
     # kube-proxy's validateKubeProxyDetectLocalConfiguration: the interface modes need their name

@@ -128,6 +128,12 @@ class Metrics:
         self.sync_errors = Counter("ebpf_proxy_sync_errors_total", "Datapath syncs that failed", registry=r)
         self.datapath_info = Gauge("ebpf_proxy_datapath_info", "The datapath in use (value 1)", ["mode"],
                                    registry=r)
+        self.drift_entries = Gauge(
+            "ebpf_proxy_datapath_drift_entries",
+            "Kernel objects that differed from the last sync at the last drift audit, by kind "
+            "(missing, extra, changed)", ["kind"], registry=r)
+        self.audits = Counter("ebpf_proxy_datapath_audits_total", "Drift audits run, by result (clean, drift, error)",
+                              ["result"], registry=r)
         self.datapath_counters = DatapathCounters()
         r.register(self.datapath_counters)
 
@@ -163,10 +169,15 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-def metrics_server(address: str, metrics: Metrics, mode: Callable[[], str]) -> BackgroundHTTPServer:
-    """/metrics and /proxyMode on `address` (host:port), not started yet."""
+def metrics_server(address: str, metrics: Metrics, mode: Callable[[], str],
+                   extra: Callable[[str], Response | None] | None = None) -> BackgroundHTTPServer:
+    """/metrics and /proxyMode on `address` (host:port), not started yet; `extra` answers the
+    other paths it knows (the drift audit's), returning None for the rest."""
 
     def respond(path: str) -> Response:
+        answer = extra(path) if extra is not None else None
+        if answer is not None:
+            return answer
         if path == "/metrics":
             return 200, CONTENT_TYPE_LATEST, metrics.render(), {}
         if path == "/proxyMode":

@@ -251,6 +251,36 @@ def verify_(name: str, nodes: tuple[str, ...], as_json: bool) -> None:
     sys.exit(0 if all(r["exit"] == 0 for r in results.values()) else 1)
 
 
+@lab.command("audit", epilog="\b\nExamples:\n  ebpf-proxy lab audit\n  ebpf-proxy lab audit worker2 --repair\n"
+             "\b\nExit status: 0 when no node drifted, 1 when one did, 2 when an agent could not be asked.")
+@name_option
+@click.argument("nodes", nargs=-1)
+@click.option("--repair", is_flag=True, help="Have each agent write back what drifted.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: node -> the agent's audit report.")
+def audit_(name: str, nodes: tuple[str, ...], repair: bool, as_json: bool) -> None:
+    """Ask every node's agent (or NODES') whether its kernel still holds what it last synced."""
+    from ebpf_proxy.explain.audit import AuditReport
+    from ebpf_proxy.lab import audit as lab_audit
+
+    lab_ = _load(name)
+    for node in nodes:
+        try:
+            lab_.topology.node(node)
+        except KeyError as exc:
+            raise _fail(LabError(str(exc.args[0]))) from None
+    results = lab_audit.run(lab_, list(nodes) or None, repair=repair)
+    if as_json:
+        click.echo(json.dumps(results))
+    else:
+        for node, doc in results.items():
+            if "error" in doc:
+                click.echo(f"{node}: error: {doc['error']}")
+                continue
+            for line in AuditReport.from_json(doc).lines():
+                click.echo(f"{node}: {line}")
+    sys.exit(max((r["exit"] for r in results.values()), default=0))
+
+
 @lab.command(epilog="\b\nExamples:\n  ebpf-proxy lab mode iptables\n  ebpf-proxy lab mode none")
 @name_option
 @click.argument("mode", type=click.Choice(MODES))

@@ -85,6 +85,9 @@ def _bool_flag(*names: str, help: str):  # noqa: A002 (click's name)
               help="bpffs mount for pinned maps (default /sys/fs/bpf).")
 @click.option("--iptables-backend", default=None, metavar="auto|legacy|nft",
               help="iptables mode: which backend (auto: the one already holding rules, else legacy).")
+@click.option("--audit-period", default=None, metavar="DURATION",
+              help="How often to compare the kernel's rules or maps with the last sync (default 1m; 0 disables).")
+@_bool_flag("--audit-repair", help="Write back what the drift audit finds (default true; false: only report).")
 @click.option("--log-format", default=None, metavar="|".join(LOG_FORMATS), help="text (default) or json.")
 @click.option("--log-level", default=None, metavar="|".join(LOG_LEVELS), help="debug, info (default), warning, error.")
 def run(config_file: str | None, **flags: str | None) -> None:

@@ -385,7 +385,7 @@ class Lab:
             "--cgroup-path", naming.node_cgroup(self.name, node.name),
             "--bpffs", str(self.dir / "bpffs" / node.name),
         ]
-        return argv + self.proxy_config_args()
+        return argv + self.proxy_config_args() + list(self.topology.agent_args)
 
     def proxy_config_args(self) -> list[str]:
         """The agents' kube-proxy settings as command-line options (`run`, `verify` take them)."""

@@ -34,6 +34,8 @@ not a silently ignored setting)::
     kubeProxyConfiguration: {...}   # optional: a KubeProxyConfiguration handed to every agent
     serviceNodePortRange: 30000-32767  # optional (default shown): kube-apiserver's
                                     #   --service-node-port-range, "FIRST-LAST"
+    agentArgs: [--audit-repair=false]  # optional: more `ebpf-proxy run` options for every agent
+                                    #   (ebpf-proxy's own, e.g. --audit-period 10s, --log-level debug)
 
 Nodes, pods and clients need not share a subnet: the lab routes every address explicitly
 (see ``ebpf_proxy.lab.netns``). Addresses must be unique across the file, usable unicast
@@ -72,7 +74,7 @@ DEFAULT_POD_CIDR_PREFIX = 24
 PROTOCOLS = ("tcp", "udp")
 
 _TOP_KEYS = ("serviceCIDR", "serviceNodePortRange", "clusterCIDR", "apiServerIP", "nodes", "pods", "clients",
-             "kubeProxyConfiguration")
+             "kubeProxyConfiguration", "agentArgs")
 _NODE_KEYS = ("name", "ip", "extraIPs", "podCIDR", "podBridge", "zone")
 _IFNAME = re.compile(r"^[A-Za-z0-9][-A-Za-z0-9_.]{0,14}$")  # a Linux interface name (IFNAMSIZ 16)
 _POD_KEYS = ("name", "node", "namespace", "ip", "labels", "listen")
@@ -142,6 +144,7 @@ class Topology:
     clients: tuple[ClientSpec, ...] = ()
     kube_proxy_configuration: Mapping[str, Any] | None = field(default=None, hash=False)
     service_node_port_range: str = DEFAULT_NODE_PORT_RANGE  # "FIRST-LAST"
+    agent_args: tuple[str, ...] = ()  # more `ebpf-proxy run` options for every agent
 
     def node(self, name: str) -> NodeSpec:
         for node in self.nodes:
@@ -215,6 +218,8 @@ class Topology:
         if self.kube_proxy_configuration is not None:
             data["kubeProxyConfiguration"] = copy.deepcopy(dict(self.kube_proxy_configuration))
         data["serviceNodePortRange"] = self.service_node_port_range
+        if self.agent_args:
+            data["agentArgs"] = list(self.agent_args)
         return data
 
 
@@ -480,8 +485,12 @@ class _Parser:
                                     f"{kind!r} is not KubeProxyConfiguration")
             kpc = MappingProxyType(copy.deepcopy(dict(kpc)))
         node_ports = node_port_range(top.get("serviceNodePortRange", DEFAULT_NODE_PORT_RANGE))
+        agent_args = tuple(_list(top.get("agentArgs", []), "agentArgs"))
+        for i, arg in enumerate(agent_args):
+            if not isinstance(arg, str) or not arg:
+                raise TopologyError(f"agentArgs[{i}]", f"{arg!r} is not a command-line word (a non-empty string)")
         return Topology(str(service), str(cluster), str(api_ip), nodes, pods, clients, kpc,
-                        f"{node_ports[0]}-{node_ports[1]}")
+                        f"{node_ports[0]}-{node_ports[1]}", agent_args)
 
     def host_ip(self, value: Any, where: str) -> IPv4Address:
         """An address of the underlay (node, client, API server): outside the cluster ranges."""

@@ -1,0 +1,111 @@
+"""The agent's drift audit: every `--audit-period`, compare the kernel with the last sync.
+
+kube-proxy rewrites everything in a full sync (hourly here, as there), so what another tool
+changes in between stays wrong for up to an hour without a word. The auditor runs the audit
+(explain/audit.py) between syncs, exports what it found as the gauge
+`ebpf_proxy_datapath_drift_entries{kind}` (missing/extra/changed, as of the last audit, before
+any repair), logs each drift once (not again on every audit while it lasts), and with
+`--audit-repair` (the default) writes back exactly what drifted. `GET /audit` and
+`GET /audit/repair` on the metrics address run one on demand (`ebpf-proxy audit` calls them).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable
+
+from ebpf_proxy.agent.metrics import Metrics
+from ebpf_proxy.explain.audit import AuditReport, AuditUnavailable, Drift, audit
+
+log = logging.getLogger(__name__)
+
+
+class DriftAuditor:
+    """Runs audits of the datapath `datapath()` returns, under `lock` (the one syncs hold)."""
+
+    def __init__(self, datapath: Callable[[], object | None], lock: threading.Lock, metrics: Metrics,
+                 *, period: float, repair: bool) -> None:
+        self._datapath = datapath
+        self._lock = lock
+        self._metrics = metrics
+        self.period = period
+        self.repair = repair
+        self._logged: set[Drift] = set()  # drifts already logged, until they are gone
+        self._memo: dict = {}  # what the audit keeps between runs (explain.audit.audit's memo)
+        self._memo_of: object | None = None  # the datapath the memo is about
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def run_once(self, repair: bool | None = None) -> AuditReport:
+        """One audit (repairing per `repair`, default the agent's setting). Raises AuditUnavailable
+        before the first sync."""
+        datapath = self._datapath()
+        if datapath is None:
+            raise AuditUnavailable("no datapath yet: the agent is still starting")
+        do_repair = self.repair if repair is None else repair
+        try:
+            with self._lock:
+                if datapath is not self._memo_of:
+                    self._memo, self._memo_of = {}, datapath
+                report = audit(datapath, repair=do_repair, memo=self._memo)
+        except AuditUnavailable:
+            raise
+        except Exception:
+            self._metrics.audits.labels(result="error").inc()
+            raise
+        self._record(report)
+        return report
+
+    def _record(self, report: AuditReport) -> None:
+        for kind, n in report.counts().items():
+            self._metrics.drift_entries.labels(kind=kind).set(n)
+        self._metrics.audits.labels(result="drift" if report.drifts else "clean").inc()
+        current = set(report.drifts)
+        for drift in sorted(current - self._logged):
+            log.warning("datapath drift: %s", drift, extra={"mode": report.mode, "drift_kind": drift.kind,
+                                                             "object": drift.what, "key": drift.key})
+        if report.repaired:
+            log.info("drift repaired", extra={"mode": report.mode, "drifts": len(report.drifts),
+                                              "writes": report.writes})
+            self._logged = set()  # written back: if it drifts again, that is news again
+        else:
+            self._logged = current
+
+    # ---- the periodic loop ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.period <= 0 or self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._loop, name="drift-audit", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period):
+            try:
+                self.run_once()
+            except AuditUnavailable as exc:
+                log.debug("drift audit skipped: %s", exc)
+            except Exception:
+                log.exception("drift audit failed")
+
+    # ---- on demand, over HTTP -------------------------------------------------------------------
+
+    def respond(self, path: str) -> tuple[int, str, bytes, dict[str, str]] | None:
+        """`/audit` (report) and `/audit/repair` (report and repair) for the metrics server."""
+        if path not in ("/audit", "/audit/repair"):
+            return None
+        try:
+            report = self.run_once(repair=path == "/audit/repair")
+        except AuditUnavailable as exc:
+            return 503, "application/json", json.dumps({"error": str(exc)}).encode(), {}
+        except Exception as exc:  # the report says why; the agent keeps running
+            return 500, "application/json", json.dumps({"error": f"audit failed: {exc}"}).encode(), {}
+        return 200, "application/json", json.dumps(report.to_json(), indent=1).encode(), {}

@@ -1,0 +1,132 @@
+"""The agent's DriftAuditor without a kernel: the audit itself is replaced by a scripted one, so
+what is checked here is what the agent does with reports (metrics, logging once, repair, HTTP)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+
+import pytest
+
+from ebpf_proxy.agent import audit as agent_audit
+from ebpf_proxy.agent.audit import DriftAuditor
+from ebpf_proxy.agent.config import ConfigError, load_config
+from ebpf_proxy.agent.metrics import Metrics
+from ebpf_proxy.explain.audit import CHANGED, EXTRA, MISSING, AuditReport, AuditUnavailable, Drift
+from ebpf_proxy.lab.topology import TopologyError, parse_topology
+
+GONE = Drift(MISSING, "iptables rule", "nat KUBE-SERVICES rule 3", "`-A KUBE-SERVICES ...`")
+ODD = Drift(EXTRA, "backend", "77", "no service port uses it")
+
+
+class _Scripted:
+    """Stands in for explain.audit.audit: returns the next scripted drifts, records repair flags."""
+
+    def __init__(self, *drift_lists):
+        self.drift_lists = list(drift_lists)
+        self.calls: list[bool] = []
+
+    def __call__(self, datapath, repair=False, memo=None):
+        self.calls.append(repair)
+        return AuditReport(mode="iptables", drifts=list(self.drift_lists.pop(0)), repaired=repair and True,
+                           writes=2 if repair else 0, checked={"rules": 10})
+
+
+def _auditor(monkeypatch, script, repair=False, datapath=object()):
+    monkeypatch.setattr(agent_audit, "audit", script)
+    metrics = Metrics()
+    return DriftAuditor(lambda: datapath, threading.Lock(), metrics, period=60, repair=repair), metrics
+
+
+def _gauge(metrics, kind):
+    return metrics.registry.get_sample_value("ebpf_proxy_datapath_drift_entries", {"kind": kind})
+
+
+def test_drift_is_exported_and_logged_once_while_it_lasts(monkeypatch, caplog):
+    script = _Scripted([GONE], [GONE, ODD], [ODD], [])
+    auditor, metrics = _auditor(monkeypatch, script)
+    caplog.set_level(logging.WARNING, logger="ebpf_proxy.agent.audit")
+
+    auditor.run_once()
+    assert _gauge(metrics, MISSING) == 1 and _gauge(metrics, EXTRA) == 0 and _gauge(metrics, CHANGED) == 0
+    auditor.run_once()
+    auditor.run_once()
+    auditor.run_once()
+    logged = [r.getMessage() for r in caplog.records]
+    assert logged == [f"datapath drift: {GONE}", f"datapath drift: {ODD}"], "each drift once, not per audit"
+    assert _gauge(metrics, MISSING) == 0 and _gauge(metrics, EXTRA) == 0
+    assert metrics.registry.get_sample_value("ebpf_proxy_datapath_audits_total", {"result": "drift"}) == 3
+    assert metrics.registry.get_sample_value("ebpf_proxy_datapath_audits_total", {"result": "clean"}) == 1
+    assert script.calls == [False] * 4
+
+
+def test_a_repaired_drift_that_comes_back_is_logged_again(monkeypatch, caplog):
+    script = _Scripted([GONE], [GONE])
+    auditor, _ = _auditor(monkeypatch, script, repair=True)
+    caplog.set_level(logging.WARNING, logger="ebpf_proxy.agent.audit")
+    auditor.run_once()
+    auditor.run_once()
+    assert [r.getMessage() for r in caplog.records] == [f"datapath drift: {GONE}"] * 2
+    assert script.calls == [True, True]
+
+
+def test_http_answers(monkeypatch):
+    script = _Scripted([GONE], [])
+    auditor, _ = _auditor(monkeypatch, script)
+    status, ctype, body, _ = auditor.respond("/audit/repair")
+    doc = json.loads(body)
+    assert status == 200 and ctype == "application/json"
+    assert doc["clean"] is False and doc["repaired"] is True and doc["drifts"][0]["key"] == GONE.key
+    assert AuditReport.from_json(doc).drifts == [GONE]
+    assert json.loads(auditor.respond("/audit")[2])["clean"] is True
+    assert script.calls == [True, False]
+    assert auditor.respond("/metrics") is None, "other paths are the metrics server's"
+
+
+def test_http_before_the_first_sync_is_503(monkeypatch):
+    def unavailable(datapath, repair=False, memo=None):
+        raise AuditUnavailable("iptables datapath: no sync has completed yet, nothing to compare")
+
+    auditor, _ = _auditor(monkeypatch, unavailable)
+    status, _, body, _ = auditor.respond("/audit")
+    assert status == 503 and "no sync has completed" in json.loads(body)["error"]
+    auditor_without, _ = _auditor(monkeypatch, unavailable, datapath=None)
+    assert auditor_without.respond("/audit")[0] == 503
+
+
+def test_a_failing_audit_is_counted_and_answered_500(monkeypatch):
+    def broken(datapath, repair=False, memo=None):
+        raise RuntimeError("iptables-save exited 4")
+
+    auditor, metrics = _auditor(monkeypatch, broken)
+    status, _, body, _ = auditor.respond("/audit")
+    assert status == 500 and "iptables-save exited 4" in json.loads(body)["error"]
+    assert metrics.registry.get_sample_value("ebpf_proxy_datapath_audits_total", {"result": "error"}) == 1
+
+
+def test_report_lines():
+    report = AuditReport(mode="ebpf", drifts=[GONE, ODD], checked={"frontends": 4}, repaired=True, writes=3)
+    assert report.lines() == [str(GONE), str(ODD),
+                              "ebpf: 2 drifted (1 missing, 1 extra, 0 changed; 4 frontends checked)",
+                              "repaired with 3 writes"]
+    assert AuditReport(mode="ebpf", checked={"frontends": 4}).lines() == ["ebpf: no drift (4 frontends checked)"]
+
+
+def test_audit_flags():
+    config = load_config({"audit_period": "10s", "audit_repair": "false"})
+    assert config.audit_period == 10.0 and config.audit_repair is False
+    assert load_config({}).audit_period == 60.0 and load_config({}).audit_repair is True
+    with pytest.raises(ConfigError, match="--audit-period: must be greater than or equal to 0"):
+        load_config({"audit_period": "-1s"})
+    with pytest.raises(ConfigError, match="--audit-repair: expected true or false"):
+        load_config({"audit_repair": "sometimes"})
+
+
+def test_topology_agent_args():
+    base = {"nodes": [{"name": "w1", "ip": "172.20.20.15"}]}
+    topo = parse_topology({**base, "agentArgs": ["--audit-period", "10s"]})
+    assert topo.agent_args == ("--audit-period", "10s")
+    assert parse_topology(topo.to_dict()) == topo
+    with pytest.raises(TopologyError, match=r"agentArgs\[1\]"):
+        parse_topology({**base, "agentArgs": ["--audit-period", 10]})
