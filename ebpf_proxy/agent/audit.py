@@ -3,7 +3,7 @@
 kube-proxy rewrites everything in a full sync (hourly here, as there), so what another tool
 changes in between stays wrong for up to an hour without a word. The auditor runs the audit
 (explain/audit.py) between syncs, exports what it found as the gauge
-`ebpf_proxy_datapath_drift_entries{kind}` (missing/extra/changed, as of the last audit, before
+`ebpfproxy_datapath_drift_entries{kind}` (missing/extra/stale, as of the last audit, before
 any repair), logs each drift once (not again on every audit while it lasts), and with
 `--audit-repair` (the default) writes back exactly what drifted. `GET /audit` and
 `GET /audit/repair` on the metrics address run one on demand (`ebpf-proxy audit` calls them).

@@ -129,10 +129,10 @@ class Metrics:
         self.datapath_info = Gauge("ebpf_proxy_datapath_info", "The datapath in use (value 1)", ["mode"],
                                    registry=r)
         self.drift_entries = Gauge(
-            "ebpf_proxy_datapath_drift_entries",
+            "ebpfproxy_datapath_drift_entries",
             "Kernel objects that differed from the last sync at the last drift audit, by kind "
             "(missing, extra, changed)", ["kind"], registry=r)
-        self.audits = Counter("ebpf_proxy_datapath_audits_total", "Drift audits run, by result (clean, drift, error)",
+        self.audits = Counter("ebpfproxy_datapath_audits_total", "Drift audits run, by result (clean, drift, error)",
                               ["result"], registry=r)
         self.datapath_counters = DatapathCounters()
         r.register(self.datapath_counters)

@@ -9,7 +9,7 @@ changed since is the next sync's business, not drift), names every difference, a
 exactly those differences without a full sync.
 
 One `Drift` per differing object: `kind` is missing (ours, gone), extra (in our chains or maps,
-written by nobody we know) or changed (there, but different); `what` names the object type
+written by nobody we know) or stale (there, but not what we wrote); `what` names the object type
 ("service frontend", "iptables rule", ...), `key` the object, `detail` the difference.
 The per-datapath comparisons live in audit_ebpf.py and audit_iptables.py; `audit()` picks one.
 """
@@ -21,13 +21,13 @@ from typing import Any
 
 MISSING = "missing"
 EXTRA = "extra"
-CHANGED = "changed"
-KINDS = (MISSING, EXTRA, CHANGED)
+STALE = "stale"
+KINDS = (MISSING, EXTRA, STALE)
 
 
 @dataclass(frozen=True, order=True)
 class Drift:
-    kind: str  # MISSING, EXTRA or CHANGED
+    kind: str  # MISSING, EXTRA or STALE
     what: str  # the object type: "service frontend", "backend", "iptables rule", ...
     key: str  # which one: "10.96.0.10:53/udp", "nat KUBE-SERVICES rule 3", ...
     detail: str = ""  # the difference, in words: "slot 1 holds backend 7, not 9"
@@ -77,7 +77,7 @@ class AuditReport:
         else:
             c = self.counts()
             out.append(f"{self.mode}: {len(self.drifts)} drifted ({c[MISSING]} missing, {c[EXTRA]} extra, "
-                       f"{c[CHANGED]} changed; {checked} checked)")
+                       f"{c[STALE]} stale; {checked} checked)")
             if self.repaired:
                 out.append(f"repaired with {self.writes} writes")
         return out

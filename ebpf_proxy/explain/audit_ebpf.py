@@ -21,7 +21,7 @@ from ebpf_proxy.datapath.ebpf import structs as s
 from ebpf_proxy.datapath.ebpf.datapath import Believed, EbpfDatapath
 from ebpf_proxy.datapath.ebpf.maps import Backend, Frontend, Service
 from ebpf_proxy.datapath.ebpf.services import ServiceEntries
-from ebpf_proxy.explain.audit import CHANGED, EXTRA, MISSING, AuditReport, AuditUnavailable, Drift
+from ebpf_proxy.explain.audit import EXTRA, MISSING, STALE, AuditReport, AuditUnavailable, Drift
 from ebpf_proxy.model import ServicePortName
 
 _PROTO = {6: "tcp", 17: "udp", 132: "sctp"}
@@ -53,7 +53,7 @@ def service_drift(name: ServicePortName, want: ServiceEntries, snap: adopt.Snaps
         if record is None:
             out.append(Drift(MISSING, "service frontend", frontend_key(fe), f"of {label}"))
         elif record != expected:
-            out.append(Drift(CHANGED, "service frontend", frontend_key(fe),
+            out.append(Drift(STALE, "service frontend", frontend_key(fe),
                              f"of {label}: holds {_service_text(record)}; should hold {_service_text(expected)}"))
     for fe in sorted(set(snap.frontends.get(svc_id, {})) - set(want.frontends), key=frontend_key):
         out.append(Drift(EXTRA, "service frontend", frontend_key(fe), f"leads to {label}, which does not have it"))
@@ -64,13 +64,13 @@ def service_drift(name: ServicePortName, want: ServiceEntries, snap: adopt.Snaps
             if held is None:
                 out.append(Drift(MISSING, "slot", key, f"should hold backend {bid}"))
             elif held != bid:
-                out.append(Drift(CHANGED, "slot", key, f"holds backend {held}, should hold {bid}"))
+                out.append(Drift(STALE, "slot", key, f"holds backend {held}, should hold {bid}"))
     for bid, be in sorted(want.backends.items()):
         held_be = snap.backends.get(bid)
         if held_be is None:
             out.append(Drift(MISSING, "backend", f"{bid}", f"{_backend_text(be)} of {label}"))
         elif held_be != be:
-            out.append(Drift(CHANGED, "backend", f"{bid}",
+            out.append(Drift(STALE, "backend", f"{bid}",
                              f"of {label}: holds {_backend_text(held_be)}, should hold {_backend_text(be)}"))
     held_ranges = snap.ranges.get(svc_id, set())
     for cidr in sorted(want.source_ranges - held_ranges):
@@ -108,7 +108,7 @@ def node_drift(believed: Believed, iface_flags: Mapping[int, int]) -> list[Drift
     if bytes(held) != bytes(believed.config):
         fields = [name for name, *_ in s.LB4Config._fields_
                   if _value(getattr(held, name)) != _value(getattr(believed.config, name))]
-        out.append(Drift(CHANGED, "node setting", "epx_config", "differs in " + ", ".join(fields)))
+        out.append(Drift(STALE, "node setting", "epx_config", "differs in " + ", ".join(fields)))
     addrs = maps.node_addrs()
     out += [Drift(MISSING, "node address", a) for a in sorted(believed.node_addrs - addrs)]
     out += [Drift(EXTRA, "node address", a) for a in sorted(addrs - believed.node_addrs)]
@@ -124,7 +124,7 @@ def node_drift(believed: Believed, iface_flags: Mapping[int, int]) -> list[Drift
         elif should is None:
             out.append(Drift(EXTRA, "device flags", f"ifindex {index}", f"holds {have:#x}"))
         elif have != should:
-            out.append(Drift(CHANGED, "device flags", f"ifindex {index}", f"holds {have:#x}, should be {should:#x}"))
+            out.append(Drift(STALE, "device flags", f"ifindex {index}", f"holds {have:#x}, should be {should:#x}"))
     return out
 
 

@@ -9,7 +9,7 @@ generic matches as a set, each match module with its options as a set, the targe
 options in one spelling) that is equal exactly when the kernel rule does what ours says; a test
 loads every kind of rule we render into both backends and requires zero drift.
 
-Compared: every chain of the applied ruleset, rule by rule and in order (missing, extra or changed
+Compared: every chain of the applied ruleset, rule by rule and in order (missing, extra or stale
 rules; missing chains); per-service chains (KUBE-SVC-, KUBE-SEP-, ...) in the kernel that the
 ruleset does not have (extra chains: nobody will ever jump there on purpose, but someone may);
 and each jump from a built-in chain into ours. Other rules in the built-in chains are someone
@@ -28,7 +28,7 @@ import shlex
 from ebpf_proxy.datapath.iptables import chains as ch
 from ebpf_proxy.datapath.iptables.datapath import IptablesDatapath
 from ebpf_proxy.datapath.iptables.ruleset import TABLE_ORDER, Ruleset, parse_save
-from ebpf_proxy.explain.audit import CHANGED, EXTRA, MISSING, AuditReport, AuditUnavailable, Drift
+from ebpf_proxy.explain.audit import EXTRA, MISSING, STALE, AuditReport, AuditUnavailable, Drift
 from ebpf_proxy.explain.iptables_rules import MODULE_OPTIONS, RulesError, split_words
 
 # (table, chain) -> (our lines, the kernel's lines) last proven equal: a chain whose text is
@@ -157,7 +157,7 @@ def _rule_tokens(line: str, where: str) -> list[str]:
 
 
 def _chain_drift(table: str, chain: str, ours: tuple[str, ...], kernel: list[str]) -> list[Drift]:
-    """Rule by rule, in order: which of our rules are missing, changed, or joined by others."""
+    """Rule by rule, in order: which of our rules are missing, stale, or joined by others."""
     a = [canonical(_rule_tokens(line, f"ruleset {table} {chain}")) for line in ours]
     b = [canonical(_rule_tokens(line, f"iptables-save {table} {chain}")) for line in kernel]
     if a == b:
@@ -169,7 +169,7 @@ def _chain_drift(table: str, chain: str, ours: tuple[str, ...], kernel: list[str
             continue
         paired = min(a1 - a0, b1 - b0) if op == "replace" else 0
         for k in range(paired):
-            out.append(Drift(CHANGED, "iptables rule", f"{table} {chain} rule {b0 + k + 1}",
+            out.append(Drift(STALE, "iptables rule", f"{table} {chain} rule {b0 + k + 1}",
                              f"is `{kernel[b0 + k]}`, should be `{ours[a0 + k]}`"))
         for k in range(a0 + paired, a1):
             out.append(Drift(MISSING, "iptables rule", f"{table} {chain} rule {k + 1}", f"`{ours[k]}`"))

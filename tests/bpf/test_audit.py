@@ -11,7 +11,7 @@ import pytest
 from ebpf_proxy.datapath.ebpf import pins
 from ebpf_proxy.datapath.ebpf import structs as s
 from ebpf_proxy.datapath.ebpf.maps import Backend, Frontend, NodeSettings, Service
-from ebpf_proxy.explain.audit import CHANGED, EXTRA, MISSING, audit
+from ebpf_proxy.explain.audit import EXTRA, MISSING, STALE, audit
 from ebpf_proxy.lab._setns import run_in_netns
 from tests.bpf.test_datapath import NODE_PORT, VIP, _datapath, _state, _sync, _traffic_ok, node  # noqa: F401
 from tests.netns_util import nsenter
@@ -59,12 +59,12 @@ def test_tampering_is_found_named_and_repaired(node):
     assert (EXTRA, "backend", str(backend_id + 1000)) in keys
     assert (MISSING, "service frontend", f"<node>:{NODE_PORT}/udp") in keys
     assert (EXTRA, "service frontend", "10.96.9.9:80/tcp") in keys
-    assert (CHANGED, "backend", str(udp_backend)) in keys and "10.99.0.2:9" in found[(CHANGED, "backend")].detail
-    assert (CHANGED, "node setting", "epx_config") in keys and "snat_addr" in found[(CHANGED, "node setting")].detail
+    assert (STALE, "backend", str(udp_backend)) in keys and "10.99.0.2:9" in found[(STALE, "backend")].detail
+    assert (STALE, "node setting", "epx_config") in keys and "snat_addr" in found[(STALE, "node setting")].detail
     assert (EXTRA, "node address", "192.0.2.98") in keys
     assert (MISSING, "device program", "vpod epx_ingress") in keys
     assert len(report.drifts) == 8, "\n".join(report.lines())
-    assert report.counts() == {MISSING: 3, EXTRA: 3, CHANGED: 2}
+    assert report.counts() == {MISSING: 3, EXTRA: 3, STALE: 2}
 
     repaired = _audit(lab, dp, repair=True)
     assert repaired.repaired and repaired.writes > 0

@@ -36,7 +36,7 @@ def test_audit_finds_and_repairs_a_broken_datapath(e2e_lab):
         assert found["exit"] == 1 and not found["repaired"], found
         drifts = _drifts(found)
         if e2e_lab.mode == "ebpf":
-            assert any(d.startswith(f"changed service frontend <node>:{NODE_PORT}/tcp: of default/verify-broken:http")
+            assert any(d.startswith(f"stale service frontend <node>:{NODE_PORT}/tcp: of default/verify-broken:http")
                        for d in drifts), drifts
         else:
             assert any(d.startswith("extra iptables rule nat KUBE-SERVICES rule 1:") and "RETURN" in d

@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 
-from ebpf_proxy.explain.audit import CHANGED, EXTRA, MISSING, audit
+from ebpf_proxy.explain.audit import EXTRA, MISSING, STALE, audit
 from ebpf_proxy.explain.audit_iptables import canonical
 from ebpf_proxy.model import ChangeSet, LocalDetector, LocalMode, NodeConfig
 from tests.lab.test_iptables_apply import (  # noqa: F401 - netns is a fixture
@@ -85,12 +85,12 @@ def test_tampering_is_found_named_and_repaired(netns, flavour):
     report = audit(dp, memo=memo)  # ... unless their text changed
     found = _found(report)
     assert (MISSING, "iptables rule", f"nat {svc_chain} rule 1") in found
-    assert (CHANGED, "iptables rule", "nat KUBE-SERVICES rule 1") in found
+    assert (STALE, "iptables rule", "nat KUBE-SERVICES rule 1") in found
     assert any(k == EXTRA and w == "iptables rule" and key.startswith(f"nat {sep_chain} ") for k, w, key in found)
     assert (EXTRA, "iptables chain", "nat KUBE-SEP-STRAYSTRAYSTRAY1") in found
     assert (MISSING, "iptables jump", "nat PREROUTING -> KUBE-SERVICES") in found
     assert (MISSING, "iptables rule", "filter KUBE-FIREWALL rule 1") in found
-    changed = next(d for d in report.drifts if d.kind == CHANGED)
+    changed = next(d for d in report.drifts if d.kind == STALE)
     assert "--dport 81" in changed.detail and "should be" in changed.detail
     assert not report.repaired
 

@@ -13,7 +13,7 @@ from ebpf_proxy.agent import audit as agent_audit
 from ebpf_proxy.agent.audit import DriftAuditor
 from ebpf_proxy.agent.config import ConfigError, load_config
 from ebpf_proxy.agent.metrics import Metrics
-from ebpf_proxy.explain.audit import CHANGED, EXTRA, MISSING, AuditReport, AuditUnavailable, Drift
+from ebpf_proxy.explain.audit import EXTRA, MISSING, STALE, AuditReport, AuditUnavailable, Drift
 from ebpf_proxy.lab.topology import TopologyError, parse_topology
 
 GONE = Drift(MISSING, "iptables rule", "nat KUBE-SERVICES rule 3", "`-A KUBE-SERVICES ...`")
@@ -40,7 +40,7 @@ def _auditor(monkeypatch, script, repair=False, datapath=object()):
 
 
 def _gauge(metrics, kind):
-    return metrics.registry.get_sample_value("ebpf_proxy_datapath_drift_entries", {"kind": kind})
+    return metrics.registry.get_sample_value("ebpfproxy_datapath_drift_entries", {"kind": kind})
 
 
 def test_drift_is_exported_and_logged_once_while_it_lasts(monkeypatch, caplog):
@@ -49,15 +49,15 @@ def test_drift_is_exported_and_logged_once_while_it_lasts(monkeypatch, caplog):
     caplog.set_level(logging.WARNING, logger="ebpf_proxy.agent.audit")
 
     auditor.run_once()
-    assert _gauge(metrics, MISSING) == 1 and _gauge(metrics, EXTRA) == 0 and _gauge(metrics, CHANGED) == 0
+    assert _gauge(metrics, MISSING) == 1 and _gauge(metrics, EXTRA) == 0 and _gauge(metrics, STALE) == 0
     auditor.run_once()
     auditor.run_once()
     auditor.run_once()
     logged = [r.getMessage() for r in caplog.records]
     assert logged == [f"datapath drift: {GONE}", f"datapath drift: {ODD}"], "each drift once, not per audit"
     assert _gauge(metrics, MISSING) == 0 and _gauge(metrics, EXTRA) == 0
-    assert metrics.registry.get_sample_value("ebpf_proxy_datapath_audits_total", {"result": "drift"}) == 3
-    assert metrics.registry.get_sample_value("ebpf_proxy_datapath_audits_total", {"result": "clean"}) == 1
+    assert metrics.registry.get_sample_value("ebpfproxy_datapath_audits_total", {"result": "drift"}) == 3
+    assert metrics.registry.get_sample_value("ebpfproxy_datapath_audits_total", {"result": "clean"}) == 1
     assert script.calls == [False] * 4
 
 
@@ -102,13 +102,13 @@ def test_a_failing_audit_is_counted_and_answered_500(monkeypatch):
     auditor, metrics = _auditor(monkeypatch, broken)
     status, _, body, _ = auditor.respond("/audit")
     assert status == 500 and "iptables-save exited 4" in json.loads(body)["error"]
-    assert metrics.registry.get_sample_value("ebpf_proxy_datapath_audits_total", {"result": "error"}) == 1
+    assert metrics.registry.get_sample_value("ebpfproxy_datapath_audits_total", {"result": "error"}) == 1
 
 
 def test_report_lines():
     report = AuditReport(mode="ebpf", drifts=[GONE, ODD], checked={"frontends": 4}, repaired=True, writes=3)
     assert report.lines() == [str(GONE), str(ODD),
-                              "ebpf: 2 drifted (1 missing, 1 extra, 0 changed; 4 frontends checked)",
+                              "ebpf: 2 drifted (1 missing, 1 extra, 0 stale; 4 frontends checked)",
                               "repaired with 3 writes"]
     assert AuditReport(mode="ebpf", checked={"frontends": 4}).lines() == ["ebpf: no drift (4 frontends checked)"]
 
