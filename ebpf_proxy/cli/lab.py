@@ -33,6 +33,17 @@ def _load(name: str) -> Lab:
         raise click.ClickException(str(exc)) from None
 
 
+def _load_with_nodes(name: str, nodes: tuple[str, ...]) -> Lab:
+    """The lab, after checking that each of `nodes` is one of its nodes (the error names the first that is not)."""
+    lab_ = _load(name)
+    for node in nodes:
+        try:
+            lab_.topology.node(node)
+        except KeyError as exc:
+            raise _fail(LabError(str(exc.args[0]))) from None
+    return lab_
+
+
 def _fail(exc: Exception) -> click.ClickException:
     return click.ClickException(str(exc))
 
@@ -230,12 +241,7 @@ def verify_(name: str, nodes: tuple[str, ...], as_json: bool) -> None:
     model against the rendered iptables rules and the node's running datapath."""
     from ebpf_proxy.lab import verify as lab_verify
 
-    lab_ = _load(name)
-    for node in nodes:
-        try:
-            lab_.topology.node(node)
-        except KeyError as exc:
-            raise _fail(LabError(str(exc.args[0]))) from None
+    lab_ = _load_with_nodes(name, nodes)
     results = lab_verify.run(lab_, list(nodes) or None)
     if as_json:
         click.echo(json.dumps(results))
@@ -262,12 +268,7 @@ def audit_(name: str, nodes: tuple[str, ...], repair: bool, as_json: bool) -> No
     from ebpf_proxy.explain.audit import AuditReport
     from ebpf_proxy.lab import audit as lab_audit
 
-    lab_ = _load(name)
-    for node in nodes:
-        try:
-            lab_.topology.node(node)
-        except KeyError as exc:
-            raise _fail(LabError(str(exc.args[0]))) from None
+    lab_ = _load_with_nodes(name, nodes)
     results = lab_audit.run(lab_, list(nodes) or None, repair=repair)
     if as_json:
         click.echo(json.dumps(results))
