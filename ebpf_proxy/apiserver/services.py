@@ -389,6 +389,11 @@ class ServiceAllocator:
             raise InvalidFields(errs)
         return self._allocate(svc["spec"], old.get("spec") or {})
 
+    def restore(self, svc: dict[str, Any]) -> None:
+        """Claim the clusterIP and nodePorts a stored Service already holds (a restarted API
+        server reading its persisted state); InvalidFields if another Service holds them."""
+        self._allocate(svc.get("spec") or {}, None).commit()
+
     def release(self, svc: dict[str, Any]) -> None:
         ip, ports = _owned(svc.get("spec") or {})
         if ip:

@@ -528,6 +528,54 @@ class Store:
             self._compacted_rv = self._rv
             return str(self._rv)
 
+    def export_objects(self) -> tuple[str, list[dict[str, Any]]]:
+        """The current resourceVersion and every stored object, for persist.py.
+
+        Committed objects are never mutated (a write replaces them), so the list can be
+        serialised after the lock is released without a deep copy."""
+        with self._lock:
+            objects = [obj for kind in self._objects for obj in self._objects[kind].values()]
+            return str(self._rv), objects
+
+    def restore_objects(self, objects: Iterable[dict[str, Any]]) -> None:
+        """Replace the stored objects by `objects` (a persisted state), as an etcd restore does.
+
+        Objects keep their uid, timestamps and resourceVersion; no watch event is sent (call
+        before anyone watches) and the history stays empty, so a client resuming from a version
+        of the old instance gets 410 Expired and relists. Service clusterIPs and nodePorts are
+        claimed again; a pod whose graceful deletion was under way finishes it when its time is up.
+        Raises ValueError naming the object when one cannot be restored."""
+        with self._lock:
+            fresh: dict[str, dict[tuple[str, str], dict[str, Any]]] = {k: {} for k in kinds_mod.STORAGE}
+            allocator = services.ServiceAllocator(str(self.service_cidr), self.services.node_port_range)
+            for i, obj in enumerate(objects):
+                kind = obj.get("kind") if isinstance(obj, dict) else None
+                meta = obj.get("metadata") if isinstance(obj, dict) else None
+                if kind not in fresh or not isinstance(meta, dict) or not meta.get("name"):
+                    raise ValueError(f"objects[{i}]: not a stored object (kind {kind!r} and metadata.name needed)")
+                rt = kinds_mod.storage_type(kind)
+                key = self._key(rt, meta.get("namespace"), meta["name"])
+                where = f"objects[{i}] ({kind} {'/'.join(k for k in key if k)})"
+                if key in fresh[kind]:
+                    raise ValueError(f"{where}: stored twice")
+                if kind == "Service":
+                    try:
+                        allocator.restore(obj)
+                    except InvalidFields as exc:
+                        raise ValueError(f"{where}: {exc}") from None
+                fresh[kind][key] = obj
+            self._objects = fresh
+            self.services = allocator
+            self._graceful.clear()
+            for (ns, name), pod in fresh["Pod"].items():
+                grace = pod["metadata"].get("deletionGracePeriodSeconds")
+                if pod["metadata"].get("deletionTimestamp") and grace:
+                    left = _seconds_until(pod["metadata"]["deletionTimestamp"])
+                    self._graceful[("Pod", ns, name)] = time.monotonic() + max(0.0, left)
+            if self._graceful:
+                self._ensure_housekeeper()
+                self._wake.notify_all()
+
     @property
     def compacted_resource_version(self) -> str:
         with self._lock:
@@ -735,6 +783,15 @@ class Store:
                             self._mark_deleting(kinds_mod.storage_type(kind), (ns, name), obj, 0, False)
                 deadlines = [next_bookmark] + list(self._graceful.values())
                 self._wake.wait(max(0.01, min(deadlines) - time.monotonic()))
+
+
+def _seconds_until(rfc3339: str) -> float:
+    """Seconds from now until an RFC 3339 timestamp as the store writes them (0 if unreadable)."""
+    try:
+        when = datetime.strptime(rfc3339, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+    except (TypeError, ValueError):
+        return 0.0
+    return when.timestamp() - time.time()
 
 
 def _initial(kind: str, obj: dict[str, Any]) -> WatchEvent:

@@ -11,6 +11,10 @@ namespace. Python 3.11 has no `os.setns`, hence ctypes.
 
 The ready file is written atomically once every listener is bound, so the lab can wait for
 it and learn which ephemeral ports were chosen.
+
+With `--state-file` the objects survive a restart (apiserver/persist.py): the lab's
+`lab apiserver stop|start|restart` uses it to take the control plane away and bring it back
+as a real cluster's would come back, with its objects and newer resourceVersions.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ import threading
 import click
 
 from ebpf_proxy.lab._setns import in_netns
-from ebpf_proxy.apiserver import ApiServer, Store, bind_socket, parse_host_port
+from ebpf_proxy.apiserver import ApiServer, bind_socket, parse_host_port
+from ebpf_proxy.apiserver.persist import StateFileError, StateSaver, open_store, write_atomically
 from ebpf_proxy.lab.slicecontroller import EndpointSliceController
 
 log = logging.getLogger("ebpf_proxy.lab.apiserver_main")
@@ -48,12 +53,7 @@ def write_ready_file(path: str, listeners: list[tuple[str, int]]) -> None:
         "listeners": [{"listen": arg, "port": port} for arg, port in listeners],
         "pid": os.getpid(),
     }
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(doc, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomically(path, json.dumps(doc))
 
 
 def _parse_netns_listen(value: str) -> tuple[str, str, int]:
@@ -84,12 +84,14 @@ def _parse_netns_listen(value: str) -> tuple[str, str, int]:
               help="Range for node ports and health-check node ports.")
 @click.option("--bookmark-interval", default=1.0, show_default=True, type=float,
               help="Seconds between watch BOOKMARK events.")
+@click.option("--state-file", type=click.Path(dir_okay=False),
+              help="Keep the objects here across restarts: read at start if it exists, written after changes.")
 @click.option("--ready-file", type=click.Path(dir_okay=False), help="Write the bound ports here once listening.")
 @click.option("--log-file", type=click.Path(dir_okay=False), help="Log here instead of stderr.")
 @click.option("--log-level", default="INFO", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 def main(listen: tuple[str, ...], listen_netns: tuple[str, ...], service_cidr: str, service_node_port_range: str,
-         bookmark_interval: float, ready_file: str | None, log_file: str | None, log_level: str) -> None:
+         bookmark_interval: float, state_file: str | None, ready_file: str | None, log_file: str | None, log_level: str) -> None:
     """Run the lab's Kubernetes API server with its EndpointSlice controller until SIGTERM."""
     logging.basicConfig(filename=log_file, level=getattr(logging, log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -102,7 +104,10 @@ def main(listen: tuple[str, ...], listen_netns: tuple[str, ...], service_cidr: s
                                  param_hint="--service-node-port-range") from None
     netns_listeners = [_parse_netns_listen(v) for v in listen_netns]
     try:
-        store = Store(service_cidr=service_cidr, node_port_range=(first, last), bookmark_interval=bookmark_interval)
+        store = open_store(state_file, service_cidr=service_cidr, node_port_range=(first, last),
+                           bookmark_interval=bookmark_interval)
+    except StateFileError as exc:
+        raise click.BadParameter(str(exc), param_hint="--state-file") from None
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--service-cidr") from None
 
@@ -128,6 +133,7 @@ def main(listen: tuple[str, ...], listen_netns: tuple[str, ...], service_cidr: s
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
 
+    saver = StateSaver(store, state_file).start() if state_file else None
     controller = EndpointSliceController(store).start()
     server = ApiServer(store, sockets).start()
     listeners = [(key, addr[1]) for key, addr in zip(keys, server.addresses)]
@@ -141,6 +147,8 @@ def main(listen: tuple[str, ...], listen_netns: tuple[str, ...], service_cidr: s
         log.info("lab API server stopping")
         server.stop()
         controller.stop()
+        if saver is not None:
+            saver.stop()
         store.close()
         if ready_file:
             with contextlib.suppress(FileNotFoundError):
