@@ -19,6 +19,7 @@ Examples:
   ebpf-proxy lab probe --from outside --to 172.20.20.17:30294 --count 20
   ebpf-proxy lab exec worker2 -- ip route
   ebpf-proxy lab scale my-nginx --replicas 3
+  ebpf-proxy lab apiserver freeze                 # then thaw; or stop, start, restart
   ebpf-proxy lab down --all
 """
 
@@ -97,8 +98,9 @@ def status(name: str, as_json: bool) -> None:
 
     console = Console()
     api = info["apiserver"]
+    api_state = "FROZEN" if api.get("frozen") else "up" if api["alive"] else "DOWN"
     console.print(f"lab [bold]{name}[/] mode [bold]{info['mode']}[/]  api {api.get('url')} "
-                  f"({'up' if api['alive'] else 'DOWN'})  kubeconfig {info['kubeconfig']}")
+                  f"({api_state})  kubeconfig {info['kubeconfig']}")
     table = Table("kind", "name", "address", "where", "process")
     for n in info["nodes"]:
         agent = n["agent"]
@@ -305,6 +307,22 @@ def agent(name: str, node: str, action: str) -> None:
     except (LabError, KeyError) as exc:
         raise _fail(exc) from None
     click.echo(f"{node}: agent {action} done")
+
+
+@lab.command(epilog="\b\nExamples:\n  ebpf-proxy lab apiserver freeze\n  ebpf-proxy lab apiserver thaw\n"
+             "  ebpf-proxy lab apiserver restart --name t1")
+@name_option
+@click.argument("action", type=click.Choice(["stop", "start", "restart", "freeze", "thaw"]))
+def apiserver(name: str, action: str) -> None:
+    """Take the API server away and bring it back: stop/start (objects kept, old resourceVersions
+    410 Expired), restart, freeze/thaw (SIGSTOP/SIGCONT: connections stay open, nothing answered)."""
+    from ebpf_proxy.lab import apiserver_ctl
+
+    try:
+        now = apiserver_ctl.act(_load(name), action)
+    except LabError as exc:
+        raise _fail(exc) from None
+    click.echo(f"lab {name}: API server {now}")
 
 
 @lab.command(epilog="\b\nExamples:\n  ebpf-proxy lab logs worker1 --tail 50")

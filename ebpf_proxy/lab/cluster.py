@@ -67,10 +67,20 @@ def _alive(pid: int | None) -> bool:
         return False
 
 
+def _frozen(pid: int | None) -> bool:
+    """Stopped by SIGSTOP (`lab apiserver freeze`): alive, but answering nothing."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][0] in "Tt"
+    except (OSError, IndexError, TypeError):
+        return False
+
+
 def _stop_pid(pid: int | None, timeout: float = 5.0) -> None:
     if not _alive(pid):
         return
     os.kill(pid, signal.SIGTERM)
+    os.kill(pid, signal.SIGCONT)  # a frozen process handles SIGTERM only once continued
     deadline = time.monotonic() + timeout
     while _alive(pid) and time.monotonic() < deadline:
         try:
@@ -130,23 +140,28 @@ class Lab:
         destroy(self.name)
 
     # ---- API server --------------------------------------------------------------------------
-    def _start_apiserver(self) -> None:
+    def _start_apiserver(self, local_port: int = 0) -> None:
+        """Start the API server process; `local_port` 0 picks the host-side port (a restart
+        asks for the one it had, so the host kubeconfig stays valid). Its objects live in
+        `apiserver-state.json`, so a restart (`lab apiserver restart`) keeps them."""
         ready = self.dir / "apiserver.ready"
         ready.unlink(missing_ok=True)
         underlay = naming.underlay_netns(self.name)
+        local = f"127.0.0.1:{local_port}"
         argv = [
             sys.executable, "-m", "ebpf_proxy.lab.apiserver_main",
-            "--listen", "127.0.0.1:0",
+            "--listen", local,
             "--listen-netns", f"{underlay}={self.topology.api_server_ip}:{API_PORT}",
             "--service-cidr", self.topology.service_cidr,
             "--service-node-port-range", self.topology.service_node_port_range,
+            "--state-file", str(self.apiserver_state_file),
             "--ready-file", str(ready),
         ]
         proc = nsexec.spawn(None, argv, cgroup=naming.apiserver_cgroup(self.name),
                             log_path=str(self.dir / "apiserver.log"))
         _wait_file(ready, time.monotonic() + 15, "the embedded API server", proc)
         ports = json.loads(ready.read_text())["ports"]
-        local_port = ports["127.0.0.1:0"]
+        local_port = ports[local]
         self.data["apiserver"] = {
             "pid": proc.pid,
             "url": f"http://127.0.0.1:{local_port}",
@@ -154,6 +169,12 @@ class Lab:
         }
         self._write_kubeconfig(self.dir / "kubeconfig", self.data["apiserver"]["url"])
         self._write_kubeconfig(self.dir / "kubeconfig-node", self.data["apiserver"]["node_url"])
+
+    @property
+    def apiserver_state_file(self) -> Path:
+        """The API server's objects on disk (apiserver/persist.py): edit it while the server is
+        stopped to restart it with another object set, as a restore from backup would."""
+        return self.dir / "apiserver-state.json"
 
     @staticmethod
     def _write_kubeconfig(path: Path, server: str) -> None:
@@ -542,7 +563,7 @@ class Lab:
         return {
             "name": self.name,
             "mode": self.mode,
-            "apiserver": {**api, "alive": _alive(api.get("pid"))},
+            "apiserver": {**api, "alive": _alive(api.get("pid")), "frozen": _frozen(api.get("pid"))},
             "kubeconfig": str(self.kubeconfig),
             "nodes": [{"name": n.name, "ip": n.ip, "extraIPs": list(n.extra_ips), "podCIDR": n.pod_cidr, "zone": n.zone,
                        "agent": {**self.data["agents"].get(n.name, {}),

@@ -714,6 +714,7 @@ def _kill(pids: set[int], grace: float = 1.0, hard_deadline: float = 5.0) -> set
     for pid in pids:
         try:
             os.kill(pid, signal.SIGTERM)
+            os.kill(pid, signal.SIGCONT)  # a frozen process (`lab apiserver freeze`) exits only once continued
             signalled.add(pid)
         except ProcessLookupError:
             pass
