@@ -127,7 +127,7 @@ class Agent:
                  metrics: Metrics | None = None, clock: MonotonicClock | None = None,
                  wall: Callable[[], float] = time.time, serve_http: bool = True,
                  health_check_server: Callable[..., Any] = BackgroundHTTPServer,
-                 backoff: Callable[[], Backoff] = Backoff) -> None:
+                 backoff: Callable[[], Backoff] | None = None) -> None:
         self.config = config
         self.node_name = config.node_name
         self.metrics = metrics or Metrics()
@@ -146,7 +146,8 @@ class Agent:
         self._local_addresses = local_addresses
         self._serve_http = serve_http
         self._health_check_server = health_check_server
-        self._backoff = backoff
+        # client-go's Reflector backoff (0.8s doubling), capped at --watch-backoff-max
+        self._backoff = backoff or (lambda: Backoff(cap=config.watch_backoff_max))
         self._servers: list[BackgroundHTTPServer] = []
         self._stop = threading.Event()
         self._runner_thread: threading.Thread | None = None
@@ -213,7 +214,7 @@ class Agent:
             from ebpf_proxy.k8s.client import agent_collections, make_api_client
 
             api = make_api_client(self.config.kubeconfig, self.config.master)
-            collections = agent_collections(api, self.node_name)
+            collections = agent_collections(api, self.node_name, idle_timeout=self.config.watch_idle_timeout)
         for kind, handler in self.handlers().items():
             # the handlers turn each object into the model at once: the cache needs only what a
             # delete after a relist names (keep_version), not ~50 MB of API objects at 10,000 Services

@@ -62,6 +62,10 @@ class AgentConfig:
     log_level: str = "info"
     audit_period: float = 60.0  # how often the drift audit compares the kernel with the last sync; 0: never
     audit_repair: bool = True  # write back what the audit finds drifted
+    # a watch silent this long (no event, no BOOKMARK) is hung: reconnect (k8s/client.py says why 90s)
+    watch_idle_timeout: float = 90.0
+    # the longest wait between attempts to reach the API server (client-go's Reflector: 30s)
+    watch_backoff_max: float = 30.0
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)  # attr → flag/field name
 
     @property
@@ -242,6 +246,8 @@ _FIELDS: dict[str, _Field] = {
     "log_level": _Field("--log-level", (), _choice(LOG_LEVELS)),
     "audit_period": _Field("--audit-period", (), _duration),
     "audit_repair": _Field("--audit-repair", (), _bool),
+    "watch_idle_timeout": _Field("--watch-idle-timeout", (), _duration),
+    "watch_backoff_max": _Field("--watch-backoff-max", (), _duration),
 }
 _KNOWN_PATHS = {path for f in _FIELDS.values() for path in f.file_paths}
 
@@ -326,6 +332,9 @@ def _validate(config: AgentConfig) -> None:
                           f"{config.source_of('min_sync_period')} ({config.min_sync_period:g}s)")
     if config.audit_period < 0:
         raise ConfigError(f"{config.source_of('audit_period')}: must be greater than or equal to 0 (0 disables)")
+    for attr in ("watch_idle_timeout", "watch_backoff_max"):
+        if getattr(config, attr) <= 0:
+            raise ConfigError(f"{config.source_of(attr)}: must be greater than 0")
     if not config.node_name:
         raise ConfigError(f"{config.source_of('hostname_override')}: the node name is empty")
     # kube-proxy's validateKubeProxyDetectLocalConfiguration: the interface modes need their name

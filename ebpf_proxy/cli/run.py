@@ -87,6 +87,12 @@ def _bool_flag(*names: str, help: str):  # noqa: A002 (click's name)
               help="iptables mode: which backend (auto: the one already holding rules, else legacy).")
 @click.option("--audit-period", default=None, metavar="DURATION",
               help="How often to compare the kernel's rules or maps with the last sync (default 1m; 0 disables).")
+@click.option("--watch-idle-timeout", default=None, metavar="DURATION",
+              help="Reconnect a watch that brings no event or bookmark for this long: a frozen API server "
+                   "keeps connections open (default 1m30s).")
+@click.option("--watch-backoff-max", default=None, metavar="DURATION",
+              help="Longest wait between attempts to reach the API server (default 30s, client-go's; lower "
+                   "catches up sooner after an outage, at the cost of more attempts against a struggling server).")
 @_bool_flag("--audit-repair", help="Write back what the drift audit finds (default true; false: only report).")
 @click.option("--log-format", default=None, metavar="|".join(LOG_FORMATS), help="text (default) or json.")
 @click.option("--log-level", default=None, metavar="|".join(LOG_LEVELS), help="debug, info (default), warning, error.")

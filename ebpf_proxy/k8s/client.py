@@ -19,6 +19,8 @@ from typing import Any, Callable, Iterator
 from kubernetes import client as kclient
 from kubernetes import config as kconfig
 from kubernetes.watch.watch import iter_resp_lines
+from urllib3.exceptions import MaxRetryError, ReadTimeoutError
+from urllib3.util.retry import Retry
 
 log = logging.getLogger(__name__)
 
@@ -26,27 +28,47 @@ log = logging.getLogger(__name__)
 PROXY_LABEL_SELECTOR = "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless"
 PAGE_SIZE = 500
 LIST_TIMEOUT_SECONDS = 60
-# Watches are renewed every 5-10 minutes (client-go's spread) so that a silently dead connection
-# cannot hide changes for long; reads time out a bit after the server should have ended the watch.
+# Watches are renewed every 5-10 minutes (client-go's spread of timeoutSeconds): the server ends
+# each one, and the Reflector starts the next from the last resourceVersion.
 WATCH_TIMEOUT_RANGE = (300, 600)
 CONNECT_TIMEOUT_SECONDS = 10
+# A watch that delivers no byte (no event, no BOOKMARK) for this long is taken as hung: a frozen,
+# overloaded or partitioned API server can keep the TCP connection open and say nothing, and
+# timeoutSeconds alone would leave the agent blind for up to 10 minutes. kube-apiserver's watch
+# cache sends every bookmark-allowing watch a BOOKMARK about once a minute (the cacher's
+# bookmark frequency), so 90 s of silence is more than a quiet cluster. client-go gets the same
+# protection over HTTP/2 from its connection health check (a PING after 30 s without a frame,
+# dropped after 15 s more without an answer); over HTTP/1.1 a read timeout is the only signal.
+WATCH_IDLE_TIMEOUT_SECONDS = 90.0
 
 
 class ClientConfigError(Exception):
     """No usable way to reach the API server (names the flag or file at fault)."""
 
 
+def _configuration() -> kclient.Configuration:
+    """A client configuration whose requests are not re-sent after a read timeout.
+
+    urllib3 retries an idempotent request 3 times by default, read timeouts included, so a watch
+    waiting for the headers of a frozen API server would take 4 idle timeouts to fail. The
+    Reflector already retries with backoff; one layer of retries is enough."""
+    configuration = kclient.Configuration()
+    configuration.retries = Retry(total=3, read=0)
+    return configuration
+
+
 def make_api_client(kubeconfig: str = "", master: str = "") -> kclient.ApiClient:
     """An ApiClient for --kubeconfig/--master, or the in-cluster service account."""
     if kubeconfig:
         try:
-            api = kconfig.new_client_from_config(config_file=kubeconfig, persist_config=False)
+            api = kconfig.new_client_from_config(config_file=kubeconfig, persist_config=False,
+                                                 client_configuration=_configuration())
         except Exception as exc:
             raise ClientConfigError(f"--kubeconfig {kubeconfig}: {exc}") from exc
         if master:
             api.configuration.host = master
         return api
-    configuration = kclient.Configuration()
+    configuration = _configuration()
     if master:
         configuration.host = master
         return kclient.ApiClient(configuration)
@@ -63,11 +85,26 @@ class ListError(Exception):
     """A LIST answered with something that is not a list object."""
 
 
+class WatchIdleTimeout(Exception):
+    """A watch said nothing (no event, no BOOKMARK, not even its headers) for the idle timeout:
+    the connection is presumed hung and is dropped, and the Reflector reconnects with backoff."""
+
+
+def _is_read_timeout(exc: BaseException) -> bool:
+    return isinstance(exc, ReadTimeoutError) or (
+        isinstance(exc, MaxRetryError) and isinstance(exc.reason, ReadTimeoutError))
+
+
+def _idle(kind: str, idle_timeout: float, what: str) -> WatchIdleTimeout:
+    return WatchIdleTimeout(f"{kind} watch: {what} within {idle_timeout:g}s: the connection is hung")
+
+
 class WatchStream:
     """Watch events of one HTTP response, parsed line by line into dicts."""
 
-    def __init__(self, kind: str, response: Any) -> None:
+    def __init__(self, kind: str, response: Any, idle_timeout: float = WATCH_IDLE_TIMEOUT_SECONDS) -> None:
         self.kind = kind
+        self.idle_timeout = idle_timeout
         self._response = response
         self._lines = iter_resp_lines(response)
 
@@ -76,7 +113,12 @@ class WatchStream:
 
     def __next__(self) -> Any:
         while True:
-            line = next(self._lines)
+            try:
+                line = next(self._lines)
+            except Exception as exc:
+                if _is_read_timeout(exc):
+                    raise _idle(self.kind, self.idle_timeout, "no event or bookmark") from None
+                raise
             if not line.strip():
                 continue
             try:
@@ -123,8 +165,10 @@ class KubeListWatch:
     """`watch.ListWatch` over one list call of the kubernetes client (e.g. list_node)."""
 
     def __init__(self, kind: str, call: Callable[..., Any], *, label_selector: str | None = None,
-                 field_selector: str | None = None, page_size: int = PAGE_SIZE) -> None:
+                 field_selector: str | None = None, page_size: int = PAGE_SIZE,
+                 idle_timeout: float = WATCH_IDLE_TIMEOUT_SECONDS) -> None:
         self.kind = kind
+        self.idle_timeout = idle_timeout
         self._call = call
         self._selectors: dict[str, str] = {}
         if label_selector:
@@ -162,23 +206,32 @@ class KubeListWatch:
                 return items, rv if isinstance(rv, str) else ""
 
     def watch(self, resource_version: str) -> WatchStream:
+        """The server ends the watch after timeoutSeconds (5-10 min); the read timeout, applied to
+        every read of the stream (the headers included), ends it sooner when it goes silent."""
         timeout = random.randint(*WATCH_TIMEOUT_RANGE)
-        response = self._call(
-            **self._selectors, watch=True, resource_version=resource_version or None, allow_watch_bookmarks=True,
-            timeout_seconds=timeout, _preload_content=False,
-            _request_timeout=(CONNECT_TIMEOUT_SECONDS, timeout + 30),
-        )
-        return WatchStream(self.kind, response)
+        try:
+            response = self._call(
+                **self._selectors, watch=True, resource_version=resource_version or None, allow_watch_bookmarks=True,
+                timeout_seconds=timeout, _preload_content=False,
+                _request_timeout=(CONNECT_TIMEOUT_SECONDS, self.idle_timeout),
+            )
+        except Exception as exc:
+            if _is_read_timeout(exc):
+                raise _idle(self.kind, self.idle_timeout, "no answer") from None
+            raise
+        return WatchStream(self.kind, response, self.idle_timeout)
 
 
-def agent_collections(api: kclient.ApiClient, node_name: str) -> dict[str, KubeListWatch]:
+def agent_collections(api: kclient.ApiClient, node_name: str,
+                      idle_timeout: float = WATCH_IDLE_TIMEOUT_SECONDS) -> dict[str, KubeListWatch]:
     """Services, EndpointSlices and this node's Node: everything the agent watches."""
     core = kclient.CoreV1Api(api)
     discovery = kclient.DiscoveryV1Api(api)
     return {
         "Service": KubeListWatch("Service", core.list_service_for_all_namespaces,
-                                 label_selector=PROXY_LABEL_SELECTOR),
+                                 label_selector=PROXY_LABEL_SELECTOR, idle_timeout=idle_timeout),
         "EndpointSlice": KubeListWatch("EndpointSlice", discovery.list_endpoint_slice_for_all_namespaces,
-                                       label_selector=PROXY_LABEL_SELECTOR),
-        "Node": KubeListWatch("Node", core.list_node, field_selector=f"metadata.name={node_name}"),
+                                       label_selector=PROXY_LABEL_SELECTOR, idle_timeout=idle_timeout),
+        "Node": KubeListWatch("Node", core.list_node, field_selector=f"metadata.name={node_name}",
+                              idle_timeout=idle_timeout),
     }

@@ -9,6 +9,15 @@ Protocol, as the API server defines it:
    HTTP status or as an ERROR event with code 410: LIST again and deliver the *difference* between
    the new list and the cache (objects missing from the new list are deleted).
 5. Any other failure: reconnect after a capped exponential backoff with jitter, from the last RV.
+   client-go's Reflector does the same (backoff 800ms doubling up to 30s), and so do we across
+   an API server outage: connection refused while it is stopped, and, while it is frozen
+   (overloaded, SIGSTOPped: the TCP connection stays open and nothing comes), the list-watch's
+   read timeout (k8s/client.py `WatchIdleTimeout`: no event or BOOKMARK within the idle
+   timeout). The first event of a watch (a bookmark counts) resets the backoff: the server is
+   back, and the next outage starts from the shortest wait again.
+6. An API server restarted with other objects (a restore from backup) no longer has our RV: its
+   410 "too old resource version" (reason Expired) takes us to step 4, so whatever disappeared
+   while we were not watching is deleted.
 
 Why not `kubernetes.watch.Watch().stream`: it deserializes into generated models (a malformed
 object raises inside the client) and retries one 410 by itself from a stale RV. Here the raw event
@@ -238,6 +247,8 @@ class Reflector:
                 if self._stop.is_set():
                     return "rewatch"
                 events += 1
+                if events == 1:
+                    self.backoff.reset()
                 outcome = self._handle_event(event)
                 if outcome is not None:
                     return outcome
