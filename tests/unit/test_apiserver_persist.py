@@ -154,3 +154,42 @@ def test_saver_writes_after_changes_and_at_stop(tmp_path):
     assert rv == int(store.resource_version)
     assert "a" in {o["metadata"]["name"] for o in objects if o["kind"] == "Service"}
     assert not list(tmp_path.glob("*.tmp.*")), "no temporary file left behind"
+
+
+def test_a_reflector_relists_against_a_server_restarted_from_an_edited_state(tmp_path):
+    """The whole path over HTTP with the official client: the agent's Service list-watch is
+    connected, the server goes down, comes back from a state file without "b" and with "c", and
+    the watch's 410 makes the Reflector relist and deliver exactly that difference."""
+    from ebpf_proxy.apiserver import ApiServer
+    from ebpf_proxy.k8s.client import agent_collections, make_api_client
+    from ebpf_proxy.k8s.watch import Backoff, Reflector
+    from tests.unit.test_watch_apiserver import Cache, wait_for
+
+    path = tmp_path / "state.json"
+    store = Store()
+    for name in ("a", "b"):
+        store.create("Service", svc(name))
+    server = ApiServer(store).start()
+    host, port = server.addresses[0]
+    cache = Cache()
+    reflector = Reflector(agent_collections(make_api_client(master=server.url), "n1")["Service"], cache,
+                          backoff=Backoff(initial=0.05, cap=0.2))
+    reflector.start()
+    restarted = None
+    try:
+        wait_for(lambda: cache.names() == {"a", "b"}, "the initial list")
+        server.stop()
+        store.delete("Service", "default", "b")
+        store.create("Service", svc("c"))
+        persist.save(store, path)
+        store.close()
+        restored = persist.load_store(path)
+        restarted = ApiServer(restored, [f"{host}:{port}"]).start()
+        wait_for(lambda: cache.names() == {"a", "c"}, "the relist after the restart")
+        assert cache.deletes == ["b"]
+        assert reflector.lists == 2, "one relist, caused by 410 Expired"
+    finally:
+        reflector.stop()
+        if restarted is not None:
+            restarted.stop()
+            restarted.store.close()
