@@ -109,6 +109,8 @@ def test_defaults_are_kube_proxys():
     assert c.mode == "auto" and c.bpffs == "/sys/fs/bpf" and c.masquerade_bit == 14
     assert c.localhost_nodeports and not c.masquerade_all
     assert c.cluster_cidrs == () and c.nodeport_addresses == ()
+    # ours: a real kube-apiserver bookmarks about once a minute; client-go's backoff cap
+    assert (c.watch_idle_timeout, c.watch_backoff_max) == (90.0, 30.0)
 
 
 def test_flags_are_parsed():
@@ -117,7 +119,9 @@ def test_flags_are_parsed():
         "nodeport_addresses": "192.168.0.0/16", "masquerade_all": "true", "min_sync_period": "500ms",
         "sync_period": "1m", "metrics_bind_address": "0.0.0.0:9999", "healthz_bind_address": "",
         "mode": "iptables", "masquerade_bit": "15", "localhost_nodeports": "false", "log_level": "WARN",
+        "watch_idle_timeout": "5s", "watch_backoff_max": "1500ms",
     })
+    assert (c.watch_idle_timeout, c.watch_backoff_max) == (5.0, 1.5)
     assert c.node_name == "worker1"
     assert c.cluster_cidrs == ("10.244.0.0/16", "10.245.0.0/16")
     assert c.nodeport_addresses == ("192.168.0.0/16",)
@@ -147,6 +151,9 @@ def test_node_name_defaults_to_the_hostname(monkeypatch):
     ({"mode": "ipvs"}, "--mode"),
     ({"log_format": "xml"}, "--log-format"),
     ({"log_level": "loud"}, "--log-level"),
+    ({"watch_idle_timeout": "0s"}, "--watch-idle-timeout"),
+    ({"watch_backoff_max": "-1s"}, "--watch-backoff-max"),
+    ({"watch_backoff_max": "soon"}, "--watch-backoff-max"),
 ])
 def test_flag_errors_name_the_flag(flags, named):
     with pytest.raises(ConfigError) as err:

@@ -123,3 +123,21 @@ def test_the_first_event_after_an_outage_resets_the_backoff():
 def test_backoff_cap_is_what_the_agent_is_given():
     backoff = Backoff(cap=1.0, rng=lambda: 0.5)
     assert [backoff.next() for _ in range(4)] == [0.8, 1.0, 1.0, 1.0]
+
+
+def test_the_agent_hands_its_settings_to_every_watch(monkeypatch):
+    """--watch-idle-timeout reaches each list-watch, --watch-backoff-max each Reflector's backoff."""
+    from ebpf_proxy.agent.agent import Agent
+    from ebpf_proxy.agent.config import load_config
+    from ebpf_proxy.k8s import client as k8s_client
+
+    config = load_config({"hostname_override": "n1", "watch_idle_timeout": "7s", "watch_backoff_max": "2s",
+                          "master": "http://127.0.0.1:1"})
+    agent = Agent(config, serve_http=False)
+    monkeypatch.setattr("ebpf_proxy.k8s.watch.Reflector.start", lambda self: None)  # no thread, no connection
+    agent.start_watches()
+    assert sorted(r.kind for r in agent.reflectors) == ["EndpointSlice", "Node", "Service"]
+    assert {r.lw.idle_timeout for r in agent.reflectors} == {7.0}
+    assert {r.backoff.cap for r in agent.reflectors} == {2.0}
+    assert {lw.idle_timeout for lw in k8s_client.agent_collections(make_api_client(master="http://x"), "n1").values()} \
+        == {k8s_client.WATCH_IDLE_TIMEOUT_SECONDS}
