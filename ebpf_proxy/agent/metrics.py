@@ -75,7 +75,7 @@ class DatapathCounters(Collector):
 
             for reason, (npackets, nb) in sorted(counters.items()):
                 kind = verdict(reason)
-                if kind == "none":  # CONTINUE: not a verdict, never counted
+                if kind in ("none", "event"):  # CONTINUE is never counted; events are not packets
                     continue
                 packets.add_metric([reason.name, kind], npackets)
                 nbytes.add_metric([reason.name, kind], nb)

@@ -44,7 +44,9 @@ log = logging.getLogger(__name__)
 # installed wheel has no source tree around it.
 BPF_SRC_DIR = Path(os.environ.get("EBPF_PROXY_BPF_DIR") or Path(__file__).resolve().parents[3] / "bpf")
 
-# Capacity of each map (passed as -DEPX_<MAP>_MAX); epx_config, epx_stats and epx_trace are fixed-size.
+# Capacity of each map (passed as -DEPX_<MAP>_MAX); epx_config, epx_stats, epx_trace and
+# epx_ct4_ring are fixed-size. epx_ct4 is sized by the agent from kube-proxy's conntrack settings
+# (agent/conntrack.py); this default is theirs: 2 entries per connection of max(32768 x 4, 131072).
 MAX_ENTRIES: dict[str, int] = {
     "epx_svc": 65536,
     "epx_backend": 65536,
@@ -58,7 +60,7 @@ MAX_ENTRIES: dict[str, int] = {
     "epx_frag4": 8192,
     "epx_sock_rev": 65536,
 }
-_FIXED_ENTRIES = {"epx_config": 1, "epx_stats": structs.REASON_MAX, "epx_trace": 1}
+_FIXED_ENTRIES = {"epx_config": 1, "epx_stats": structs.REASON_MAX, "epx_trace": 1, "epx_ct4_ring": 1}
 
 # bcc program type names (BPF.<name>) and attach types (BPFAttachType.<name>)
 PROGRAMS: dict[str, tuple[str, str, str | None]] = {

@@ -25,7 +25,7 @@ from ebpf_proxy.datapath.ebpf import structs as s
 
 IPPROTO = {"TCP": socket.IPPROTO_TCP, "UDP": socket.IPPROTO_UDP, "SCTP": 132}
 # Array maps: a fixed number of entries that are never deleted (config, counters, trace records).
-ARRAY_MAPS = ("epx_config", "epx_stats", "epx_trace")
+ARRAY_MAPS = ("epx_config", "epx_stats", "epx_trace", "epx_ct4_ring")
 
 
 # ---- byte order: the only conversions in the project ----
@@ -542,6 +542,7 @@ class Maps:
             if name not in ARRAY_MAPS:
                 self.clear(name)
         self._put("epx_config", s.u32(0), s.LB4Config())
+        self._put("epx_ct4_ring", s.u32(0), (s.CT4Ring * libbpf.num_possible_cpus())())
         self.reset_stats()
 
 
