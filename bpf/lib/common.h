@@ -210,16 +210,18 @@ struct ct4_entry {
 	__u8 pad;
 };
 
-/* ---- connection table pressure: the last connections each CPU created ----
- * When epx_ct4 is full, ct4_early_drop looks at the CT4_EVICT_SCAN oldest of them for one it may
- * drop (not answered yet, expired, or TCP closing), as nf_conntrack's early_drop looks for a
- * non-assured entry; none: the new connection is dropped (EPX_DROP_CT_FULL). */
+/* ---- connection table pressure: the connections each CPU created, oldest first ----
+ * A queue (per CPU: no atomics) of CT4_SVC keys in creation order. When epx_ct4 is full,
+ * ct4_early_drop takes up to CT4_EVICT_SCAN keys off its old end and drops the first connection
+ * that may go (not answered yet, expired, or TCP closing), as nf_conntrack's early_drop looks for
+ * a non-assured entry; none: the new connection is dropped (EPX_DROP_CT_FULL). Keys taken off
+ * and kept (established connections) leave the queue: they are not looked at again. */
 #define CT4_RING_SLOTS 512 /* a power of two */
 #define CT4_EVICT_SCAN 8   /* nf_conntrack's NF_CT_EVICTION_RANGE */
 
 struct ct4_ring {
-	__u32 head; /* the next slot to write: slots head, head+1, ... are the oldest */
-	__u32 pad;
+	__u32 head; /* the next slot to write (counts up; slot = head % CT4_RING_SLOTS) */
+	__u32 tail; /* the oldest key not yet taken off; head - tail <= CT4_RING_SLOTS */
 	struct ct4_key half; /* scratch for ct4_forget's keys: tc_ingress's 512-byte stack is full */
 	struct ct4_key keys[CT4_RING_SLOTS]; /* CT4_SVC keys */
 };
@@ -279,9 +281,11 @@ struct lb4_config {
 	__u32 flags;             /* CFG_F_* */
 	__u32 tcp_syn_timeout;   /* seconds, until the first reply */
 	__u32 tcp_est_timeout;   /* seconds, after a reply */
-	__u32 tcp_close_timeout; /* seconds, after FIN or RST */
+	__u32 tcp_close_timeout; /* seconds, after FINs both ways or RST */
 	__u32 udp_timeout;       /* seconds, until the first reply */
 	__u32 udp_stream_timeout;/* seconds, after a reply */
+	__u32 tcp_close_wait_timeout; /* seconds, after a FIN one way only (conntrack's CLOSE_WAIT) */
+	__u32 pad;
 	__u64 host_netns_cookie; /* socket LB acts only in this netns (0: every netns) */
 };
 

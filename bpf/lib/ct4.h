@@ -5,8 +5,9 @@
  * honoured only while that owner is alive and still points at them, so a half left behind by
  * LRU eviction or expiry can never rewrite an unrelated flow.
  *
- * Lifetimes follow nf_conntrack's shape (seconds from epx_config): TCP before the first reply,
- * established, and after FIN/RST; UDP before and after the first reply. Every packet of the
+ * Lifetimes follow nf_conntrack's shape (seconds from epx_config, kube-proxy's conntrack settings):
+ * TCP before the first reply, established, half closed (a FIN one way: CLOSE_WAIT) and closed
+ * (FINs both ways, or RST); UDP before and after the first reply. Every packet of the
  * connection, in either direction, pushes the deadline forward.
  *
  * Masquerade ports. A port toward one backend ip:port is busy while its connection lives, and a
@@ -53,7 +54,12 @@ static __always_inline __u64 ct4_lifetime_ns(const struct lb4_config *cfg, __u8 
 	__u32 secs;
 
 	if (proto == IPPROTO_TCP) {
-		if (flags & CT4_F_CLOSING) {
+		if ((flags & (CT4_F_CLOSING | CT4_F_DONE)) == CT4_F_CLOSING &&
+		    !((flags & CT4_F_FIN_ORIG) && (flags & CT4_F_FIN_REPLY))) {
+			secs = cfg->tcp_close_wait_timeout; /* half closed: the other side may still send */
+			if (flags & CT4_F_TIME_WAIT && secs < CT4_TIME_WAIT_SECS)
+				secs = CT4_TIME_WAIT_SECS;
+		} else if (flags & CT4_F_CLOSING) {
 			secs = cfg->tcp_close_timeout;
 			/* keep the port out of the way while the backend's TIME_WAIT lasts */
 			if ((flags & (CT4_F_TIME_WAIT | CT4_F_DONE)) == CT4_F_TIME_WAIT && secs < CT4_TIME_WAIT_SECS)
@@ -165,8 +171,9 @@ static __always_inline struct ct4_entry *ct4_lookup_svc(struct ct4_key *key, __u
  * nf_conntrack, when full, drops a non-assured connection near the new one's hash bucket
  * (early_drop), and its GC worker, above 95 %, also TCP connections that are closing; when it
  * finds none, the new packet is dropped. Here: the first of the CT4_EVICT_SCAN oldest connections
- * this CPU created that has expired, was never answered (not assured) or is a closing TCP
- * connection is dropped; established connections are never dropped to make room. */
+ * in this CPU's queue (common.h: struct ct4_ring) that has expired, was never answered (not
+ * assured) or is a closing TCP connection is dropped; established connections are never dropped
+ * to make room. A flood is spread over the CPUs by the NIC, and so is its share of the queues. */
 
 /* Whether connection `e` may be dropped to make room for a new one. */
 static __always_inline int ct4_evictable(const struct ct4_entry *e, __u8 proto, __u64 now)
@@ -185,12 +192,13 @@ static __always_inline int ct4_early_drop(__u64 now, __u32 need)
 
 	if (!ring)
 		return 0;
-	for (__u32 i = 0; i < CT4_EVICT_SCAN && freed < need; i++) {
-		struct ct4_key *key = &ring->keys[(ring->head + i) & (CT4_RING_SLOTS - 1)];
+	if (ring->head - ring->tail > CT4_RING_SLOTS)
+		ring->tail = ring->head - CT4_RING_SLOTS; /* the oldest were overwritten */
+	for (__u32 i = 0; i < CT4_EVICT_SCAN && freed < need && ring->tail != ring->head; i++) {
+		struct ct4_key *key = &ring->keys[ring->tail & (CT4_RING_SLOTS - 1)];
 		struct ct4_entry *e;
 
-		if (key->kind != CT4_SVC || !key->saddr)
-			continue; /* a slot never written */
+		ring->tail++;
 		e = epx_lookup(epx_ct4, key);
 		if (!e || !ct4_evictable(e, key->proto, now))
 			continue;
@@ -201,7 +209,7 @@ static __always_inline int ct4_early_drop(__u64 now, __u32 need)
 	return freed > 0;
 }
 
-/* Remember the connection just created at `key` as this CPU's newest (the ring's oldest slot). */
+/* Queue the connection just created at `key` as this CPU's newest. */
 static __always_inline void ct4_ring_push(const struct ct4_key *key)
 {
 	__u32 zero = 0;

@@ -214,7 +214,7 @@ CT4_EVICT_SCAN = 8
 
 
 class CT4Ring(_Struct):
-    _fields_ = [("head", u32), ("pad", u32), ("half", CT4Key), ("keys", CT4Key * CT4_RING_SLOTS)]
+    _fields_ = [("head", u32), ("tail", u32), ("half", CT4Key), ("keys", CT4Key * CT4_RING_SLOTS)]
 
 
 class Frag4Key(_Struct):
@@ -244,6 +244,8 @@ class LB4Config(_Struct):
         ("tcp_close_timeout", u32),
         ("udp_timeout", u32),
         ("udp_stream_timeout", u32),
+        ("tcp_close_wait_timeout", u32),
+        ("pad", u32),
         ("host_netns_cookie", u64),
     ]
 
