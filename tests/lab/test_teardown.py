@@ -105,16 +105,23 @@ def _record_bpf(lab: Lab, seen: dict[str, set[int]], cgroup_ids: set[int]) -> No
             seen["map"].update(libbpf.prog_info(fd)[1])
         finally:
             os.close(fd)
+    seen["link"].update(_links_on(cgroup_ids))
+
+
+def _links_on(cgroup_ids: set[int]) -> set[int]:
+    """Ids of the links, of every link the kernel lists now, that attach to one of `cgroup_ids`."""
+    found = set()
     for link_id in libbpf.object_ids("link"):
         try:
             fd = libbpf.link_fd_by_id(link_id)
         except OSError:
-            continue
+            continue  # gone meanwhile
         try:
             if libbpf.link_info(fd).cgroup_id in cgroup_ids:
-                seen["link"].add(link_id)
+                found.add(link_id)
         finally:
             os.close(fd)
+    return found
 
 
 def _netns_ids(lab: Lab) -> set[tuple[int, int]]:
@@ -179,16 +186,7 @@ def inventory(lab: Lab, seen: dict[str, set[int]], cgroup_ids: set[int],
     out: dict[str, list[str]] = {kind: [] for kind in LAB_KINDS}
     for kind in libbpf.OBJECT_KINDS:
         out[f"bpf {kind}"] = [f"{kind} id {i}" for i in sorted(libbpf.object_ids(kind) & seen[kind])]
-    for link_id in libbpf.object_ids("link") - seen["link"]:
-        try:
-            fd = libbpf.link_fd_by_id(link_id)
-        except OSError:
-            continue
-        try:
-            if libbpf.link_info(fd).cgroup_id in cgroup_ids:
-                out["bpf link"].append(f"link id {link_id} on a lab cgroup")
-        finally:
-            os.close(fd)
+    out["bpf link"] += [f"link id {i} on a lab cgroup" for i in sorted(_links_on(cgroup_ids) - seen["link"])]
     out["pin"] = [str(p) for p in _pins(lab)]
     out["bpffs mount"] = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()
                           if line.split()[4].startswith(str(lab.dir) + "/")]
