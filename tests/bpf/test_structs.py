@@ -43,8 +43,10 @@ def test_map_layout_matches_bcc(bcc_tables, name):
 
 
 def test_mirror_covers_every_map_of_maps_c():
-    declared = re.findall(r"BPF_TABLE_PINNED\(\"\w+\",[^,]+,[^,]+,\s*(\w+),", (loader.BPF_SRC_DIR / "maps.c").read_text())
+    declared = dict((name, kind) for kind, name in re.findall(
+        r"BPF_TABLE_PINNED\(\"(\w+)\",[^,]+,[^,]+,\s*(\w+),", (loader.BPF_SRC_DIR / "maps.c").read_text()))
     assert sorted(declared) == sorted(structs.MAPS)
+    assert {name: spec.kind for name, spec in structs.MAPS.items()} == declared, "map types (loader.py recreates a pin of another)"
 
 
 def test_reasons_match_the_c_enum():

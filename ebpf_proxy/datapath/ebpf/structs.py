@@ -284,13 +284,23 @@ class EpxTraceRec(_Struct):
     ]
 
 
+# enum bpf_map_type (include/uapi/linux/bpf.h), by the names bcc's BPF_TABLE takes in maps.c
+MAP_TYPES = {"hash": 1, "array": 2, "percpu_array": 6, "lru_hash": 9, "lpm_trie": 11}
+
+
 @dataclass(frozen=True)
 class MapSpec:
-    """One map of bpf/maps.c: its name (table and pin file) and its key/value mirror."""
+    """One map of bpf/maps.c: its name (table and pin file), its key/value mirror and its type
+    (bcc's name for it: a pinned map of another type is recreated, not reused, see loader.py)."""
 
     name: str
     key: type
     leaf: type
+    kind: str = "hash"
+
+    @property
+    def type_id(self) -> int:
+        return MAP_TYPES[self.kind]
 
 
 MAPS: dict[str, MapSpec] = {
@@ -299,17 +309,17 @@ MAPS: dict[str, MapSpec] = {
         MapSpec("epx_svc", LB4Key, LB4Service),
         MapSpec("epx_backend", u32, LB4Backend),
         MapSpec("epx_slot", LB4SlotKey, u32),
-        MapSpec("epx_affinity", LB4AffinityKey, LB4Affinity),
-        MapSpec("epx_src_range", LB4RangeKey, u32),
+        MapSpec("epx_affinity", LB4AffinityKey, LB4Affinity, "lru_hash"),
+        MapSpec("epx_src_range", LB4RangeKey, u32, "lpm_trie"),
         MapSpec("epx_node_addr", be32, u32),
-        MapSpec("epx_pod_cidr", LPM4Key, u32),
+        MapSpec("epx_pod_cidr", LPM4Key, u32, "lpm_trie"),
         MapSpec("epx_iface", u32, u32),
-        MapSpec("epx_ct4", CT4Key, CT4Entry),
-        MapSpec("epx_ct4_ring", u32, CT4Ring),
-        MapSpec("epx_frag4", Frag4Key, Frag4Ports),
-        MapSpec("epx_sock_rev", Sock4RevKey, Sock4Rev),
-        MapSpec("epx_config", u32, LB4Config),
-        MapSpec("epx_stats", u32, EpxStat),
-        MapSpec("epx_trace", u32, EpxTraceRec),
+        MapSpec("epx_ct4", CT4Key, CT4Entry),  # a plain hash: an LRU would evict established connections
+        MapSpec("epx_ct4_ring", u32, CT4Ring, "percpu_array"),
+        MapSpec("epx_frag4", Frag4Key, Frag4Ports, "lru_hash"),
+        MapSpec("epx_sock_rev", Sock4RevKey, Sock4Rev, "lru_hash"),
+        MapSpec("epx_config", u32, LB4Config, "array"),
+        MapSpec("epx_stats", u32, EpxStat, "percpu_array"),
+        MapSpec("epx_trace", u32, EpxTraceRec, "percpu_array"),
     )
 }
