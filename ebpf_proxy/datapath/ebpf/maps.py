@@ -24,8 +24,9 @@ from ebpf_proxy.datapath.ebpf import libbpf
 from ebpf_proxy.datapath.ebpf import structs as s
 
 IPPROTO = {"TCP": socket.IPPROTO_TCP, "UDP": socket.IPPROTO_UDP, "SCTP": 132}
-# Array maps: a fixed number of entries that are never deleted (config, counters, trace records).
-ARRAY_MAPS = ("epx_config", "epx_stats", "epx_trace", "epx_ct4_ring")
+# Array maps: a fixed number of entries that are never deleted (config, counters, trace records,
+# the early-drop queues).
+ARRAY_MAPS = tuple(name for name, spec in s.MAPS.items() if spec.kind in ("array", "percpu_array"))
 
 
 # ---- byte order: the only conversions in the project ----
