@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -108,6 +109,8 @@ class EbpfDatapath(Datapath):
         self._attached = False
         self._ct_gc_period, self._clock = ct_gc_period, clock
         self._ct_usage: tuple[float, ConntrackUsage] | None = None  # (when, the last GC pass)
+        self._ct_gc_lock = threading.Lock()  # one pass at a time
+        self._ct_gc_stop: threading.Event | None = None  # the GC thread's, while it runs
         self._settings: NodeSettings | None = None  # epx_config as the first sync wrote it
 
     # -- sync -----------------------------------------------------------------------------
@@ -184,6 +187,8 @@ class EbpfDatapath(Datapath):
         if self._watch and self._watcher is None:
             self._watcher = devices.LinkWatcher(self._reconcile_devices)
             self._watcher.start()
+        if self._ct_gc_stop is None:
+            self._start_conntrack_gc()
         self._attached = True
 
     def _reconcile_devices(self) -> int:
@@ -251,16 +256,40 @@ class EbpfDatapath(Datapath):
     def collect_conntrack(self, force: bool = False) -> ConntrackUsage:
         """One pass of the connection table's garbage collector (Maps.collect_connections: the
         table does not evict, expired connections must be removed), unless the last one is less
-        than `ct_gc_period` old and not `force`d: then that pass's figures."""
-        assert self._maps is not None
+        than `ct_gc_period` old and not `force`d, or one is running: then the last pass's figures.
+        The GC thread calls it every `ct_gc_period`, so a sync rarely pays for a pass (a full
+        table of 262,144 entries takes ~0.8 s, more when much is collected)."""
+        maps = self._maps
+        assert maps is not None
         now = self._clock()
-        if force or self._ct_usage is None or now - self._ct_usage[0] >= self._ct_gc_period:
-            usage = self._maps.collect_connections(time.monotonic_ns())  # bpf_ktime_get_ns()'s clock
-            if usage.collected:
-                log.debug("conntrack gc", extra={"collected": usage.collected, "entries": usage.entries,
-                                                 "capacity": usage.capacity})
+        last = self._ct_usage
+        if not force and last is not None and now - last[0] < self._ct_gc_period:
+            return last[1]
+        if not self._ct_gc_lock.acquire(blocking=last is None):
+            return last[1]  # the GC thread is at it: its figures come next time
+        try:
+            usage = maps.collect_connections(time.monotonic_ns())  # bpf_ktime_get_ns()'s clock
             self._ct_usage = (now, usage)
-        return self._ct_usage[1]
+        finally:
+            self._ct_gc_lock.release()
+        if usage.collected:
+            log.debug("conntrack gc", extra={"collected": usage.collected, "entries": usage.entries,
+                                             "capacity": usage.capacity})
+        return usage
+
+    def _start_conntrack_gc(self) -> None:
+        """nf_conntrack's gc worker for our table: a pass every `ct_gc_period`, off the sync path."""
+        stop = self._ct_gc_stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.wait(self._ct_gc_period):
+                try:
+                    if self._maps is not None:
+                        self.collect_conntrack(force=True)
+                except Exception:  # e.g. the maps closed under us at shutdown: next period, or stop
+                    log.warning("conntrack gc failed", exc_info=True)
+
+        threading.Thread(target=loop, name="conntrack-gc", daemon=True).start()
 
     def counters(self) -> dict[s.Reason, tuple[int, int]]:
         """(packets, bytes) per reason since the maps were created (every program, every CPU)."""
@@ -295,6 +324,9 @@ class EbpfDatapath(Datapath):
         if self._watcher is not None:
             self._watcher.stop()
             self._watcher = None
+        if self._ct_gc_stop is not None:
+            self._ct_gc_stop.set()
+            self._ct_gc_stop = None
 
     def _close_loaded(self) -> None:
         """Forget the process-side handles; a later sync loads (and adopts) again."""
