@@ -207,13 +207,18 @@ struct ct4_entry {
 	__be32 snat_addr; /* CT4_SVC with CT4_F_MASQ: the source the backend sees */
 	__be16 snat_port;
 	__u8 flags;       /* CT4_F_* */
-	__u8 pad;
+	__u8 state;       /* CT4_S_* */
 };
+
+/* ct4_entry.state */
+#define CT4_S_ASSURED 0x01 /* nf_conntrack's ASSURED: the client spoke again after the first reply
+			    * (TCP: the handshake's last ACK; UDP: a stream, not a one-shot query such
+			    * as DNS). Only such a connection is never early-dropped for a new one. */
 
 /* ---- connection table pressure: the connections each CPU created, oldest first ----
  * A queue (per CPU: no atomics) of CT4_SVC keys in creation order. When epx_ct4 is full,
  * ct4_early_drop takes up to CT4_EVICT_SCAN keys off its old end and drops the first connection
- * that may go (not answered yet, expired, or TCP closing), as nf_conntrack's early_drop looks for
+ * that may go (not assured, expired, or TCP closing), as nf_conntrack's early_drop looks for
  * a non-assured entry; none: the new connection is dropped (EPX_DROP_CT_FULL). Keys taken off
  * and kept (established connections) leave the queue: they are not looked at again. */
 #define CT4_RING_SLOTS 512 /* a power of two */

@@ -105,6 +105,8 @@ static __always_inline void ct4_touch(struct ct4_entry *e, const struct lb4_conf
 		flags = ct4_tcp_state(flags, p->tcp_flags, reply);
 	if (flags != e->flags)
 		e->flags = flags;
+	if (!reply && (flags & CT4_F_SEEN_REPLY) && !(e->state & CT4_S_ASSURED))
+		e->state |= CT4_S_ASSURED;
 	e->expires = now + ct4_lifetime_ns(cfg, p->proto, flags);
 }
 
@@ -171,14 +173,14 @@ static __always_inline struct ct4_entry *ct4_lookup_svc(struct ct4_key *key, __u
  * nf_conntrack, when full, drops a non-assured connection near the new one's hash bucket
  * (early_drop), and its GC worker, above 95 %, also TCP connections that are closing; when it
  * finds none, the new packet is dropped. Here: the first of the CT4_EVICT_SCAN oldest connections
- * in this CPU's queue (common.h: struct ct4_ring) that has expired, was never answered (not
- * assured) or is a closing TCP connection is dropped; established connections are never dropped
+ * in this CPU's queue (common.h: struct ct4_ring) that has expired, is not assured
+ * (CT4_S_ASSURED) or is a closing TCP connection is dropped; established connections are never dropped
  * to make room. A flood is spread over the CPUs by the NIC, and so is its share of the queues. */
 
 /* Whether connection `e` may be dropped to make room for a new one. */
 static __always_inline int ct4_evictable(const struct ct4_entry *e, __u8 proto, __u64 now)
 {
-	if (e->expires <= now || !(e->flags & CT4_F_SEEN_REPLY))
+	if (e->expires <= now || !(e->state & CT4_S_ASSURED))
 		return 1;
 	return proto == IPPROTO_TCP && (e->flags & CT4_F_CLOSING);
 }

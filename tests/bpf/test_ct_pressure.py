@@ -60,14 +60,18 @@ def _counts(maps) -> dict:
     return {r: p for r, (p, _) in maps.stats().items() if p}
 
 
-def _open(datapath, src, sport, proto=w.TCP, port=80):
-    """A connection with its first reply seen (assured): returns the backend it went to."""
+def _open(datapath, src, sport, proto=w.TCP, port=80, assured=True):
+    """A connection answered once, and (`assured`) then continued by the client, which makes it
+    assured as in nf_conntrack (TCP: the handshake's last ACK; UDP: a stream). Returns its backend."""
     make = tcp if proto == w.TCP else udp
     out = run(datapath, "tc_ingress", make(src, sport, w.VIP, port))
     assert out.verdict == TC_ACT_OK
     backend = endpoints(out.pkt)[1]
     back = (tcp(*backend, src, sport, flags="SA") if proto == w.TCP else udp(*backend, src, sport, payload=b"pong"))
     assert endpoints(run(datapath, "tc_egress", back).pkt) == ((w.VIP, port), (src, sport))
+    if assured:
+        again = tcp(src, sport, w.VIP, port, flags="A") if proto == w.TCP else udp(src, sport, w.VIP, port)
+        assert endpoints(run(datapath, "tc_ingress", again).pkt)[1] == backend
     return backend
 
 
@@ -120,6 +124,21 @@ def test_udp_flood_from_many_source_ports(small, maps):
     maps.reset_stats()
     run(small, "tc_ingress", udp(w.POD_CLIENT, 40000, w.VIP, 53))
     assert _counts(maps) == {R.FWD_ESTABLISHED: 1}
+
+
+def test_answered_once_is_not_assured(small, maps):
+    """A flood of one-shot exchanges (a DNS query and its answer; a SYN and its SYN-ACK) is
+    early-dropped like unanswered flows: nf_conntrack assures a flow only when it goes on."""
+    backend = _open(small, w.POD_CLIENT, 40000)
+    maps.reset_stats()
+    for i in range(FLOOD):
+        _open(small, FLOODER, 1024 + i, proto=w.UDP, port=53, assured=False)
+        _open(small, FLOODER, 1024 + i, assured=False)
+    counts = _counts(maps)
+    print(f"\none-shot flood: capacity {CAPACITY}, {2 * FLOOD} answered-once flows, "
+          f"evictions {counts.get(R.EV_CT_EARLY_DROP, 0)}, refused {counts.get(R.DROP_CT_FULL, 0)}")
+    assert R.DROP_CT_FULL not in counts and counts[R.EV_CT_EARLY_DROP] >= 2 * FLOOD - CAPACITY // 2
+    _still_works(small, maps, w.POD_CLIENT, 40000, backend)
 
 
 def test_a_table_full_of_established_connections_refuses_new_ones(small, maps):

@@ -204,9 +204,11 @@ class CT4Entry(_Struct):
         ("snat_addr", be32),
         ("snat_port", be16),
         ("flags", u8),
-        ("pad", u8),
+        ("state", u8),
     ]
 
+
+CT4_S_ASSURED = 0x01  # ct4_entry.state
 
 # connection table pressure (struct ct4_ring)
 CT4_RING_SLOTS = 512
