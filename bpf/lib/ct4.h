@@ -2,8 +2,10 @@
  *
  * A connection is its CT4_SVC entry (client -> frontend): chosen backend, masquerade, state and
  * lifetime. Its translation halves (CT4_REV_DNAT, CT4_SNAT, CT4_REV_SNAT, see common.h) are
- * honoured only while that owner is alive and still points at them, so a half left behind by
- * LRU eviction or expiry can never rewrite an unrelated flow.
+ * honoured only while that owner is alive and still points at them, so a half left behind (by
+ * expiry, or by a connection that took the tuple over) can never rewrite an unrelated flow; the
+ * table does not evict, so what is dropped is dropped whole (ct4_forget) and the agent's garbage
+ * collector removes what nobody looks up again (Maps.collect_connections).
  *
  * Lifetimes follow nf_conntrack's shape (seconds from epx_config, kube-proxy's conntrack settings):
  * TCP before the first reply, established, half closed (a FIN one way: CLOSE_WAIT) and closed
@@ -174,8 +176,9 @@ static __always_inline struct ct4_entry *ct4_lookup_svc(struct ct4_key *key, __u
  * (early_drop), and its GC worker, above 95 %, also TCP connections that are closing; when it
  * finds none, the new packet is dropped. Here: the first of the CT4_EVICT_SCAN oldest connections
  * in this CPU's queue (common.h: struct ct4_ring) that has expired, is not assured
- * (CT4_S_ASSURED) or is a closing TCP connection is dropped; established connections are never dropped
- * to make room. A flood is spread over the CPUs by the NIC, and so is its share of the queues. */
+ * (CT4_S_ASSURED) or is a closing TCP connection is dropped; established connections are never
+ * dropped to make room. A flood is spread over the CPUs by the NIC, and so is its share of the
+ * queues. */
 
 /* Whether connection `e` may be dropped to make room for a new one. */
 static __always_inline int ct4_evictable(const struct ct4_entry *e, __u8 proto, __u64 now)
