@@ -45,8 +45,8 @@ log = logging.getLogger(__name__)
 BPF_SRC_DIR = Path(os.environ.get("EBPF_PROXY_BPF_DIR") or Path(__file__).resolve().parents[3] / "bpf")
 
 # Capacity of each map (passed as -DEPX_<MAP>_MAX); epx_config, epx_stats, epx_trace and
-# epx_ct4_ring are fixed-size. epx_ct4 is sized by the agent from kube-proxy's conntrack settings
-# (agent/conntrack.py); this default is theirs: 2 entries per connection of max(32768 x 4, 131072).
+# epx_ct4_ring are fixed-size. EbpfDatapath sizes epx_ct4 from kube-proxy's conntrack settings
+# (agent/conntrack.py); this default is their minimum, 131072 connections at 2 entries each.
 MAX_ENTRIES: dict[str, int] = {
     "epx_svc": 65536,
     "epx_backend": 65536,
