@@ -35,8 +35,13 @@ BPF_TABLE_PINNED("lpm_trie", struct lpm4_key, __u32, epx_pod_cidr, EPX_POD_CIDR_
 		 BPF_F_NO_PREALLOC);
 /* ifindex -> EPX_IF_*: pod devices, and what the interface local-traffic detectors match */
 BPF_TABLE_PINNED("hash", __u32, __u32, epx_iface, EPX_IFACE_MAX, EPX_PIN(epx_iface));
-/* connections (see ct4_key in common.h) */
-BPF_TABLE_PINNED("lru_hash", struct ct4_key, struct ct4_entry, epx_ct4, EPX_CT4_MAX, EPX_PIN(epx_ct4));
+/* connections (see ct4_key in common.h); full: ct4_early_drop, then EPX_DROP_CT_FULL. Not
+ * preallocated: its capacity is kube-proxy's conntrack limit (maxPerCore x CPUs: 4 million
+ * entries on 64 CPUs), a limit as nf_conntrack_max is, not memory taken up front. */
+BPF_TABLE_PINNED("hash", struct ct4_key, struct ct4_entry, epx_ct4, EPX_CT4_MAX, EPX_PIN(epx_ct4),
+		 BPF_F_NO_PREALLOC);
+/* per CPU, the connections it created last: where ct4_early_drop looks for one to drop */
+BPF_TABLE_PINNED("percpu_array", __u32, struct ct4_ring, epx_ct4_ring, 1, EPX_PIN(epx_ct4_ring));
 /* first-fragment ports, for the later fragments of the same datagram */
 BPF_TABLE_PINNED("lru_hash", struct frag4_key, struct frag4_ports, epx_frag4, EPX_FRAG4_MAX, EPX_PIN(epx_frag4));
 /* socket LB: backend a UDP socket talks to -> frontend its recvmsg must show */

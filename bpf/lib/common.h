@@ -60,7 +60,7 @@ enum epx_reason {
 	EPX_DROP_NO_LOCAL_INTERNAL = 14, /* internalTrafficPolicy=Local, no local endpoint */
 	EPX_DROP_SOURCE_RANGE = 15,      /* loadBalancerSourceRanges does not admit the client */
 	EPX_DROP_NO_BACKEND = 16,        /* slot or backend entry missing (maps mid-update) */
-	EPX_DROP_CT_FAILED = 17,         /* connection table update failed (kernel error: LRU maps do not fill up) */
+	EPX_DROP_CT_FAILED = 17,         /* connection table update failed (a kernel error other than a full table) */
 	EPX_DROP_SNAT_NO_ADDR = 18,      /* masquerade needed but no masquerade address configured */
 	EPX_DROP_SNAT_NO_PORT = 19,      /* no free masquerade port for this backend */
 	EPX_DROP_NAT_FAILED = 20,        /* a rewrite or checksum helper failed */
@@ -70,10 +70,12 @@ enum epx_reason {
 	EPX_SOCK_REJECT = 24,            /* socket LB: no usable endpoint, call fails with ECONNREFUSED */
 	EPX_ARP_MASQ = 25,               /* ARP request announcing 127.0.0.0/8: sender set to the masquerade address */
 	EPX_PASS_SOCK_EXTERNAL = 26,     /* socket LB: the node's own call to an externalIP/LB IP of a service without endpoints, left alone (kube-proxy rejects it only in INPUT/FORWARD) */
-	EPX_REASON_MAX = 27,
+	EPX_DROP_CT_FULL = 27,           /* new connection, connection table full and no connection to early-drop (nf_conntrack: "table full, dropping packet") */
+	EPX_EV_CT_EARLY_DROP = 28,       /* not a verdict: a connection dropped to make room for a new one (ct4_early_drop), counted once per eviction */
+	EPX_REASON_MAX = 29,
 };
 #define EPX_DROP_FIRST EPX_DROP_MALFORMED_IP
-#define EPX_DROP_LAST EPX_DROP_REJECT_FAILED
+#define EPX_DROP_LAST EPX_DROP_REJECT_FAILED /* and EPX_DROP_CT_FULL, appended later (epx_is_drop) */
 
 /* ---- packet facts ---- */
 #define EPX_MAX_IP_HLEN 60
@@ -160,7 +162,7 @@ struct lb4_range_key {
 };
 
 /* ---- connection table ----
- * One LRU map holds four kinds of entries, told apart by ct4_key.kind:
+ * One hash map (not LRU: an LRU evicts idle established connections first) holds four kinds of entries, told apart by ct4_key.kind:
  *   CT4_SVC       client -> frontend         nat = backend            (ingress, forward DNAT)
  *   CT4_REV_DNAT  backend -> client          nat = frontend           (egress, reply source restore)
  *   CT4_SNAT      client -> backend          nat = masquerade addr    (egress, forward SNAT)
@@ -205,7 +207,28 @@ struct ct4_entry {
 	__be32 snat_addr; /* CT4_SVC with CT4_F_MASQ: the source the backend sees */
 	__be16 snat_port;
 	__u8 flags;       /* CT4_F_* */
-	__u8 pad;
+	__u8 state;       /* CT4_S_* */
+};
+
+/* ct4_entry.state */
+#define CT4_S_ASSURED 0x01 /* nf_conntrack's ASSURED: the client spoke again after the first reply
+			    * (TCP: the handshake's last ACK; UDP: a stream, not a one-shot query such
+			    * as DNS). Only such a connection is never early-dropped for a new one. */
+
+/* ---- connection table pressure: the connections each CPU created, oldest first ----
+ * A queue (per CPU: no atomics) of CT4_SVC keys in creation order. When epx_ct4 is full,
+ * ct4_early_drop takes up to CT4_EVICT_SCAN keys off its old end and drops the first connection
+ * that may go (not assured, expired, or TCP closing), as nf_conntrack's early_drop looks for
+ * a non-assured entry; none: the new connection is dropped (EPX_DROP_CT_FULL). Keys taken off
+ * and kept (established connections) leave the queue: they are not looked at again. */
+#define CT4_RING_SLOTS 512 /* a power of two */
+#define CT4_EVICT_SCAN 8   /* nf_conntrack's NF_CT_EVICTION_RANGE */
+
+struct ct4_ring {
+	__u32 head; /* the next slot to write (counts up; slot = head % CT4_RING_SLOTS) */
+	__u32 tail; /* the oldest key not yet taken off; head - tail <= CT4_RING_SLOTS */
+	struct ct4_key half; /* scratch for ct4_forget's keys: tc_ingress's 512-byte stack is full */
+	struct ct4_key keys[CT4_RING_SLOTS]; /* CT4_SVC keys */
 };
 
 /* ---- IPv4 fragments: ports of a datagram, learnt from its first fragment ---- */
@@ -263,9 +286,11 @@ struct lb4_config {
 	__u32 flags;             /* CFG_F_* */
 	__u32 tcp_syn_timeout;   /* seconds, until the first reply */
 	__u32 tcp_est_timeout;   /* seconds, after a reply */
-	__u32 tcp_close_timeout; /* seconds, after FIN or RST */
+	__u32 tcp_close_timeout; /* seconds, after FINs both ways or RST */
 	__u32 udp_timeout;       /* seconds, until the first reply */
 	__u32 udp_stream_timeout;/* seconds, after a reply */
+	__u32 tcp_close_wait_timeout; /* seconds, after a FIN one way only (conntrack's CLOSE_WAIT) */
+	__u32 pad;
 	__u64 host_netns_cookie; /* socket LB acts only in this netns (0: every netns) */
 };
 

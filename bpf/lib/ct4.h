@@ -2,11 +2,14 @@
  *
  * A connection is its CT4_SVC entry (client -> frontend): chosen backend, masquerade, state and
  * lifetime. Its translation halves (CT4_REV_DNAT, CT4_SNAT, CT4_REV_SNAT, see common.h) are
- * honoured only while that owner is alive and still points at them, so a half left behind by
- * LRU eviction or expiry can never rewrite an unrelated flow.
+ * honoured only while that owner is alive and still points at them, so a half left behind (by
+ * expiry, or by a connection that took the tuple over) can never rewrite an unrelated flow; the
+ * table does not evict, so what is dropped is dropped whole (ct4_forget) and the agent's garbage
+ * collector removes what nobody looks up again (Maps.collect_connections).
  *
- * Lifetimes follow nf_conntrack's shape (seconds from epx_config): TCP before the first reply,
- * established, and after FIN/RST; UDP before and after the first reply. Every packet of the
+ * Lifetimes follow nf_conntrack's shape (seconds from epx_config, kube-proxy's conntrack settings):
+ * TCP before the first reply, established, half closed (a FIN one way: CLOSE_WAIT) and closed
+ * (FINs both ways, or RST); UDP before and after the first reply. Every packet of the
  * connection, in either direction, pushes the deadline forward.
  *
  * Masquerade ports. A port toward one backend ip:port is busy while its connection lives, and a
@@ -27,9 +30,11 @@
 #define EPX_CT4_H
 
 #include "lib/pkt4.h"
+#include "lib/stats.h"
 
 #define EPX_NSEC_PER_SEC 1000000000ULL
 #define CT4_SNAT_TRIES 8 /* random start, then linear probing, like MASQUERADE --random-fully */
+#define CT4_E2BIG 7 /* E2BIG: what a map update returns when a full hash map has no free element */
 #define CT4_TIME_WAIT_SECS 60 /* Linux's TCP_TIMEWAIT_LEN: how long a backend that closed first keeps the tuple */
 
 /* What a masquerade port's current holder still needs it for (ct4_snat_port_use). */
@@ -51,7 +56,12 @@ static __always_inline __u64 ct4_lifetime_ns(const struct lb4_config *cfg, __u8 
 	__u32 secs;
 
 	if (proto == IPPROTO_TCP) {
-		if (flags & CT4_F_CLOSING) {
+		if ((flags & (CT4_F_CLOSING | CT4_F_DONE)) == CT4_F_CLOSING &&
+		    !((flags & CT4_F_FIN_ORIG) && (flags & CT4_F_FIN_REPLY))) {
+			secs = cfg->tcp_close_wait_timeout; /* half closed: the other side may still send */
+			if (flags & CT4_F_TIME_WAIT && secs < CT4_TIME_WAIT_SECS)
+				secs = CT4_TIME_WAIT_SECS;
+		} else if (flags & CT4_F_CLOSING) {
 			secs = cfg->tcp_close_timeout;
 			/* keep the port out of the way while the backend's TIME_WAIT lasts */
 			if ((flags & (CT4_F_TIME_WAIT | CT4_F_DONE)) == CT4_F_TIME_WAIT && secs < CT4_TIME_WAIT_SECS)
@@ -97,6 +107,8 @@ static __always_inline void ct4_touch(struct ct4_entry *e, const struct lb4_conf
 		flags = ct4_tcp_state(flags, p->tcp_flags, reply);
 	if (flags != e->flags)
 		e->flags = flags;
+	if (!reply && (flags & CT4_F_SEEN_REPLY) && !(e->state & CT4_S_ASSURED))
+		e->state |= CT4_S_ASSURED;
 	e->expires = now + ct4_lifetime_ns(cfg, p->proto, flags);
 }
 
@@ -108,7 +120,44 @@ static __always_inline struct ct4_entry *ct4_find_svc(struct ct4_key *key, __u64
 	return e && e->expires > now ? e : NULL;
 }
 
-/* The entry at `key` if it has not expired; an expired CT4_SVC entry is removed. */
+/* Remove the half at `half` if connection `owner` (a CT4_SVC key) still owns it: a later
+ * connection may have taken the tuple over, and its half stays. */
+static __always_inline void ct4_forget_half(struct ct4_key *half, const struct ct4_key *owner)
+{
+	struct ct4_entry *h = epx_lookup(epx_ct4, half);
+
+	if (!h || h->svc_addr != owner->daddr || h->svc_port != owner->dport)
+		return;
+	if (half->kind == CT4_REV_SNAT && (h->nat_addr != owner->saddr || h->nat_port != owner->sport))
+		return;
+	epx_delete(epx_ct4, half);
+}
+
+/* Remove connection `key` (a CT4_SVC entry, `e`) with the halves it owns. The map is a plain hash
+ * (it does not evict): whatever the datapath drops it must drop whole, or the halves fill it. */
+static __always_inline void ct4_forget(struct ct4_key *key, const struct ct4_entry *e)
+{
+	/* read before any deletion: `e` is the map's element, which another CPU may then reuse */
+	__be32 be_addr = e->nat_addr, snat_addr = e->snat_addr;
+	__be16 be_port = e->nat_port, snat_port = e->snat_port;
+	__u8 masq = e->flags & CT4_F_MASQ;
+	__u32 zero = 0;
+	struct ct4_ring *ring = epx_lookup(epx_ct4_ring, &zero); /* its `half`: tc_ingress's stack is full */
+
+	if (ring) {
+		ring->half = ct4_key_make(be_addr, key->saddr, be_port, key->sport, key->proto, CT4_REV_DNAT);
+		ct4_forget_half(&ring->half, key);
+		if (masq) {
+			ring->half = ct4_key_make(key->saddr, be_addr, key->sport, be_port, key->proto, CT4_SNAT);
+			ct4_forget_half(&ring->half, key);
+			ring->half = ct4_key_make(be_addr, snat_addr, be_port, snat_port, key->proto, CT4_REV_SNAT);
+			ct4_forget_half(&ring->half, key);
+		}
+	}
+	epx_delete(epx_ct4, key);
+}
+
+/* The entry at `key` if it has not expired; an expired CT4_SVC entry is removed with its halves. */
 static __always_inline struct ct4_entry *ct4_lookup_svc(struct ct4_key *key, __u64 now)
 {
 	struct ct4_entry *e = epx_lookup(epx_ct4, key);
@@ -116,10 +165,71 @@ static __always_inline struct ct4_entry *ct4_lookup_svc(struct ct4_key *key, __u
 	if (!e)
 		return NULL;
 	if (e->expires <= now) {
-		epx_delete(epx_ct4, key);
+		ct4_forget(key, e);
 		return NULL;
 	}
 	return e;
+}
+
+/* ---- a full table (common.h: ct4_ring) ----
+ * nf_conntrack, when full, drops a non-assured connection near the new one's hash bucket
+ * (early_drop), and its GC worker, above 95 %, also TCP connections that are closing; when it
+ * finds none, the new packet is dropped. Here: the first of the CT4_EVICT_SCAN oldest connections
+ * in this CPU's queue (common.h: struct ct4_ring) that has expired, is not assured
+ * (CT4_S_ASSURED) or is a closing TCP connection is dropped; established connections are never
+ * dropped to make room. A flood is spread over the CPUs by the NIC, and so is its share of the
+ * queues. */
+
+/* Whether connection `e` may be dropped to make room for a new one. */
+static __always_inline int ct4_evictable(const struct ct4_entry *e, __u8 proto, __u64 now)
+{
+	if (e->expires <= now || !(e->state & CT4_S_ASSURED))
+		return 1;
+	return proto == IPPROTO_TCP && (e->flags & CT4_F_CLOSING);
+}
+
+/* Drop connections to make room for `need` entries (counted under EPX_EV_CT_EARLY_DROP, one per
+ * connection). Returns 1 if it dropped any. */
+static __always_inline int ct4_early_drop(__u64 now, __u32 need)
+{
+	__u32 zero = 0, freed = 0;
+	struct ct4_ring *ring = epx_lookup(epx_ct4_ring, &zero);
+
+	if (!ring)
+		return 0;
+	if (ring->head - ring->tail > CT4_RING_SLOTS)
+		ring->tail = ring->head - CT4_RING_SLOTS; /* the oldest were overwritten */
+	for (__u32 i = 0; i < CT4_EVICT_SCAN && freed < need && ring->tail != ring->head; i++) {
+		struct ct4_key *key = &ring->keys[ring->tail & (CT4_RING_SLOTS - 1)];
+		struct ct4_entry *e;
+
+		ring->tail++;
+		e = epx_lookup(epx_ct4, key);
+		if (!e || !ct4_evictable(e, key->proto, now))
+			continue;
+		freed += (e->flags & CT4_F_MASQ) ? 4 : 2; /* the entry and its halves */
+		ct4_forget(key, e);
+		stats_count(EPX_EV_CT_EARLY_DROP, 0);
+	}
+	return freed > 0;
+}
+
+/* Queue the connection just created at `key` as this CPU's newest. */
+static __always_inline void ct4_ring_push(const struct ct4_key *key)
+{
+	__u32 zero = 0;
+	struct ct4_ring *ring = epx_lookup(epx_ct4_ring, &zero);
+
+	if (!ring)
+		return;
+	ring->keys[ring->head & (CT4_RING_SLOTS - 1)] = *key;
+	ring->head++;
+}
+
+/* A connection table update's error as a reason: a full table, or another failure. */
+static __always_inline __u32 ct4_put_failed(long err)
+{
+	return err == -CT4_E2BIG ? EPX_DROP_CT_FULL : EPX_DROP_CT_FAILED;
 }
 
 /* The live connection owning a half-entry whose client side is client:cport (`ro`: trace mode,
@@ -150,7 +260,8 @@ static __always_inline __u32 ct4_snat_port_use(const struct ct4_entry *old, cons
 }
 
 /* Take over the REV_SNAT entry at `key` (its holder no longer needs it). Delete, then insert only
- * if absent: of two CPUs reclaiming the same port at once, one gets it. Returns 0 when ours. */
+ * if absent: of two CPUs reclaiming the same port at once, one gets it. Returns 0 when ours
+ * (the deletion freed an element: a full table cannot refuse this insert). */
 static __always_inline int ct4_snat_claim(struct ct4_key *key, struct ct4_entry *rev)
 {
 	epx_delete(epx_ct4, key);
@@ -196,8 +307,12 @@ static __always_inline __u32 ct4_snat_alloc(const struct pkt4 *p, const struct l
 		__u32 use;
 
 		key.dport = epx_htons((__u16)(min + (start + i) % range));
-		if (epx_insert(epx_ct4, &key, &rev) == 0)
+		long err = epx_insert(epx_ct4, &key, &rev);
+
+		if (err == 0)
 			goto claimed;
+		if (err == -CT4_E2BIG)
+			return EPX_DROP_CT_FULL; /* not the port range: the table */
 		old = epx_lookup(epx_ct4, &key);
 		use = old ? ct4_snat_port_use(old, &key, p->proto, now) : CT4_PORT_FREE;
 		if (use == CT4_PORT_FREE && ct4_snat_claim(&key, &rev) == 0)
@@ -215,11 +330,9 @@ claimed:
 	return 0;
 }
 
-/* Record a new connection of `p` (still addressed to the frontend) to backend be_addr:be_port:
- * the CT4_SVC entry and its halves. `masq` is 0, or the CT4_F_MASQ (| CT4_F_SOCK_MASQ) flags of
- * a masqueraded connection. Returns 0 or a drop reason. */
-static __always_inline __u32 ct4_create(const struct pkt4 *p, const struct lb4_config *cfg, __u64 now, __u32 backend_id,
-					__be32 be_addr, __be16 be_port, __u8 masq)
+/* One attempt of ct4_create. On failure nothing it wrote stays behind (the table does not evict). */
+static __always_inline __u32 ct4_create_once(const struct pkt4 *p, const struct lb4_config *cfg, __u64 now,
+					     __u32 backend_id, __be32 be_addr, __be16 be_port, __u8 masq)
 {
 	struct ct4_entry e = {
 		.nat_addr = be_addr, .nat_port = be_port, .svc_addr = p->daddr, .svc_port = p->dport,
@@ -228,6 +341,7 @@ static __always_inline __u32 ct4_create(const struct pkt4 *p, const struct lb4_c
 	struct ct4_entry half = { .nat_addr = p->daddr, .nat_port = p->dport, .svc_addr = p->daddr, .svc_port = p->dport };
 	struct ct4_key key;
 	__u32 reason;
+	long err;
 
 	if (masq) {
 		reason = ct4_snat_alloc(p, cfg, be_addr, be_port, now, &e.snat_port);
@@ -240,8 +354,12 @@ static __always_inline __u32 ct4_create(const struct pkt4 *p, const struct lb4_c
 			.nat_addr = e.snat_addr, .nat_port = e.snat_port, .svc_addr = p->daddr, .svc_port = p->dport,
 		};
 		key = ct4_key_make(p->saddr, be_addr, p->sport, be_port, p->proto, CT4_SNAT);
-		if (epx_update(epx_ct4, &key, &snat))
-			return EPX_DROP_CT_FAILED;
+		err = epx_update(epx_ct4, &key, &snat);
+		if (err) {
+			key = ct4_key_make(be_addr, e.snat_addr, be_port, e.snat_port, p->proto, CT4_REV_SNAT);
+			epx_delete(epx_ct4, &key);
+			return ct4_put_failed(err);
+		}
 	} else {
 		/* The client may reuse its port toward the same backend through another frontend
 		 * while the SNAT half of an earlier, masqueraded connection still lives (its owner
@@ -252,14 +370,40 @@ static __always_inline __u32 ct4_create(const struct pkt4 *p, const struct lb4_c
 	}
 	/* reply: backend -> client leaves with the frontend as source */
 	key = ct4_key_make(be_addr, p->saddr, be_port, p->sport, p->proto, CT4_REV_DNAT);
-	if (epx_update(epx_ct4, &key, &half))
-		return EPX_DROP_CT_FAILED;
+	err = epx_update(epx_ct4, &key, &half);
+	if (!err) {
+		ct4_touch(&e, cfg, p, 0, now);
+		key = ct4_key_make(p->saddr, p->daddr, p->sport, p->dport, p->proto, CT4_SVC);
+		err = epx_update(epx_ct4, &key, &e);
+		if (!err) {
+			ct4_ring_push(&key);
+			return 0;
+		}
+		key = ct4_key_make(be_addr, p->saddr, be_port, p->sport, p->proto, CT4_REV_DNAT);
+		epx_delete(epx_ct4, &key);
+	}
+	if (masq) {
+		key = ct4_key_make(p->saddr, be_addr, p->sport, be_port, p->proto, CT4_SNAT);
+		epx_delete(epx_ct4, &key);
+		key = ct4_key_make(be_addr, e.snat_addr, be_port, e.snat_port, p->proto, CT4_REV_SNAT);
+		epx_delete(epx_ct4, &key);
+	}
+	return ct4_put_failed(err);
+}
 
-	ct4_touch(&e, cfg, p, 0, now);
-	key = ct4_key_make(p->saddr, p->daddr, p->sport, p->dport, p->proto, CT4_SVC);
-	if (epx_update(epx_ct4, &key, &e))
-		return EPX_DROP_CT_FAILED;
-	return 0;
+/* Record a new connection of `p` (still addressed to the frontend) to backend be_addr:be_port:
+ * the CT4_SVC entry and its halves. `masq` is 0, or the CT4_F_MASQ (| CT4_F_SOCK_MASQ) flags of
+ * a masqueraded connection. A full table makes room with ct4_early_drop, or the connection is
+ * refused with EPX_DROP_CT_FULL. Returns 0 or a drop reason. */
+static __always_inline __u32 ct4_create(const struct pkt4 *p, const struct lb4_config *cfg, __u64 now, __u32 backend_id,
+					__be32 be_addr, __be16 be_port, __u8 masq)
+{
+	__u32 reason = ct4_create_once(p, cfg, now, backend_id, be_addr, be_port, masq);
+
+	/* one retry, not a loop: a loop around the inlined attempt overflowed tc_ingress's stack */
+	if (reason == EPX_DROP_CT_FULL && ct4_early_drop(now, masq ? 4 : 2))
+		reason = ct4_create_once(p, cfg, now, backend_id, be_addr, be_port, masq);
+	return reason;
 }
 
 #endif /* EPX_CT4_H */

@@ -1,4 +1,5 @@
-/* Per-CPU counters: every packet a program looks at is counted under exactly one epx_reason. */
+/* Per-CPU counters: every packet a program looks at is counted under exactly one epx_reason;
+ * the EPX_EV_* slots count events (an eviction), not packets. */
 #ifndef EPX_STATS_H
 #define EPX_STATS_H
 
@@ -6,7 +7,7 @@
 
 static __always_inline int epx_is_drop(__u32 reason)
 {
-	return reason >= EPX_DROP_FIRST && reason <= EPX_DROP_LAST;
+	return (reason >= EPX_DROP_FIRST && reason <= EPX_DROP_LAST) || reason == EPX_DROP_CT_FULL;
 }
 
 static __always_inline void stats_count(__u32 reason, __u32 bytes)

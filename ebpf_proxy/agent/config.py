@@ -66,6 +66,15 @@ class AgentConfig:
     watch_idle_timeout: float = 90.0
     # the longest wait between attempts to reach the API server (client-go's Reflector: 30s)
     watch_backoff_max: float = 30.0
+    # kube-proxy's conntrack settings (KubeProxyConntrackConfiguration, its defaults): they size and
+    # time the eBPF connection table (agent/conntrack.py). 0 means what kube-proxy's 0 means: leave
+    # the kernel's value, here nf_conntrack's default.
+    conntrack_max_per_core: int = 32768
+    conntrack_min: int = 131072
+    conntrack_tcp_established_timeout: float = 86400.0  # 24h
+    conntrack_tcp_close_wait_timeout: float = 3600.0  # 1h
+    conntrack_udp_timeout: float = 0.0
+    conntrack_udp_stream_timeout: float = 0.0
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)  # attr → flag/field name
 
     @property
@@ -213,6 +222,23 @@ def _duration(value: Any, where: str) -> float:
     return parse_duration(value, where)
 
 
+def _count(value: Any, where: str) -> int:
+    """A non-negative integer (kube-proxy's int32 conntrack sizes), from YAML or a flag's text."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 2**31 - 1:
+        raise ConfigError(f"{where}: must be an integer within [0, 2147483647], got {value!r}")
+    return value
+
+
+def _timeout(value: Any, where: str) -> float:
+    """A conntrack timeout: a duration of at least 0 (0: the kernel's default)."""
+    seconds = parse_duration(value, where)
+    if seconds < 0:
+        raise ConfigError(f"{where}: must be greater than or equal to 0, got {value!r}")
+    return seconds
+
+
 @dataclass(frozen=True)
 class _Field:
     flag: str
@@ -248,18 +274,27 @@ _FIELDS: dict[str, _Field] = {
     "audit_repair": _Field("--audit-repair", (), _bool),
     "watch_idle_timeout": _Field("--watch-idle-timeout", (), _duration),
     "watch_backoff_max": _Field("--watch-backoff-max", (), _duration),
+    "conntrack_max_per_core": _Field("--conntrack-max-per-core", (("conntrack", "maxPerCore"),), _count),
+    "conntrack_min": _Field("--conntrack-min", (("conntrack", "min"),), _count),
+    "conntrack_tcp_established_timeout": _Field("--conntrack-tcp-timeout-established",
+                                                (("conntrack", "tcpEstablishedTimeout"),), _timeout),
+    "conntrack_tcp_close_wait_timeout": _Field("--conntrack-tcp-timeout-close-wait",
+                                               (("conntrack", "tcpCloseWaitTimeout"),), _timeout),
+    "conntrack_udp_timeout": _Field("--conntrack-udp-timeout", (("conntrack", "udpTimeout"),), _timeout),
+    "conntrack_udp_stream_timeout": _Field("--conntrack-udp-timeout-stream", (("conntrack", "udpStreamTimeout"),),
+                                           _timeout),
 }
 _KNOWN_PATHS = {path for f in _FIELDS.values() for path in f.file_paths}
 
-# KubeProxyConfiguration fields that exist but mean nothing here (other modes, conntrack sysctls
-# we do not touch, client tuning): accepted so that an existing ConfigMap loads, logged at debug.
+# KubeProxyConfiguration fields that exist but mean nothing here (other modes, client tuning):
+# accepted so that an existing ConfigMap loads, logged at debug.
 _IGNORED_TOP = {
     "featureGates", "bindAddress", "bindAddressHardFail", "enableProfiling", "showHiddenMetricsForVersion",
-    "ipvs", "nftables", "winkernel", "oomScoreAdj", "conntrack", "configSyncPeriod",
+    "ipvs", "nftables", "winkernel", "oomScoreAdj", "configSyncPeriod",
     "portRange", "logging", "windowsRunAsService", "udpIdleTimeout",
 }
 _NESTED = {"clientConnection": {"acceptContentTypes", "contentType", "qps", "burst"}, "iptables": set(),
-           "detectLocal": {"clusterCIDRs"}}
+           "detectLocal": {"clusterCIDRs"}, "conntrack": {"tcpBeLiberal"}}
 
 
 def _file_values(path: str) -> dict[str, tuple[Any, str]]:

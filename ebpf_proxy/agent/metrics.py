@@ -49,20 +49,23 @@ class DatapathCounters(Collector):
 
     PACKETS = "ebpf_proxy_datapath_packets"
     BYTES = "ebpf_proxy_datapath_bytes"
+    EVENTS = "ebpf_proxy_datapath_events"  # EV_* slots: things that happened, not packets (evictions)
 
     def __init__(self) -> None:
         self.source: CounterSource | None = None
 
-    def _families(self) -> tuple[CounterMetricFamily, CounterMetricFamily]:
+    def _families(self) -> tuple[CounterMetricFamily, CounterMetricFamily, CounterMetricFamily]:
         labels = ["reason", "verdict"]
         return (CounterMetricFamily(self.PACKETS, "Packets the datapath counted, by reason and verdict", labels=labels),
-                CounterMetricFamily(self.BYTES, "Bytes the datapath counted, by reason and verdict", labels=labels))
+                CounterMetricFamily(self.BYTES, "Bytes the datapath counted, by reason and verdict", labels=labels),
+                CounterMetricFamily(self.EVENTS, "Events the datapath counted, by reason (EV_CT_EARLY_DROP: a "
+                                    "connection dropped to make room in a full connection table)", labels=["reason"]))
 
     def describe(self) -> Iterator[CounterMetricFamily]:
         return iter(self._families())
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        packets, nbytes = self._families()
+        packets, nbytes, events = self._families()
         source = self.source
         try:
             counters = source() if source is not None else {}
@@ -77,10 +80,14 @@ class DatapathCounters(Collector):
                 kind = verdict(reason)
                 if kind == "none":  # CONTINUE: not a verdict, never counted
                     continue
+                if kind == "event":  # not packets: one count per event
+                    events.add_metric([reason.name], npackets)
+                    continue
                 packets.add_metric([reason.name, kind], npackets)
                 nbytes.add_metric([reason.name, kind], nb)
         yield packets
         yield nbytes
+        yield events
 
 
 class Metrics:
@@ -134,6 +141,12 @@ class Metrics:
             "(missing, extra, changed)", ["kind"], registry=r)
         self.audits = Counter("ebpfproxy_datapath_audits_total", "Drift audits run, by result (clean, drift, error)",
                               ["result"], registry=r)
+        self.conntrack_entries = Gauge(
+            "ebpf_proxy_conntrack_entries", "Entries in the eBPF connection table at the last garbage collection "
+            "(2 per connection, 4 if masqueraded)", registry=r)
+        self.conntrack_capacity = Gauge(
+            "ebpf_proxy_conntrack_capacity", "Entries the eBPF connection table holds at most (kube-proxy's "
+            "conntrack max x 2); full, new connections early-drop unanswered ones, then are dropped", registry=r)
         self.datapath_counters = DatapathCounters()
         r.register(self.datapath_counters)
 
@@ -160,6 +173,9 @@ class Metrics:
         self.datapath_counters.source = counters if callable(counters) else None
 
     def set_datapath_stats(self, stats: dict[str, int]) -> None:
+        if "bpf_ct_capacity" in stats:  # map pressure: entries against capacity
+            self.conntrack_entries.set(stats.get("bpf_ct_entries", 0))
+            self.conntrack_capacity.set(stats["bpf_ct_capacity"])
         for kind, value in stats.items():
             self.datapath_objects.labels(kind=kind).set(value)
             if kind.startswith(IPTABLES_STAT_PREFIX):

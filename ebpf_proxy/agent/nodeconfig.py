@@ -23,6 +23,7 @@ import socket
 from typing import Sequence
 
 from ebpf_proxy.agent.config import PRIMARY, AgentConfig
+from ebpf_proxy.agent.conntrack import conntrack_limits
 from ebpf_proxy.model import LocalDetector, LocalMode, NodeConfig, NodeState
 
 log = logging.getLogger(__name__)
@@ -99,4 +100,5 @@ def build_node_config(config: AgentConfig, local_ips: Sequence[str], node: NodeS
         masquerade_bit=config.masquerade_bit,
         localhost_nodeports=localhost,
         local_detector=local_detector(config, node),
+        conntrack=conntrack_limits(config),
     )

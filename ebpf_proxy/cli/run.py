@@ -94,6 +94,18 @@ def _bool_flag(*names: str, help: str):  # noqa: A002 (click's name)
               help="Longest wait between attempts to reach the API server (default 30s, client-go's; lower "
                    "catches up sooner after an outage, at the cost of more attempts against a struggling server).")
 @_bool_flag("--audit-repair", help="Write back what the drift audit finds (default true; false: only report).")
+@click.option("--conntrack-max-per-core", default=None, metavar="INT",
+              help="eBPF connection table: connections per CPU (default 32768; 0: the built-in 131072).")
+@click.option("--conntrack-min", default=None, metavar="INT",
+              help="eBPF connection table: at least this many connections (default 131072).")
+@click.option("--conntrack-tcp-timeout-established", "conntrack_tcp_established_timeout", default=None,
+              metavar="DURATION", help="Idle timeout of an established TCP connection (default 24h; 0: 5 days).")
+@click.option("--conntrack-tcp-timeout-close-wait", "conntrack_tcp_close_wait_timeout", default=None,
+              metavar="DURATION", help="Idle timeout of a TCP connection closed one way (default 1h; 0: 60s).")
+@click.option("--conntrack-udp-timeout", default=None, metavar="DURATION",
+              help="Idle timeout of a UDP flow not answered yet (default 0: 30s).")
+@click.option("--conntrack-udp-timeout-stream", "conntrack_udp_stream_timeout", default=None, metavar="DURATION",
+              help="Idle timeout of an answered UDP flow (default 0: 120s).")
 @click.option("--log-format", default=None, metavar="|".join(LOG_FORMATS), help="text (default) or json.")
 @click.option("--log-level", default=None, metavar="|".join(LOG_LEVELS), help="debug, info (default), warning, error.")
 def run(config_file: str | None, **flags: str | None) -> None:

@@ -26,7 +26,7 @@ Examples:
 Exit status: 0, or 1 when no pinned maps could be read (the message names the path).
 """
 
-VERDICT_STYLE = {"drop": "bold red", "reject": "yellow", "pass": "dim", "translate": "", "none": "dim"}
+VERDICT_STYLE = {"drop": "bold red", "reject": "yellow", "pass": "dim", "translate": "", "event": "yellow", "none": "dim"}
 # Drops first (what the reader is looking for), then rejects, then the rest.
 VERDICT_ORDER = {v: i for i, v in enumerate(epx_inspect.VERDICTS)}
 

@@ -5,6 +5,7 @@ from ebpf_proxy.model.tracker import ChangeTracker, NodeState
 from ebpf_proxy.model.types import (
     DEFAULT_AFFINITY_TIMEOUT_SECONDS,
     ChangeSet,
+    ConntrackLimits,
     Endpoint,
     LocalDetector,
     LocalMode,
@@ -20,6 +21,7 @@ __all__ = [
     "DEFAULT_AFFINITY_TIMEOUT_SECONDS",
     "ChangeSet",
     "ChangeTracker",
+    "ConntrackLimits",
     "Endpoint",
     "EndpointSets",
     "LocalDetector",

@@ -185,6 +185,19 @@ class NodeTopology:
 
 
 @dataclass(frozen=True)
+class ConntrackLimits:
+    """kube-proxy's conntrack settings resolved for this node (agent/conntrack.py): what the
+    eBPF datapath's connection table holds and for how long. Seconds; `max_connections` is
+    kube-proxy's max(maxPerCore x CPUs, min)."""
+
+    max_connections: int = 131072
+    tcp_established: int = 86400
+    tcp_close_wait: int = 3600
+    udp: int = 30
+    udp_stream: int = 120
+
+
+@dataclass(frozen=True)
 class NodeConfig:
     """What a datapath needs to know about the node it runs on (kube-proxy's flags and node state)."""
 
@@ -197,6 +210,7 @@ class NodeConfig:
     localhost_nodeports: bool = True
     # None: kube-proxy's default, ClusterCIDR over `cluster_cidrs` (no-op when there are none)
     local_detector: LocalDetector | None = None
+    conntrack: ConntrackLimits = ConntrackLimits()
 
     def __post_init__(self) -> None:
         for cidr in (*self.cluster_cidrs, *self.nodeport_addresses):

@@ -8,6 +8,8 @@ import contextlib
 import os
 import subprocess
 import tempfile
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ import pytest
 from ebpf_proxy.datapath.ebpf import EbpfDatapath, libbpf, loader, pins
 from ebpf_proxy.datapath.ebpf import structs as s
 from ebpf_proxy.lab._setns import run_in_netns
-from ebpf_proxy.model import ChangeSet, Endpoint, NodeConfig, Protocol, ProxyState, ServicePort, ServicePortName
+from ebpf_proxy.model import ChangeSet, ConntrackLimits, Endpoint, NodeConfig, Protocol, ProxyState, ServicePort, ServicePortName
 from tests.bpf import netlab
 from tests.bpf.conftest import SMALL_MAPS, TEST_ROOT
 from tests.bpf.netlab import BACKEND_IP, NODE_BACKEND_SIDE, NODE_OUTSIDE_SIDE, NODE_POD_SIDE
@@ -110,8 +112,9 @@ def test_life_cycle(node):
     _traffic_ok(lab, cgroup)
     assert counts["bpf_ct_entries"] == 0 and dp.stats()["bpf_ct_entries"] == 0, \
         "the connection table is not read again on every call (a full one takes ~65 ms)"
+    assert counts["bpf_ct_capacity"] == SMALL_MAPS["epx_ct4"]
     clock.now += 10
-    assert dp.stats()["bpf_ct_entries"] > 0, "but at most ct_count_max_age seconds old"
+    assert dp.stats()["bpf_ct_entries"] > 0, "but at most ct_gc_period seconds old"
     assert dp.counters()[s.Reason.FWD_NEW][0] >= 2
 
     maps = pins.open_maps(lab.bpffs)
@@ -146,3 +149,40 @@ def test_life_cycle(node):
     assert not pins.pin_dir(lab.bpffs).exists()
     assert lab.client("pod", "tcp", VIP, 80)[0] == "error", "no service any more"
     run_in_netns(lab.ns["node"], fresh.cleanup)  # idempotent
+
+
+def test_conntrack_settings_size_the_table_and_the_gc_thread_collects(node):
+    """kube-proxy's conntrack settings (NodeConfig.conntrack) reach the kernel: the table's
+    capacity (2 entries per connection) and its lifetimes; the GC thread removes connections
+    that expired, whole, with no sync needed."""
+    lab, cgroup = node, node.cgroup()
+    limits = ConntrackLimits(max_connections=1500, tcp_established=7200, tcp_close_wait=30, udp=15, udp_stream=90)
+    sizes = {k: v for k, v in SMALL_MAPS.items() if k != "epx_ct4"}  # epx_ct4: from the settings
+    dp = EbpfDatapath(replace(NODE, conntrack=limits), cgroup_path=str(cgroup), bpffs=str(lab.bpffs),
+                      pod_device_patterns=("vpod", "vbe"), max_entries=sizes, ct_gc_period=0.2)
+    try:
+        counts = _sync(lab, dp, _state())
+        assert counts["bpf_ct_capacity"] == 3000
+        maps = pins.open_maps(lab.bpffs)
+        try:
+            cfg = maps.config()
+            assert (cfg.tcp_est_timeout, cfg.tcp_close_wait_timeout, cfg.udp_timeout, cfg.udp_stream_timeout) == \
+                (7200, 30, 15, 90)
+            _traffic_ok(lab, cgroup)
+            made = maps.connections(kind=s.CT4_SVC)
+            assert made
+            for c in made:
+                maps.set_connection_expiry(c, 1)
+            deadline = time.monotonic() + 5
+            while maps.connections() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert maps.connections() == [], "expired connections and their halves collected"
+        finally:
+            maps.close()
+        deadline = time.monotonic() + 5
+        while dp.stats()["bpf_ct_entries"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert dp.stats()["bpf_ct_entries"] == 0
+    finally:
+        run_in_netns(lab.ns["node"], dp.cleanup)
+        dp.close()

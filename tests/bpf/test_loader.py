@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import tempfile
 from pathlib import Path
@@ -104,3 +105,29 @@ def test_a_failed_compile_says_why(bpffs, tmp_path, monkeypatch):
     with pytest.raises(loader.LoadError, match="(?s)compiling the datapath failed.*error: \"broken on purpose by test_loader\""):
         loader.load(bpffs, SOME, SMALL_MAPS)
     assert not (bpffs / loader.PROGS_SUBDIR / loader.build_id(SOME, SMALL_MAPS)).exists()
+
+
+def test_a_pinned_map_of_another_type_is_recreated(bpffs):
+    """An upgrade from the LRU connection table: same key, value and capacity, another type. Kept,
+    it would evict established connections under pressure and never report a full table."""
+    from bcc import BPF
+
+    from ebpf_proxy.datapath.ebpf import libbpf, structs
+
+    pin_dir = bpffs / "ebpf-proxy"
+    pin_dir.mkdir()
+    ct = pin_dir / "epx_ct4"
+    old = BPF(text=f"""
+        struct k {{ char b[{ctypes.sizeof(structs.CT4Key)}]; }};
+        struct v {{ char b[{ctypes.sizeof(structs.CT4Entry)}]; }};
+        BPF_TABLE_PINNED("lru_hash", struct k, struct v, epx_ct4, {SMALL_MAPS["epx_ct4"]}, "{ct}");
+    """.encode())
+    old.cleanup()
+    assert libbpf.pinned_map_info(str(ct)).type == structs.MAP_TYPES["lru_hash"]
+    assert loader.drop_incompatible_pins(pin_dir, SMALL_MAPS) == ["epx_ct4"]
+    assert not ct.exists()
+    loaded = loader.load(pin_dir, programs=(), max_entries=SMALL_MAPS, in_process=True)
+    try:
+        assert libbpf.pinned_map_info(str(ct)).type == structs.MAP_TYPES["hash"]
+    finally:
+        loaded.close()

@@ -43,8 +43,10 @@ def test_map_layout_matches_bcc(bcc_tables, name):
 
 
 def test_mirror_covers_every_map_of_maps_c():
-    declared = re.findall(r"BPF_TABLE_PINNED\(\"\w+\",[^,]+,[^,]+,\s*(\w+),", (loader.BPF_SRC_DIR / "maps.c").read_text())
+    declared = dict((name, kind) for kind, name in re.findall(
+        r"BPF_TABLE_PINNED\(\"(\w+)\",[^,]+,[^,]+,\s*(\w+),", (loader.BPF_SRC_DIR / "maps.c").read_text()))
     assert sorted(declared) == sorted(structs.MAPS)
+    assert {name: spec.kind for name, spec in structs.MAPS.items()} == declared, "map types (loader.py recreates a pin of another)"
 
 
 def test_reasons_match_the_c_enum():
@@ -53,9 +55,11 @@ def test_reasons_match_the_c_enum():
     c_reasons = {name: int(value) for name, value in re.findall(r"EPX_(\w+) = (\d+),", body)}
     assert c_reasons.pop("REASON_MAX") == structs.REASON_MAX == len(structs.Reason)
     assert c_reasons == {r.name: r.value for r in structs.Reason}
-    drops = [r for r in structs.Reason if r.is_drop]
+    # epx_is_drop (stats.h): the range EPX_DROP_FIRST..EPX_DROP_LAST, plus EPX_DROP_CT_FULL appended later
+    drops = [r for r in structs.Reason if r.is_drop and r != structs.Reason.DROP_CT_FULL]
     assert (min(drops), max(drops)) == (structs.Reason.DROP_MALFORMED_IP, structs.Reason.DROP_REJECT_FAILED)
     assert all(r.is_drop for r in structs.Reason if min(drops) <= r <= max(drops))
+    assert structs.Reason.DROP_CT_FULL.is_drop and "EPX_DROP_CT_FULL" in (loader.BPF_SRC_DIR / "lib" / "stats.h").read_text()
 
 
 def test_flag_constants_match_common_h():

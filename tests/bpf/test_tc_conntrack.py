@@ -142,10 +142,15 @@ def test_lifetimes_follow_the_connection_state(datapath, maps):
     assert est.flags & s.CT4_F_SEEN_REPLY
     assert abs(est.expires_ns - now - w.SETTINGS.tcp_est_timeout * 10**9) < 5 * 10**9
 
+    # half closed (kube-proxy's --conntrack-tcp-timeout-close-wait), then closed both ways
     run(datapath, "tc_ingress", tcp(w.POD_CLIENT, 40000, w.VIP, 80, flags="FA"))
-    closing = _svc_entry(maps, 40000)
-    assert closing.flags & s.CT4_F_CLOSING
-    assert abs(closing.expires_ns - now - w.SETTINGS.tcp_close_timeout * 10**9) < 5 * 10**9
+    half = _svc_entry(maps, 40000)
+    assert half.flags & s.CT4_F_CLOSING
+    assert abs(half.expires_ns - now - w.SETTINGS.tcp_close_wait_timeout * 10**9) < 5 * 10**9
+    run(datapath, "tc_egress", tcp(*fwd_backend, w.POD_CLIENT, 40000, flags="FA"))
+    closed = _svc_entry(maps, 40000)
+    assert closed.flags & s.CT4_F_FIN_REPLY
+    assert abs(closed.expires_ns - now - w.SETTINGS.tcp_close_timeout * 10**9) < 5 * 10**9
 
 
 def test_syn_on_a_closing_connection_starts_a_new_one(datapath, maps):

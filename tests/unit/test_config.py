@@ -227,13 +227,15 @@ def test_a_flag_overrides_a_file_value_we_cannot_use(tmp_path):
 def test_ignored_and_unknown_fields(tmp_path, caplog):
     with caplog.at_level(logging.DEBUG, logger="ebpf_proxy.agent.config"):
         load_config({}, write(tmp_path, header("""
-            conntrack: {maxPerCore: 32768}
+            conntrack: {maxPerCore: 32768, tcpBeLiberal: true}
+            ipvs: {scheduler: rr}
             clientConnection: {qps: 5, timeout: 3s}
             frobnicate: true
             detectLocal: {clusterCIDRs: [10.0.0.0/8]}
             """)))
     by_level = {(r.levelname, r.field) for r in caplog.records}
-    assert ("DEBUG", "conntrack") in by_level and ("DEBUG", "clientConnection.qps") in by_level
+    assert ("DEBUG", "ipvs") in by_level and ("DEBUG", "clientConnection.qps") in by_level
+    assert ("DEBUG", "conntrack.tcpBeLiberal") in by_level, "conntrack's other fields are used (test_conntrack_*)"
     assert ("WARNING", "clientConnection.timeout") in by_level and ("WARNING", "frobnicate") in by_level
     assert ("DEBUG", "detectLocal.clusterCIDRs") in by_level
 
@@ -369,3 +371,55 @@ def test_run_help_has_examples():
                  "--kubeconfig", "--master", "--config", "--mode", "--cgroup-path", "--bpffs", "--log-format",
                  "--log-level"):
         assert flag in result.output
+
+
+# ---- conntrack (issue 13): kube-proxy's settings size and time the eBPF connection table -------
+
+
+def test_conntrack_settings_from_flags_and_file(tmp_path):
+    from ebpf_proxy.agent.conntrack import conntrack_limits
+
+    c = load_config({})
+    assert (c.conntrack_max_per_core, c.conntrack_min) == (32768, 131072)
+    assert (c.conntrack_tcp_established_timeout, c.conntrack_tcp_close_wait_timeout) == (86400.0, 3600.0)
+    limits = conntrack_limits(c, cpus=8)  # kube-proxy: max(maxPerCore x CPUs, min)
+    assert (limits.max_connections, limits.tcp_established, limits.tcp_close_wait) == (262144, 86400, 3600)
+    assert (limits.udp, limits.udp_stream) == (30, 120), "0: the kernel's defaults"
+    assert conntrack_limits(c, cpus=2).max_connections == 131072, "min is the floor"
+
+    path = write(tmp_path, textwrap.dedent("""\
+        apiVersion: kubeproxy.config.k8s.io/v1alpha1
+        kind: KubeProxyConfiguration
+        conntrack:
+          maxPerCore: 1000
+          min: 500
+          tcpEstablishedTimeout: 2h
+          tcpCloseWaitTimeout: 30s
+          udpTimeout: 15s
+          udpStreamTimeout: 3m
+          tcpBeLiberal: true
+        """))
+    c = load_config({"conntrack_udp_timeout": "20s"}, path)
+    limits = conntrack_limits(c, cpus=2)
+    assert (limits.max_connections, limits.tcp_established, limits.tcp_close_wait) == (2000, 7200, 30)
+    assert (limits.udp, limits.udp_stream) == (20, 180), "the flag overrides the file"
+    assert conntrack_limits(load_config({"conntrack_max_per_core": "0"}), cpus=2).max_connections == 131072, \
+        "0 leaves the limit alone: the built-in size"
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    ({"conntrack_max_per_core": "-1"}, "--conntrack-max-per-core"),
+    ({"conntrack_min": "lots"}, "--conntrack-min"),
+    ({"conntrack_tcp_established_timeout": "-1s"}, "--conntrack-tcp-timeout-established"),
+    ({"conntrack_udp_stream_timeout": "soon"}, "--conntrack-udp-timeout-stream"),
+])
+def test_bad_conntrack_settings_name_the_flag(flags, named):
+    with pytest.raises(ConfigError, match="^" + named):
+        load_config(flags)
+
+
+def test_bad_conntrack_field_names_the_field(tmp_path):
+    path = write(tmp_path, "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n"
+                           "conntrack:\n  maxPerCore: many\n")
+    with pytest.raises(ConfigError, match="^conntrack.maxPerCore"):
+        load_config({}, path)

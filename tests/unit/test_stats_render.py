@@ -53,6 +53,7 @@ def test_verdicts_follow_the_reason_families():
     verdicts = {r: epx_inspect.verdict(r) for r in Reason}
     assert set(verdicts.values()) <= set(epx_inspect.VERDICTS)
     assert [r for r, v in verdicts.items() if v == "none"] == [R.CONTINUE]
+    assert [r for r, v in verdicts.items() if v == "event"] == [R.EV_CT_EARLY_DROP]
     assert {r for r, v in verdicts.items() if v == "drop"} == {r for r in Reason if r.is_drop}
     assert {r for r, v in verdicts.items() if v == "reject"} == {R.REJECT, R.SOCK_REJECT}
     assert {r for r, v in verdicts.items() if v == "pass"} == {r for r in Reason if r.name.startswith("PASS_")}
@@ -203,3 +204,20 @@ def test_datapath_without_counters_exports_none_and_a_failing_read_does_not_brea
     dp.fail = True
     text = agent.metrics.render().decode()
     assert "ebpf_proxy_datapath_packets_total{" not in text and "kubeproxy_sync_proxy_rules_duration" in text
+
+
+def test_conntrack_pressure_metrics():
+    """Entries against capacity (gauges, from the GC's count) and evictions (a counter, live)."""
+    created = []
+    agent = make_agent(lambda mode, node, **opts: created.append(CountingDatapath(node)) or created[-1])
+    agent.resolve_mode()
+    agent.prepare_datapath()
+    m = agent.metrics
+    created[0].values[R.EV_CT_EARLY_DROP] = (897, 0)
+    created[0].values[R.DROP_CT_FULL] = (3, 180)
+    assert m.registry.get_sample_value("ebpf_proxy_datapath_events_total", {"reason": "EV_CT_EARLY_DROP"}) == 897
+    assert sample(m, "packets", "EV_CT_EARLY_DROP", "event") is None, "an eviction is not a packet"
+    assert sample(m, "packets", "DROP_CT_FULL", "drop") == 3
+    m.set_datapath_stats({"bpf_ct_entries": 250, "bpf_ct_capacity": 256, "bpf_ct_connections": 125})
+    assert m.registry.get_sample_value("ebpf_proxy_conntrack_entries") == 250
+    assert m.registry.get_sample_value("ebpf_proxy_conntrack_capacity") == 256

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from pathlib import Path
 from ebpf_proxy.datapath.base import Datapath, SyncResult
 from ebpf_proxy.datapath.ebpf import adopt, devices, loader, pins
 from ebpf_proxy.datapath.ebpf import structs as s
-from ebpf_proxy.datapath.ebpf.maps import Maps, NodeSettings
+from ebpf_proxy.datapath.ebpf.maps import ConntrackUsage, Maps, NodeSettings
 from ebpf_proxy.datapath.ebpf.services import (
     ServiceEntries,
     ServicePrograms,
@@ -48,7 +49,11 @@ from ebpf_proxy.model import ChangeSet, NodeConfig, ProxyState, ServicePortName
 log = logging.getLogger(__name__)
 
 DEFAULT_BPFFS = "/sys/fs/bpf"
-CT_COUNT_MAX_AGE = 10.0  # seconds a count of the connection table is reported before it is taken again
+CT_GC_PERIOD = 10.0  # seconds between two passes of the connection table's garbage collector
+# epx_ct4 entries per connection of kube-proxy's conntrack limit: an unmasqueraded connection takes
+# 2 (its entry, the reply half), a masqueraded one 4, so the limit holds for unmasqueraded traffic
+# and half of it for masqueraded traffic (nf_conntrack also stores two tuples per connection).
+CT_ENTRIES_PER_CONNECTION = 2
 
 
 @dataclass(frozen=True)
@@ -80,7 +85,7 @@ class EbpfDatapath(Datapath):
         xdp_mode: str = "generic",
         watch_devices: bool = True,
         max_entries: Mapping[str, int] | None = None,
-        ct_count_max_age: float = CT_COUNT_MAX_AGE,
+        ct_gc_period: float = CT_GC_PERIOD,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(node)
@@ -92,15 +97,20 @@ class EbpfDatapath(Datapath):
         self._pod_patterns = tuple(pod_device_patterns)
         self._xdp_mode = xdp_mode
         self._watch = watch_devices
-        self._max_entries = dict(max_entries or {})
+        # the connection table's size comes from kube-proxy's conntrack settings unless a caller
+        # (tests: small maps) sizes it explicitly
+        self._max_entries = {"epx_ct4": CT_ENTRIES_PER_CONNECTION * node.conntrack.max_connections,
+                             **(max_entries or {})}
         self._loaded: loader.Loaded | None = None
         self._maps: Maps | None = None
         self._programs: ServicePrograms | None = None
         self._devices: devices.Devices | None = None
         self._watcher: devices.LinkWatcher | None = None
         self._attached = False
-        self._ct_count_max_age, self._clock = ct_count_max_age, clock
-        self._ct_count: tuple[float, int] | None = None  # (when, entries)
+        self._ct_gc_period, self._clock = ct_gc_period, clock
+        self._ct_usage: tuple[float, ConntrackUsage] | None = None  # (when, the last GC pass)
+        self._ct_gc_lock = threading.Lock()  # one pass at a time
+        self._ct_gc_stop: threading.Event | None = None  # the GC thread's, while it runs
         self._settings: NodeSettings | None = None  # epx_config as the first sync wrote it
 
     # -- sync -----------------------------------------------------------------------------
@@ -134,7 +144,7 @@ class EbpfDatapath(Datapath):
                                                                     changes.stale_udp_services)
         self._programs.sync_done()
         if changes.full or first:
-            self._ct_count = None  # full syncs report a fresh count
+            self._ct_usage = None  # full syncs collect, and report a fresh count
         counts.update(self.stats())
         log.debug("ebpf sync: %s", counts)
         return SyncResult(counts=counts)
@@ -177,6 +187,8 @@ class EbpfDatapath(Datapath):
         if self._watch and self._watcher is None:
             self._watcher = devices.LinkWatcher(self._reconcile_devices)
             self._watcher.start()
+        if self._ct_gc_stop is None:
+            self._start_conntrack_gc()
         self._attached = True
 
     def _reconcile_devices(self) -> int:
@@ -221,29 +233,63 @@ class EbpfDatapath(Datapath):
     # -- stats ----------------------------------------------------------------------------
 
     def stats(self) -> dict[str, int]:
-        """Map sizes: services and backends from memory, connections from the connection table.
-        Counting a full table (262,144 entries) reads all of it (~65 ms), and every sync asks twice
-        (its counts, the agent's metrics): so the count is kept for up to `ct_count_max_age`
-        seconds rather than taken on every sync, where it delayed the next change."""
+        """Map sizes: services and backends from memory, connections from the connection table's
+        garbage collector (collect_conntrack), whose pass also counts it. A full table (262,144
+        entries) takes ~65 ms to read, and every sync asks twice (its counts, the agent's
+        metrics): so a pass runs at most every `ct_gc_period` seconds, not on every call."""
         if self._programs is None or self._maps is None:
             return {}
         current = self._programs.current.values()
+        ct = self.collect_conntrack()
         out = {
             "bpf_services": sum(len(e.frontends) for e in current),
             "bpf_backends": sum(len(e.backends) for e in current),
-            "bpf_ct_entries": self._ct_entries(),
+            "bpf_ct_entries": ct.entries,
+            "bpf_ct_capacity": ct.capacity,
+            "bpf_ct_connections": ct.connections,
             "bpf_devices": len(self._devices.attached) if self._devices else 0,
         }
         # Per-reason counters are not here: the agent exports them live, read at scrape time
         # (ebpf_proxy_datapath_packets_total), not as a snapshot taken after the last sync.
         return out
 
-    def _ct_entries(self) -> int:
-        assert self._maps is not None
+    def collect_conntrack(self, force: bool = False) -> ConntrackUsage:
+        """One pass of the connection table's garbage collector (Maps.collect_connections: the
+        table does not evict, expired connections must be removed), unless the last one is less
+        than `ct_gc_period` old and not `force`d, or one is running: then the last pass's figures.
+        The GC thread calls it every `ct_gc_period`, so a sync rarely pays for a pass (a full
+        table of 262,144 entries takes ~0.8 s, more when much is collected)."""
+        maps = self._maps
+        assert maps is not None
         now = self._clock()
-        if self._ct_count is None or now - self._ct_count[0] >= self._ct_count_max_age:
-            self._ct_count = (now, self._maps.count("epx_ct4"))
-        return self._ct_count[1]
+        last = self._ct_usage
+        if not force and last is not None and now - last[0] < self._ct_gc_period:
+            return last[1]
+        if not self._ct_gc_lock.acquire(blocking=last is None):
+            return last[1]  # the GC thread is at it: its figures come next time
+        try:
+            usage = maps.collect_connections(time.monotonic_ns())  # bpf_ktime_get_ns()'s clock
+            self._ct_usage = (now, usage)
+        finally:
+            self._ct_gc_lock.release()
+        if usage.collected:
+            log.debug("conntrack gc", extra={"collected": usage.collected, "entries": usage.entries,
+                                             "capacity": usage.capacity})
+        return usage
+
+    def _start_conntrack_gc(self) -> None:
+        """nf_conntrack's gc worker for our table: a pass every `ct_gc_period`, off the sync path."""
+        stop = self._ct_gc_stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.wait(self._ct_gc_period):
+                try:
+                    if self._maps is not None:
+                        self.collect_conntrack(force=True)
+                except Exception:  # e.g. the maps closed under us at shutdown: next period, or stop
+                    log.warning("conntrack gc failed", exc_info=True)
+
+        threading.Thread(target=loop, name="conntrack-gc", daemon=True).start()
 
     def counters(self) -> dict[s.Reason, tuple[int, int]]:
         """(packets, bytes) per reason since the maps were created (every program, every CPU)."""
@@ -278,6 +324,9 @@ class EbpfDatapath(Datapath):
         if self._watcher is not None:
             self._watcher.stop()
             self._watcher = None
+        if self._ct_gc_stop is not None:
+            self._ct_gc_stop.set()
+            self._ct_gc_stop = None
 
     def _close_loaded(self) -> None:
         """Forget the process-side handles; a later sync loads (and adopts) again."""
@@ -288,5 +337,5 @@ class EbpfDatapath(Datapath):
         self._programs = None
         self._devices = None
         self._attached = False
-        self._ct_count = None
+        self._ct_usage = None
         self._settings = None

@@ -27,7 +27,7 @@ from ebpf_proxy.datapath.ebpf.maps import Maps
 
 BPF_F_RDONLY = libbpf.BPF_F_RDONLY
 
-VERDICTS = ("drop", "reject", "pass", "translate", "none")
+VERDICTS = ("drop", "reject", "pass", "translate", "event", "none")
 
 # Reasons whose packet was rewritten (DNAT, SNAT and their reverses, socket LB, ARP): the rest
 # follow from their name's prefix, see verdict().
@@ -41,7 +41,7 @@ MAP_CONTENTS: dict[str, str] = {
     "epx_svc": "service frontends (clusterIP, nodePort, externalIP, LB IP)",
     "epx_backend": "backends",
     "epx_slot": "backend slots (cluster and local)",
-    "epx_ct4": "connection-table entries (up to 4 per connection)",
+    "epx_ct4": "connection-table entries (2 per connection, 4 if masqueraded)",
     "epx_affinity": "session-affinity entries",
     "epx_src_range": "loadBalancerSourceRanges entries",
     "epx_frag4": "IPv4 fragments awaiting their ports",
@@ -61,8 +61,11 @@ class NoPinnedMaps(InspectError):
 
 
 def verdict(reason: s.Reason) -> str:
-    """What happened to a packet counted under `reason`: drop, reject, pass, translate, or none
+    """What happened to a packet counted under `reason`: drop, reject, pass, translate, event (an
+    EV_* slot counts something that happened, such as an eviction, not a packet), or none
     (CONTINUE, which is never counted)."""
+    if reason.name.startswith("EV_"):
+        return "event"
     if reason.is_drop:
         return "drop"
     if reason.name.startswith("PASS_"):

@@ -15,6 +15,7 @@ import errno
 import functools
 import os
 import struct
+from pathlib import Path
 
 LIBBPF_SONAMES = ("libbpf.so.1", "libbpf.so")
 
@@ -155,9 +156,12 @@ def lib() -> ctypes.CDLL:
         handle.bpf_link_detach.argtypes = [ctypes.c_int]
         handle.bpf_obj_pin.restype = ctypes.c_int
         handle.bpf_obj_pin.argtypes = [ctypes.c_int, ctypes.c_char_p]
-        for fn in ("bpf_prog_get_fd_by_id", "bpf_map_get_fd_by_id"):
+        for fn in ("bpf_prog_get_fd_by_id", "bpf_map_get_fd_by_id", "bpf_link_get_fd_by_id"):
             getattr(handle, fn).restype = ctypes.c_int
             getattr(handle, fn).argtypes = [ctypes.c_uint32]
+        for fn in ("bpf_prog_get_next_id", "bpf_map_get_next_id", "bpf_link_get_next_id"):
+            getattr(handle, fn).restype = ctypes.c_int
+            getattr(handle, fn).argtypes = [ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint32)]
         handle.bpf_map_lookup_batch.restype = ctypes.c_int
         handle.bpf_map_lookup_batch.argtypes = [
             ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
@@ -260,6 +264,14 @@ def prog_fd_by_id(prog_id: int) -> int:
     return fd
 
 
+def link_fd_by_id(link_id: int) -> int:
+    """Open a link by id; returns its fd (caller closes it). Raises OSError."""
+    fd = lib().bpf_link_get_fd_by_id(link_id)
+    if fd < 0:
+        raise _error(fd)
+    return fd
+
+
 def obj_pin(fd: int, path: str) -> None:
     ret = lib().bpf_obj_pin(fd, path.encode())
     if ret < 0:
@@ -285,6 +297,46 @@ def link_detach(link_fd: int) -> None:
     ret = lib().bpf_link_detach(link_fd)
     if ret < 0:
         raise _error(ret)
+
+
+OBJECT_KINDS = ("prog", "map", "link")
+
+
+def object_ids(kind: str) -> set[int]:
+    """Ids of every BPF object of `kind` (prog, map or link) loaded on this machine, whoever made
+    it (bpftool's `prog/map/link list`, without bpftool). Raises OSError, ValueError for a kind."""
+    if kind not in OBJECT_KINDS:
+        raise ValueError(f"kind: {kind!r} is not one of {', '.join(OBJECT_KINDS)}")
+    next_id = getattr(lib(), f"bpf_{kind}_get_next_id")
+    ids, current, found = set(), 0, ctypes.c_uint32(0)
+    while True:
+        ret = next_id(current, ctypes.byref(found))
+        if ret < 0:
+            err = _error(ret)
+            if err.errno == errno.ENOENT:  # past the last one
+                return ids
+            raise err
+        current = found.value
+        ids.add(current)
+
+
+def object_kind(fd: int) -> str | None:
+    """What a BPF object fd refers to (prog, map or link), from /proc/self/fdinfo; None if none."""
+    try:
+        text = Path(f"/proc/self/fdinfo/{fd}").read_text()
+    except OSError:
+        return None
+    for kind in OBJECT_KINDS:
+        if f"\n{kind}_type:" in text or text.startswith(f"{kind}_type:"):
+            return kind
+    return None
+
+
+def object_id(fd: int, kind: str) -> int:
+    """The id of the `kind` object behind `fd` (kind as object_kind says). Raises OSError."""
+    info = {"prog": ProgInfo, "map": MapInfo, "link": LinkInfo}[kind]()
+    _info_by_fd(fd, info)
+    return info.id
 
 
 BPF_F_QUERY_EFFECTIVE = 1  # include/uapi/linux/bpf.h: what runs there, ancestors' programs included

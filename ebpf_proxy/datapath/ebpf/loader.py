@@ -44,7 +44,9 @@ log = logging.getLogger(__name__)
 # installed wheel has no source tree around it.
 BPF_SRC_DIR = Path(os.environ.get("EBPF_PROXY_BPF_DIR") or Path(__file__).resolve().parents[3] / "bpf")
 
-# Capacity of each map (passed as -DEPX_<MAP>_MAX); epx_config, epx_stats and epx_trace are fixed-size.
+# Capacity of each map (passed as -DEPX_<MAP>_MAX); epx_config, epx_stats, epx_trace and
+# epx_ct4_ring are fixed-size. EbpfDatapath sizes epx_ct4 from kube-proxy's conntrack settings
+# (agent/conntrack.py); this default is their minimum, 131072 connections at 2 entries each.
 MAX_ENTRIES: dict[str, int] = {
     "epx_svc": 65536,
     "epx_backend": 65536,
@@ -58,7 +60,7 @@ MAX_ENTRIES: dict[str, int] = {
     "epx_frag4": 8192,
     "epx_sock_rev": 65536,
 }
-_FIXED_ENTRIES = {"epx_config": 1, "epx_stats": structs.REASON_MAX, "epx_trace": 1}
+_FIXED_ENTRIES = {"epx_config": 1, "epx_stats": structs.REASON_MAX, "epx_trace": 1, "epx_ct4_ring": 1}
 
 # bcc program type names (BPF.<name>) and attach types (BPFAttachType.<name>)
 PROGRAMS: dict[str, tuple[str, str, str | None]] = {
@@ -131,26 +133,31 @@ def unmount_bpffs(path: Path) -> None:
         raise LoadError(f"umount {path}: {os.strerror(err)}")
 
 
-def _expected_sizes(max_entries: Mapping[str, int]) -> dict[str, tuple[int, int, int]]:
+def _expected_sizes(max_entries: Mapping[str, int]) -> dict[str, tuple[int, int, int, int]]:
+    """(map type, key size, value size, capacity) of each map of this build."""
     sizes = {**max_entries, **_FIXED_ENTRIES}
     return {
-        name: (ctypes.sizeof(spec.key), ctypes.sizeof(spec.leaf), sizes[name]) for name, spec in structs.MAPS.items()
+        name: (spec.type_id, ctypes.sizeof(spec.key), ctypes.sizeof(spec.leaf), sizes[name])
+        for name, spec in structs.MAPS.items()
     }
 
 
+def _layout(info: libbpf.MapInfo) -> tuple[int, int, int, int]:
+    return (info.type, info.key_size, info.value_size, info.max_entries)
+
+
 def drop_incompatible_pins(pin_dir: Path, max_entries: Mapping[str, int]) -> list[str]:
-    """Unpin maps whose key/value size or capacity differ from this build. Returns their names."""
+    """Unpin maps whose type, key/value size or capacity differ from this build (an upgrade
+    that turned epx_ct4 from an LRU into a hash must not keep the LRU). Returns their names."""
     dropped = []
-    for name, (key_size, value_size, entries) in _expected_sizes(max_entries).items():
+    for name, expected in _expected_sizes(max_entries).items():
         pin = pin_dir / name
         if not pin.exists():
             continue
-        info = libbpf.pinned_map_info(str(pin))
-        if (info.key_size, info.value_size, info.max_entries) != (key_size, value_size, entries):
-            log.warning(
-                "map %s pinned with key/value/entries %d/%d/%d, this build needs %d/%d/%d: recreating it",
-                name, info.key_size, info.value_size, info.max_entries, key_size, value_size, entries,
-            )
+        found = _layout(libbpf.pinned_map_info(str(pin)))
+        if found != expected:
+            log.warning("map %s pinned with type/key/value/entries %s, this build needs %s: recreating it",
+                        name, "/".join(map(str, found)), "/".join(map(str, expected)))
             pin.unlink()
             dropped.append(name)
     return dropped
@@ -204,11 +211,11 @@ def _open_pinned(pin_dir: Path, bid: str, programs: Iterable[str], sizes: Mappin
     fds: list[int] = []
     try:
         map_fds, map_ids = {}, set()
-        for name, (key_size, value_size, entries) in _expected_sizes(sizes).items():
+        for name, expected in _expected_sizes(sizes).items():
             fd = libbpf.obj_get(str(pin_dir / name))
             fds.append(fd)
             info = libbpf.map_info(fd)
-            if (info.key_size, info.value_size, info.max_entries) != (key_size, value_size, entries):
+            if _layout(info) != expected:
                 raise LookupError(f"map {name} does not match this build")
             map_fds[name], map_ids = fd, map_ids | {info.id}
         prog_fds = {}

@@ -24,8 +24,9 @@ from ebpf_proxy.datapath.ebpf import libbpf
 from ebpf_proxy.datapath.ebpf import structs as s
 
 IPPROTO = {"TCP": socket.IPPROTO_TCP, "UDP": socket.IPPROTO_UDP, "SCTP": 132}
-# Array maps: a fixed number of entries that are never deleted (config, counters, trace records).
-ARRAY_MAPS = ("epx_config", "epx_stats", "epx_trace")
+# Array maps: a fixed number of entries that are never deleted (config, counters, trace records,
+# the early-drop queues).
+ARRAY_MAPS = tuple(name for name, spec in s.MAPS.items() if spec.kind in ("array", "percpu_array"))
 
 
 # ---- byte order: the only conversions in the project ----
@@ -86,9 +87,10 @@ _DETECT_FLAGS = {DETECT_CIDR: 0, DETECT_IFACE: s.CFG_F_DETECT_IFACE, DETECT_NONE
 class NodeSettings:
     """epx_config: the node's masquerade address, port range, flags and conntrack timeouts.
 
-    Timeouts follow nf_conntrack with kube-proxy's settings (established TCP 86400 s); the
-    masquerade range defaults above Linux's ip_local_port_range so it never collides with the
-    node's own sockets.
+    Timeouts follow nf_conntrack with kube-proxy's settings (agent/conntrack.py: established TCP
+    86400 s, CLOSE_WAIT 3600 s; UDP as the kernel's 30 s / 120 s unless set); the masquerade
+    range defaults above Linux's ip_local_port_range so it never collides with the node's own
+    sockets.
     """
 
     snat_addr: str | None = None
@@ -102,6 +104,7 @@ class NodeSettings:
     tcp_close_timeout: int = 10
     udp_timeout: int = 30
     udp_stream_timeout: int = 120
+    tcp_close_wait_timeout: int = 3600
     host_netns_cookie: int = 0
 
 
@@ -124,6 +127,36 @@ class Connection:
     snat_port: int
     flags: int
     expires_ns: int
+
+
+PRESSURE_FILL = 0.95  # nf_conntrack's gc worker: above 95 % full, closing TCP connections go too
+
+
+@dataclass(frozen=True, slots=True)
+class ConntrackUsage:
+    """epx_ct4's fill level after a garbage-collection pass (Maps.collect_connections)."""
+
+    entries: int  # entries left, every kind (a connection holds 2, or 4 when masqueraded)
+    capacity: int  # the map's max_entries
+    connections: int  # live connections (CT4_SVC entries not expired)
+    collected: int  # entries this pass removed
+
+
+def _half_is_live(k: s.CT4Key, v: s.CT4Entry, owners: Mapping[tuple, s.CT4Entry], now_ns: int) -> bool:
+    """Whether the datapath would still honour half-entry `k` (bpf/lib/nat4.h's owner checks):
+    its owning connection exists, has not expired, and still points at this half."""
+    if k.kind == s.CT4_REV_DNAT:  # backend -> client; owner: client -> frontend
+        owner = owners.get((k.daddr, v.svc_addr, k.dport, v.svc_port, k.proto))
+        return bool(owner and owner.expires > now_ns and (owner.nat_addr, owner.nat_port) == (k.saddr, k.sport))
+    if k.kind == s.CT4_SNAT:  # client -> backend; owner: client -> frontend
+        owner = owners.get((k.saddr, v.svc_addr, k.sport, v.svc_port, k.proto))
+        return bool(owner and owner.expires > now_ns and owner.flags & s.CT4_F_MASQ
+                    and (owner.nat_addr, owner.nat_port, owner.snat_port) == (k.daddr, k.dport, v.nat_port))
+    if k.kind == s.CT4_REV_SNAT:  # backend -> masquerade addr:port; owner: client (nat_*) -> frontend
+        owner = owners.get((v.nat_addr, v.svc_addr, v.nat_port, v.svc_port, k.proto))
+        return bool(owner and owner.expires > now_ns
+                    and (owner.nat_addr, owner.nat_port, owner.snat_port) == (k.saddr, k.sport, k.dport))
+    return False  # an unknown kind: nothing reads it
 
 
 _NO_BATCH = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, 524)  # 524: ENOTSUPP (kernel): the map type cannot batch
@@ -281,6 +314,7 @@ class Maps:
             tcp_close_timeout=cfg.tcp_close_timeout,
             udp_timeout=cfg.udp_timeout,
             udp_stream_timeout=cfg.udp_stream_timeout,
+            tcp_close_wait_timeout=cfg.tcp_close_wait_timeout,
             host_netns_cookie=cfg.host_netns_cookie,
         )
 
@@ -486,6 +520,50 @@ class Maps:
                     best = values[i].backend_id
         return best
 
+    def collect_connections(self, now_ns: int) -> ConntrackUsage:
+        """The connection table's garbage collector, and its fill level.
+
+        epx_ct4 is a plain hash (bpf/maps.c): nothing evicts an entry. The datapath removes a
+        connection it finds expired, or early-drops one when the table is full, but a connection
+        nobody sends to again would stay: so, as nf_conntrack's gc worker, this pass removes every
+        expired connection (CT4_SVC entry past its deadline) and every half whose owner is gone,
+        expired, or no longer points at it (the datapath honours none of those); and, when the
+        table is PRESSURE_FILL full, TCP connections that are closing, as nf_conntrack's gc worker
+        early-drops them above 95 %. Each entry is read again just before its deletion, so one a
+        packet refreshed or re-created meanwhile stays.
+        `now_ns` is bpf_ktime_get_ns()'s clock (CLOCK_MONOTONIC)."""
+        fd = self._fd("epx_ct4")
+        owners: dict[tuple, s.CT4Entry] = {}
+        halves: list[tuple[s.CT4Key, s.CT4Entry]] = []
+        entries = 0
+        for keys, values, n in self._ct_batches():
+            entries += n
+            for i in range(n):
+                k, v = s.CT4Key.from_buffer_copy(keys[i]), s.CT4Entry.from_buffer_copy(values[i])
+                if k.kind == s.CT4_SVC:
+                    owners[(k.saddr, k.daddr, k.sport, k.dport, k.proto)] = v
+                else:
+                    halves.append((k, v))
+        capacity = libbpf.map_info(fd).max_entries
+        # nf_conntrack's gc worker, above 95 % full, also early-drops TCP connections that are closing
+        pressed = entries >= PRESSURE_FILL * capacity
+        gone = {t for t, v in owners.items()
+                if v.expires <= now_ns or (pressed and t[4] == socket.IPPROTO_TCP and v.flags & s.CT4_F_CLOSING)}
+        doomed = [(s.CT4Key(saddr=t[0], daddr=t[1], sport=t[2], dport=t[3], proto=t[4], kind=s.CT4_SVC), owners[t])
+                  for t in gone]
+        for t in gone:
+            owners.pop(t)
+        doomed += [(k, v) for k, v in halves if not _half_is_live(k, v, owners, now_ns)]
+        collected = 0
+        for key, seen in doomed:
+            current = s.CT4Entry()
+            if not libbpf.map_lookup(fd, key, current) or bytes(current) != bytes(seen):
+                continue  # gone, or written again since the read: not ours to judge any more
+            if libbpf.map_delete(fd, key):
+                collected += 1
+        return ConntrackUsage(entries=entries - collected, capacity=capacity, connections=len(owners),
+                              collected=collected)
+
     def delete_connection(self, c: Connection) -> bool:
         key = s.CT4Key(
             saddr=be32(c.saddr), daddr=be32(c.daddr), sport=be16(c.sport), dport=be16(c.dport),
@@ -542,6 +620,7 @@ class Maps:
             if name not in ARRAY_MAPS:
                 self.clear(name)
         self._put("epx_config", s.u32(0), s.LB4Config())
+        self._put("epx_ct4_ring", s.u32(0), (s.CT4Ring * libbpf.num_possible_cpus())())
         self.reset_stats()
 
 

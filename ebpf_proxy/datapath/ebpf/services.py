@@ -87,6 +87,7 @@ def node_settings(node: NodeConfig, host_netns_cookie: int = 0, snat_addr: str |
     MASQUERADE would pick), else the first node IP. The local-traffic detector decides by
     source CIDR (epx_pod_cidr, see detector_cidrs) or by device (epx_iface, see devices.py); a
     CIDR detector without an IPv4 CIDR is kube-proxy's no-op detector, for IPv4 packets.
+    Connection timeouts are kube-proxy's conntrack settings (node.conntrack).
     """
     v4_ips = [ip for ip in node.node_ips if ipaddress.ip_address(ip).version == 4]
     detector = node.detector
@@ -94,8 +95,13 @@ def node_settings(node: NodeConfig, host_netns_cookie: int = 0, snat_addr: str |
         local_detect = DETECT_IFACE
     else:
         local_detect = DETECT_CIDR if detector_cidrs(node) else DETECT_NONE
+    ct = node.conntrack
     return NodeSettings(
         snat_addr=snat_addr or (v4_ips[0] if v4_ips else None),
+        tcp_est_timeout=ct.tcp_established,
+        tcp_close_wait_timeout=ct.tcp_close_wait,
+        udp_timeout=ct.udp,
+        udp_stream_timeout=ct.udp_stream,
         masquerade_all=node.masquerade_all,
         localhost_nodeports=node.localhost_nodeports,
         local_detect=local_detect,

@@ -46,6 +46,8 @@ class Reason(enum.IntEnum):
     SOCK_REJECT = 24
     ARP_MASQ = 25
     PASS_SOCK_EXTERNAL = 26
+    DROP_CT_FULL = 27
+    EV_CT_EARLY_DROP = 28  # an event (one eviction), not a packet verdict
 
     @property
     def is_drop(self) -> bool:
@@ -78,7 +80,7 @@ REASON_DESCRIPTIONS: dict[Reason, str] = {
     Reason.DROP_NO_LOCAL_INTERNAL: "internalTrafficPolicy=Local, no local endpoint",
     Reason.DROP_SOURCE_RANGE: "loadBalancerSourceRanges does not admit the client",
     Reason.DROP_NO_BACKEND: "slot or backend entry missing (maps mid-update)",
-    Reason.DROP_CT_FAILED: "connection table update failed (kernel error: LRU maps do not fill up)",
+    Reason.DROP_CT_FAILED: "connection table update failed (a kernel error other than a full table)",
     Reason.DROP_SNAT_NO_ADDR: "masquerade needed but no masquerade address configured",
     Reason.DROP_SNAT_NO_PORT: "no free masquerade port for this backend",
     Reason.DROP_NAT_FAILED: "a rewrite or checksum helper failed",
@@ -88,9 +90,11 @@ REASON_DESCRIPTIONS: dict[Reason, str] = {
     Reason.SOCK_REJECT: "socket LB: no usable endpoint, call fails with ECONNREFUSED",
     Reason.ARP_MASQ: "ARP request announcing 127.0.0.0/8: sender set to the masquerade address",
     Reason.PASS_SOCK_EXTERNAL: "socket LB: the node's own call to an externalIP/LB IP of a service without endpoints, left alone (kube-proxy rejects it only in INPUT/FORWARD)",
+    Reason.DROP_CT_FULL: 'new connection, connection table full and no connection to early-drop (nf_conntrack: "table full, dropping packet")',
+    Reason.EV_CT_EARLY_DROP: "not a verdict: a connection dropped to make room for a new one (ct4_early_drop), counted once per eviction",
 }
 
-REASON_MAX = 27
+REASON_MAX = 29
 
 # Origins (EPX_ORIGIN_*)
 ORIGIN_POD, ORIGIN_NODE, ORIGIN_EXTERNAL, ORIGIN_LOCALHOST = 0, 1, 2, 3
@@ -200,8 +204,19 @@ class CT4Entry(_Struct):
         ("snat_addr", be32),
         ("snat_port", be16),
         ("flags", u8),
-        ("pad", u8),
+        ("state", u8),
     ]
+
+
+CT4_S_ASSURED = 0x01  # ct4_entry.state
+
+# connection table pressure (struct ct4_ring)
+CT4_RING_SLOTS = 512
+CT4_EVICT_SCAN = 8
+
+
+class CT4Ring(_Struct):
+    _fields_ = [("head", u32), ("tail", u32), ("half", CT4Key), ("keys", CT4Key * CT4_RING_SLOTS)]
 
 
 class Frag4Key(_Struct):
@@ -231,6 +246,8 @@ class LB4Config(_Struct):
         ("tcp_close_timeout", u32),
         ("udp_timeout", u32),
         ("udp_stream_timeout", u32),
+        ("tcp_close_wait_timeout", u32),
+        ("pad", u32),
         ("host_netns_cookie", u64),
     ]
 
@@ -269,13 +286,23 @@ class EpxTraceRec(_Struct):
     ]
 
 
+# enum bpf_map_type (include/uapi/linux/bpf.h), by the names bcc's BPF_TABLE takes in maps.c
+MAP_TYPES = {"hash": 1, "array": 2, "percpu_array": 6, "lru_hash": 9, "lpm_trie": 11}
+
+
 @dataclass(frozen=True)
 class MapSpec:
-    """One map of bpf/maps.c: its name (table and pin file) and its key/value mirror."""
+    """One map of bpf/maps.c: its name (table and pin file), its key/value mirror and its type
+    (bcc's name for it: a pinned map of another type is recreated, not reused, see loader.py)."""
 
     name: str
     key: type
     leaf: type
+    kind: str = "hash"
+
+    @property
+    def type_id(self) -> int:
+        return MAP_TYPES[self.kind]
 
 
 MAPS: dict[str, MapSpec] = {
@@ -284,16 +311,17 @@ MAPS: dict[str, MapSpec] = {
         MapSpec("epx_svc", LB4Key, LB4Service),
         MapSpec("epx_backend", u32, LB4Backend),
         MapSpec("epx_slot", LB4SlotKey, u32),
-        MapSpec("epx_affinity", LB4AffinityKey, LB4Affinity),
-        MapSpec("epx_src_range", LB4RangeKey, u32),
+        MapSpec("epx_affinity", LB4AffinityKey, LB4Affinity, "lru_hash"),
+        MapSpec("epx_src_range", LB4RangeKey, u32, "lpm_trie"),
         MapSpec("epx_node_addr", be32, u32),
-        MapSpec("epx_pod_cidr", LPM4Key, u32),
+        MapSpec("epx_pod_cidr", LPM4Key, u32, "lpm_trie"),
         MapSpec("epx_iface", u32, u32),
-        MapSpec("epx_ct4", CT4Key, CT4Entry),
-        MapSpec("epx_frag4", Frag4Key, Frag4Ports),
-        MapSpec("epx_sock_rev", Sock4RevKey, Sock4Rev),
-        MapSpec("epx_config", u32, LB4Config),
-        MapSpec("epx_stats", u32, EpxStat),
-        MapSpec("epx_trace", u32, EpxTraceRec),
+        MapSpec("epx_ct4", CT4Key, CT4Entry),  # a plain hash: an LRU would evict established connections
+        MapSpec("epx_ct4_ring", u32, CT4Ring, "percpu_array"),
+        MapSpec("epx_frag4", Frag4Key, Frag4Ports, "lru_hash"),
+        MapSpec("epx_sock_rev", Sock4RevKey, Sock4Rev, "lru_hash"),
+        MapSpec("epx_config", u32, LB4Config, "array"),
+        MapSpec("epx_stats", u32, EpxStat, "percpu_array"),
+        MapSpec("epx_trace", u32, EpxTraceRec, "percpu_array"),
     )
 }
