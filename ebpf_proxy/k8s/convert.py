@@ -560,7 +560,9 @@ def _node_info(obj: dict, ref: ObjectRef, reporter: Reporter | None) -> NodeStat
 
 def _pod_cidrs(spec: dict, ref: ObjectRef, reporter: Reporter | None) -> tuple[str, ...]:
     """spec.podCIDRs (kube-controller-manager keeps spec.podCIDR equal to its first entry; an
-    older object may have only that). A malformed entry is skipped and reported."""
+    older object may have only that). A malformed entry is skipped and reported. Parsed as
+    kube-proxy parses them (ParseCIDRSloppy): a bare address such as "10.0.0.0", which Python's
+    ip_network took for a /32, is not a CIDR."""
     raw = _get(spec, "podCIDRs", "spec.podCIDRs", list, [])
     where = "spec.podCIDRs"
     if not raw and spec.get("podCIDR"):
@@ -571,9 +573,10 @@ def _pod_cidrs(spec: dict, ref: ObjectRef, reporter: Reporter | None) -> tuple[s
         try:
             if not isinstance(value, str):
                 raise _Reject(path, inv.WRONG_TYPE, f"expected string, got {_describe(value)}")
-            out.append(str(ipaddress.ip_network(value.strip(), strict=False)))
-        except ValueError:
-            _reject(reporter, "Node", str(ref), _Reject(path, inv.INVALID_CIDR, f"{value!r} is not a CIDR"), "cidr")
+            parsed = ipsloppy.parse_cidr(value.strip())
+            if parsed is None:
+                raise _Reject(path, inv.INVALID_CIDR, f"{value!r} is not a CIDR")
+            out.append(str(parsed[1]))
         except _Reject as err:
             _reject(reporter, "Node", str(ref), err, "cidr")
     return tuple(dict.fromkeys(out))

@@ -432,3 +432,14 @@ def test_node_bad_pod_cidr_is_reported_and_skipped():
     assert convert.node_info(obj, reports).pod_cidrs == ("10.244.3.0/24",)
     assert [(r.field, r.reason) for r in reports] == [("spec.podCIDRs[1]", "invalid_cidr"),
                                                       ("spec.podCIDRs[2]", "wrong_type")]
+
+
+def test_node_pod_cidr_is_parsed_as_kube_proxy_parses_it():
+    """ParseCIDRSloppy: a bare address is not a CIDR (ip_network read "10.244.3.0" as a /32), and
+    leading zeros are decimal. Found by tests/unit/test_fuzz_k8s.py."""
+    obj = node("n1")
+    obj["spec"] = {"podCIDRs": ["010.244.003.0/24", "10.244.9.0", ""]}
+    reports = Reports()
+    assert convert.node_info(obj, reports).pod_cidrs == ("10.244.3.0/24",)
+    assert [(r.field, r.reason) for r in reports] == [("spec.podCIDRs[1]", "invalid_cidr"),
+                                                      ("spec.podCIDRs[2]", "invalid_cidr")]
