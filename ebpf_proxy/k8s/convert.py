@@ -275,16 +275,23 @@ def _cluster_ipv4(spec: dict, ref: ObjectRef) -> str | None:
 def _service_ips(values: list, path: str, ref: ObjectRef, reporter: Reporter | None) -> tuple[str, ...]:
     ips: list[str] = []
     for i, value in enumerate(values):
-        try:
-            ip = _ip(value, f"{path}[{i}]")
-        except _Reject as err:
-            _reject(reporter, "Service", str(ref), err, "ip")
-            continue
-        if ip.version != 4:
-            log.debug("ignoring IPv6 address of service", extra={"object": str(ref), "field": f"{path}[{i}]"})
-        elif str(ip) not in ips:
-            ips.append(str(ip))
+        ip = _service_ipv4(value, f"{path}[{i}]", ref, reporter)
+        if ip is not None and ip not in ips:
+            ips.append(ip)
     return tuple(ips)
+
+
+def _service_ipv4(value: Any, path: str, ref: ObjectRef, reporter: Reporter | None) -> str | None:
+    """One external or load-balancer IP: the IPv4 address, or None (reported when invalid)."""
+    try:
+        ip = _ip(value, path)
+    except _Reject as err:
+        _reject(reporter, "Service", str(ref), err, "ip")
+        return None
+    if ip.version != 4:
+        log.debug("ignoring IPv6 address of service", extra={"object": str(ref), "field": path})
+        return None
+    return str(ip)
 
 
 def _ingress_ips(ingress: list, ref: ObjectRef, reporter: Reporter | None) -> tuple[str, ...]:
@@ -300,7 +307,9 @@ def _ingress_ips(ingress: list, ref: ObjectRef, reporter: Reporter | None) -> tu
         if entry.get("ipMode") == "Proxy":
             # The load balancer proxies to the nodes itself; kube-proxy does not capture its IP.
             continue
-        ips.extend(ip for ip in _service_ips([entry["ip"]], f"{path}.ip", ref, reporter) if ip not in ips)
+        ip = _service_ipv4(entry["ip"], f"{path}.ip", ref, reporter)  # the report names ingress[i].ip itself
+        if ip is not None and ip not in ips:
+            ips.append(ip)
     return tuple(ips)
 
 

@@ -443,3 +443,15 @@ def test_node_pod_cidr_is_parsed_as_kube_proxy_parses_it():
     assert convert.node_info(obj, reports).pod_cidrs == ("10.244.3.0/24",)
     assert [(r.field, r.reason) for r in reports] == [("spec.podCIDRs[1]", "invalid_cidr"),
                                                       ("spec.podCIDRs[2]", "invalid_cidr")]
+
+
+def test_bad_load_balancer_ip_report_names_the_ingress_field():
+    """The report named `status.loadBalancer.ingress[0].ip[0]`, a field that does not exist.
+    Found by tests/unit/test_fuzz_k8s.py."""
+    reports = Reports()
+    obj = service(svc_type="LoadBalancer", status={"loadBalancer": {"ingress": [{"ip": "10.0.0.256"},
+                                                                                {"ip": "198.51.100.1"}]}})
+    (sp,) = convert.service_ports(obj, reports)
+    assert sp.load_balancer_ips == ("198.51.100.1",)
+    assert [(r.field, r.reason, r.skipped) for r in reports] == [
+        ("status.loadBalancer.ingress[0].ip", "invalid_ip", "ip")]
