@@ -163,6 +163,16 @@ def _reject(reporter: Reporter | None, kind: str, obj: str, err: _Reject, skippe
                                  skipped=skipped))
 
 
+def _unnamed(obj: dict, kind: str) -> Invalid:
+    """Why object_ref found no namespace/name: the name, or (with a usable name) the namespace."""
+    meta = obj.get("metadata")
+    name = meta.get("name") if isinstance(meta, dict) else None
+    if isinstance(name, str) and name:
+        return Invalid(kind, "?", "metadata.namespace", inv.WRONG_TYPE,
+                       f"expected string, got {_describe(meta.get('namespace'))} (name {_describe(name)})", "object")
+    return Invalid(kind, "?", "metadata.name", inv.MISSING_FIELD, "missing or not a string", "object")
+
+
 def _require_ref(obj: Any, kind: str, reporter: Reporter | None) -> ObjectRef | None:
     if not isinstance(obj, dict):
         inv.report(reporter, Invalid(kind, "?", "", inv.MALFORMED, f"expected an object, got {_describe(obj)}",
@@ -170,8 +180,7 @@ def _require_ref(obj: Any, kind: str, reporter: Reporter | None) -> ObjectRef | 
         return None
     ref = object_ref(obj)
     if ref is None:
-        inv.report(reporter, Invalid(kind, "?", "metadata.name", inv.MISSING_FIELD,
-                                     "missing or not a string", "object"))
+        inv.report(reporter, _unnamed(obj, kind))
         return None
     if kind != "Node" and not ref.namespace:
         inv.report(reporter, Invalid(kind, str(ref), "metadata.namespace", inv.MISSING_FIELD, "is missing",

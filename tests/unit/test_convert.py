@@ -455,3 +455,12 @@ def test_bad_load_balancer_ip_report_names_the_ingress_field():
     assert sp.load_balancer_ips == ("198.51.100.1",)
     assert [(r.field, r.reason, r.skipped) for r in reports] == [
         ("status.loadBalancer.ingress[0].ip", "invalid_ip", "ip")]
+
+
+def test_a_namespace_that_is_not_a_string_is_reported_as_such():
+    """It was reported as "metadata.name: missing or not a string", pointing at the wrong field.
+    Found by tests/unit/test_fuzz_k8s.py."""
+    reports = Reports()
+    assert convert.service_ports(service(namespace=["default"]), reports) == []
+    assert [(r.obj, r.field, r.reason) for r in reports] == [("?", "metadata.namespace", "wrong_type")]
+    assert "'web'" in reports[0].detail
