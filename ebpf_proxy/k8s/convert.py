@@ -98,6 +98,13 @@ def _port(value: Any, path: str, allow_zero: bool) -> int:
     return value
 
 
+def _optional_port(obj: dict, key: str, path: str) -> int:
+    """A port that may be unset (null or absent: 0). Only null means unset: `false`, "" or []
+    are wrong types, not "no port" (they were read as 0 and nothing said why the port was gone)."""
+    value = obj.get(key)
+    return 0 if value is None else _port(value, path, allow_zero=True)
+
+
 def _protocol(value: Any, path: str) -> Protocol:
     if value is None:
         return Protocol.TCP  # the API server's default
@@ -234,7 +241,7 @@ def _service_ports(svc: dict, ref: ObjectRef, reporter: Reporter | None) -> list
 
     health_port = 0
     if svc_type == "LoadBalancer" and external_local:  # kube-proxy's apiservice.NeedsHealthCheck
-        health_port = _port(spec.get("healthCheckNodePort", 0) or 0, "spec.healthCheckNodePort", allow_zero=True)
+        health_port = _optional_port(spec, "healthCheckNodePort", "spec.healthCheckNodePort")
         if health_port == 0:
             log.error("service needs a health check but has no healthCheckNodePort",
                       extra={"object": str(ref), "field": "spec.healthCheckNodePort"})
@@ -249,7 +256,7 @@ def _service_ports(svc: dict, ref: ObjectRef, reporter: Reporter | None) -> list
         port_name = _get(port, "name", f"{path}.name", str, "")
         protocol = _protocol(port.get("protocol"), f"{path}.protocol")
         number = _port(port.get("port"), f"{path}.port", allow_zero=False)
-        node_port = _port(port.get("nodePort", 0) or 0, f"{path}.nodePort", allow_zero=True)
+        node_port = _optional_port(port, "nodePort", f"{path}.nodePort")
         spn = ServicePortName(ref.namespace, ref.name, port_name, protocol)
         if spn in seen:
             raise _Reject(f"{path}.name", inv.INVALID_VALUE, f"duplicate port name {port_name!r}/{protocol.value}")

@@ -464,3 +464,15 @@ def test_a_namespace_that_is_not_a_string_is_reported_as_such():
     assert convert.service_ports(service(namespace=["default"]), reports) == []
     assert [(r.obj, r.field, r.reason) for r in reports] == [("?", "metadata.namespace", "wrong_type")]
     assert "'web'" in reports[0].detail
+
+
+@pytest.mark.parametrize("value", [False, "", [], {}, 0.0])
+def test_a_falsy_node_port_of_the_wrong_type_is_reported_not_read_as_unset(value):
+    """`nodePort: false` was read as "no nodePort" without a word. Found by tests/unit/test_fuzz_k8s.py."""
+    reports = Reports()
+    assert convert.service_ports(service(svc_type="NodePort", ports=[{"port": 80, "nodePort": value}]), reports) == []
+    assert [(r.field, r.reason) for r in reports] == [("spec.ports[0].nodePort", "wrong_type")]
+    reports = Reports()
+    obj = service(svc_type="LoadBalancer", externalTrafficPolicy="Local", healthCheckNodePort=value)
+    assert convert.service_ports(obj, reports) == []
+    assert [(r.field, r.reason) for r in reports] == [("spec.healthCheckNodePort", "wrong_type")]
