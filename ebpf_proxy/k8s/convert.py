@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import logging
+import re
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -193,7 +194,34 @@ def _require_ref(obj: Any, kind: str, reporter: Reporter | None) -> ObjectRef | 
         inv.report(reporter, Invalid(kind, str(ref), "metadata.namespace", inv.MISSING_FIELD, "is missing",
                                      "object"))
         return None
+    # Names end up in iptables rules (comments) and metric labels: only what the API server
+    # allows (DNS-1123 labels), so a quote or newline can never reach an iptables-restore input.
+    checks = (("metadata.namespace", ref.namespace), ("metadata.name", ref.name)) if kind == "Service" else \
+        (("metadata.namespace", ref.namespace),) if kind == "EndpointSlice" else ()
+    for field, value in checks:
+        if not is_dns_label(value):
+            inv.report(reporter, Invalid(kind, str(ref), field, inv.INVALID_VALUE,
+                                         f"{_describe(value)} is not a DNS-1123 label", "object"))
+            return None
     return ref
+
+
+_DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
+def is_dns_label(value: str) -> bool:
+    """A DNS-1123 label, what kube-apiserver requires of namespaces, Service names (DNS-1035, a
+    subset) and port names. kube-proxy relies on that validation; the agent checks it, since
+    these names are written into iptables rules."""
+    return _DNS1123_LABEL.fullmatch(value) is not None
+
+
+def _port_name(obj: dict, path: str) -> str:
+    """A port's name: "" or a DNS-1123 label (ValidateDNS1123Label on Service and EndpointSlice ports)."""
+    name = _get(obj, "name", path, str, "")
+    if name and not is_dns_label(name):
+        raise _Reject(path, inv.INVALID_VALUE, f"{_describe(name)} is not a DNS-1123 label")
+    return name
 
 
 # ---- Services ------------------------------------------------------------------------------------
@@ -253,7 +281,7 @@ def _service_ports(svc: dict, ref: ObjectRef, reporter: Reporter | None) -> list
         path = f"spec.ports[{i}]"
         if not isinstance(port, dict):
             raise _Reject(path, inv.WRONG_TYPE, f"expected object, got {_describe(port)}")
-        port_name = _get(port, "name", f"{path}.name", str, "")
+        port_name = _port_name(port, f"{path}.name")
         protocol = _protocol(port.get("protocol"), f"{path}.protocol")
         number = _port(port.get("port"), f"{path}.port", allow_zero=False)
         node_port = _optional_port(port, "nodePort", f"{path}.nodePort")
@@ -403,6 +431,9 @@ def _endpoint_slice(obj: dict, ref: ObjectRef, node_name: str, reporter: Reporte
     service = labels.get(SERVICE_NAME_LABEL)
     if not isinstance(service, str) or not service:
         raise _Reject(f"metadata.labels[{SERVICE_NAME_LABEL}]", inv.MISSING_FIELD, "missing: no owning service")
+    if not is_dns_label(service):  # it must name a Service, and so be one of their names
+        raise _Reject(f"metadata.labels[{SERVICE_NAME_LABEL}]", inv.INVALID_VALUE,
+                      f"{_describe(service)} is not a DNS-1123 label")
     address_type = _get(obj, "addressType", "addressType", str)
     if address_type not in ADDRESS_TYPES:
         raise _Reject("addressType", inv.INVALID_VALUE, f"{address_type!r} is not one of {', '.join(ADDRESS_TYPES)}")
@@ -433,7 +464,7 @@ def _slice_ports(ports: list, ref: ObjectRef, reporter: Reporter | None) -> list
         try:
             if not isinstance(port, dict):
                 raise _Reject(path, inv.WRONG_TYPE, f"expected object, got {_describe(port)}")
-            name = _get(port, "name", f"{path}.name", str, "")
+            name = _port_name(port, f"{path}.name")
             protocol = _protocol(port.get("protocol"), f"{path}.protocol")
             number = _port(port.get("port"), f"{path}.port", allow_zero=False)
             if (name, protocol) in seen:

@@ -476,3 +476,27 @@ def test_a_falsy_node_port_of_the_wrong_type_is_reported_not_read_as_unset(value
     obj = service(svc_type="LoadBalancer", externalTrafficPolicy="Local", healthCheckNodePort=value)
     assert convert.service_ports(obj, reports) == []
     assert [(r.field, r.reason) for r in reports] == [("spec.healthCheckNodePort", "wrong_type")]
+
+
+@pytest.mark.parametrize("bad", ['a"b', "a\nb", "a b", "Web", "名前", "-web", "a" * 64])
+def test_names_written_into_rules_must_be_dns_labels(bad):
+    """A quote or a newline in a Service, namespace or port name broke the iptables-restore input
+    (a newline could smuggle in a rule of its own). kube-apiserver allows only DNS-1123 labels
+    there; the agent now checks it. Found by tests/unit/test_fuzz_k8s.py."""
+    cases = [
+        (convert.service_ports, service(name=bad), "metadata.name"),
+        (convert.service_ports, service(namespace=bad), "metadata.namespace"),
+        (convert.service_ports, service(ports=[port(bad, 80)]), "spec.ports[0].name"),
+        (lambda o, r: convert.endpoint_slice(o, "n1", r), endpoint_slice(namespace=bad), "metadata.namespace"),
+        (lambda o, r: convert.endpoint_slice(o, "n1", r), endpoint_slice(service_name=bad),
+         "metadata.labels[kubernetes.io/service-name]"),
+    ]
+    for fn, obj, field in cases:
+        reports = Reports()
+        assert not fn(obj, reports)
+        assert [(r.field, r.reason) for r in reports] == [(field, "invalid_value")], field
+    reports = Reports()
+    sl = convert.endpoint_slice(endpoint_slice(ports=[{"name": bad, "port": 80}, {"name": "http", "port": 8080}]),
+                                "n1", reports)
+    assert [spn.port for spn in sl.endpoints] == ["http"]
+    assert [(r.field, r.reason, r.skipped) for r in reports] == [("ports[0].name", "invalid_value", "port")]

@@ -219,10 +219,11 @@ LEGACY_V4 = st.tuples(*[st.integers(0, 255)] * 4).map(lambda t: ".".join(f"{o:03
 V6 = st.ip_addresses(v=6).map(str)
 ANY_IP = rarely(LEGACY_V4 | V6 | BAD_IPS | st.just("::ffff:10.1.2.3"), V4, one_in=3)
 DNS_LABEL = st.from_regex(r"[a-z]([a-z0-9-]{0,10}[a-z0-9])?", fullmatch=True)
-NAMES = rarely(DNS_LABEL | st.just("db"), st.just("web"), one_in=4)  # slices must find their Service
+HOSTILE_NAMES = st.sampled_from(['a"b', "a\nb", "a b", "Web", "名前", "-web", "a" * 64, "x\n-A KUBE-SERVICES -j DROP"])
+NAMES = rarely(DNS_LABEL | st.just("db") | HOSTILE_NAMES, st.just("web"), one_in=4)  # slices must find their Service
 PORT = st.integers(1, 65535)
 # Service and slice ports meet on (name, protocol): mostly one of them, so that endpoints attach
-PORT_NAME = rarely(st.sampled_from(["", "dns", "p80"]), st.just("http"), one_in=4)
+PORT_NAME = rarely(st.sampled_from(["", "dns", "p80"]) | HOSTILE_NAMES, st.just("http"), one_in=4)
 PROTOCOL = rarely(st.sampled_from(["UDP", "SCTP"]), st.just("TCP"), one_in=3)
 CIDR = st.builds(lambda ip, bits: f"{ip}/{bits}", V4, st.integers(0, 32)) | st.sampled_from(
     ["0.0.0.0/0", "10.0.0.0/33", "fd00::/64", "10.0.0.0/8 ", "010.0.0.0/8", "10.0.0.0", "/8", "10.0.0.0/-1"])
@@ -287,7 +288,7 @@ ENDPOINT = obj({"addresses": maybe(lists(rarely(ANY_IP, V4, one_in=4), 3))}, {
 })
 SLICE = obj({
     "metadata": metadata(labels=maybe(st.fixed_dictionaries({"kubernetes.io/service-name": maybe(
-        rarely(st.just("db"), st.just("web"), one_in=4))}))),
+        rarely(st.just("db") | HOSTILE_NAMES, st.just("web"), one_in=4))}))),
     "addressType": maybe(rarely(st.sampled_from(["IPv6", "FQDN"]), st.just("IPv4"), one_in=5)),
     "endpoints": maybe(lists(maybe(ENDPOINT))),
     "ports": maybe(lists(maybe(obj({"port": maybe(PORT, HUGE_INT | JUNK)}, {
@@ -357,8 +358,9 @@ def bad_choice(*valid: str) -> st.SearchStrategy:
 
 # (kind, path to the field, definitely invalid values, the field a report must name)
 BAD_FIELDS = [
-    ("Service", ("metadata", "name"), WRONG_STR | st.just(""), "metadata.name"),
-    ("Service", ("metadata", "namespace"), WRONG_STR | st.just(""), "metadata.namespace"),
+    ("Service", ("metadata", "name"), WRONG_STR | st.just("") | HOSTILE_NAMES, "metadata.name"),
+    ("Service", ("metadata", "namespace"), WRONG_STR | st.just("") | HOSTILE_NAMES, "metadata.namespace"),
+    ("Service", ("spec", "ports", 0, "name"), WRONG_STR | HOSTILE_NAMES, "spec.ports[0].name"),
     ("Service", ("spec", "type"), bad_choice(*convert.SERVICE_TYPES), "spec.type"),
     ("Service", ("spec", "clusterIPs", 0), BAD_IPS | WRONG_STR, "spec.clusterIPs[0]"),
     ("Service", ("spec", "ports", 0, "port"), BAD_PORT, "spec.ports[0].port"),
@@ -376,7 +378,9 @@ BAD_FIELDS = [
     ("Service", ("status", "loadBalancer", "ingress", 0, "ip"), BAD_IPS.filter(bool) | WRONG_STR,
      "status.loadBalancer.ingress[0].ip"),
     ("EndpointSlice", ("addressType",), bad_choice(*convert.ADDRESS_TYPES), "addressType"),
-    ("EndpointSlice", ("metadata", "labels", convert.SERVICE_NAME_LABEL), WRONG_STR | st.just(""),
+    ("EndpointSlice", ("metadata", "namespace"), WRONG_STR | st.just("") | HOSTILE_NAMES, "metadata.namespace"),
+    ("EndpointSlice", ("ports", 0, "name"), WRONG_STR | HOSTILE_NAMES, "ports[0].name"),
+    ("EndpointSlice", ("metadata", "labels", convert.SERVICE_NAME_LABEL), WRONG_STR | st.just("") | HOSTILE_NAMES,
      f"metadata.labels[{convert.SERVICE_NAME_LABEL}]"),
     ("EndpointSlice", ("endpoints", 0, "addresses", 0), BAD_IPS | WRONG_STR, "endpoints[0].addresses[0]"),
     ("EndpointSlice", ("endpoints", 0, "addresses"), st.just([]) | NOT_NONE.filter(lambda v: not isinstance(v, list)),
