@@ -17,10 +17,15 @@ from typing import Callable
 from hypothesis import HealthCheck, seed, settings
 
 
+def fuzz_examples(examples: int) -> int:
+    """`examples` (the CI budget) unless EPX_FUZZ_EXAMPLES overrides it."""
+    return int(os.environ.get("EPX_FUZZ_EXAMPLES", examples))
+
+
 def fuzz_settings(examples: int) -> settings:
-    """`examples` (the CI budget) unless EPX_FUZZ_EXAMPLES overrides it; no deadline (a BPF run
-    or a first render can take a while on a shared 2-core machine, which is not a bug)."""
-    n = int(os.environ.get("EPX_FUZZ_EXAMPLES", examples))
+    """fuzz_examples(examples) examples, no deadline (a BPF run or a first render can take a
+    while on a shared 2-core machine, which is not a bug)."""
+    n = fuzz_examples(examples)
     seed = os.environ.get("EPX_FUZZ_SEED")
     return settings(
         max_examples=n,
