@@ -41,6 +41,7 @@ from ebpf_proxy.datapath.fake import FakeDatapath
 from ebpf_proxy.datapath.iptables.render import render as render_iptables
 from ebpf_proxy.datapath.iptables.ruleset import TABLE_ORDER, full_plan
 from ebpf_proxy.k8s import convert
+from ebpf_proxy.k8s.watch import Reflector, keep_version
 from ebpf_proxy.model import ChangeSet, ProxyState
 from tests.fuzzing import fuzz
 from tests.unit import kobjects
@@ -469,3 +470,72 @@ def test_the_restore_text_oracle_catches_an_injected_rule():
                 '-A KUBE-SERVICES -m comment --comment a"b -j RETURN', "-A KUBE-NOWHERE -j RETURN"):
         with pytest.raises((AssertionError, ValueError)):
             check_restore_text(f"*nat\n:KUBE-SERVICES - [0:0]\n{bad}\nCOMMIT\n")
+
+
+# ---- through the Reflector: lists and watch events as they arrive --------------------------------
+
+
+class _Script:
+    """One LIST, then one watch stream, then stop: a collection as the API server serves it."""
+
+    def __init__(self, kind: str, items: list, events: list) -> None:
+        self.kind, self.items, self.events, self.listed = kind, items, events, False
+        self.reflector: Reflector | None = None
+
+    def list(self):
+        if self.listed:
+            raise RuntimeError("listed once only")
+        self.listed = True
+        return self.items, "1"
+
+    def watch(self, resource_version: str):
+        yield from self.events
+        self.reflector.stop(timeout=0)
+
+
+EVENT = st.fixed_dictionaries({"type": rarely(JUNK_TEXT, st.sampled_from(["ADDED", "MODIFIED", "DELETED"]), one_in=6)},
+                              optional={"object": JUNK})
+KIND_OBJECTS = {"Service": SERVICE, "EndpointSlice": SLICE, "Node": OWN_NODE}
+
+
+@fuzz(150)
+@given(kind=st.sampled_from(sorted(KIND_OBJECTS)), data=st.data())
+def test_lists_and_watch_events_reach_the_handlers_without_a_handler_failure(kind, data):
+    """The Reflector catches a handler's exception (the watch must go on) and logs "handler
+    failed": that line must never appear, whatever the list and the events carry."""
+    objects = KIND_OBJECTS[kind]
+    items = data.draw(st.lists(rarely(JUNK, objects), max_size=4), label="items")
+    events = data.draw(st.lists(rarely(EVENT, st.builds(lambda t, o: {"type": t, "object": o},
+                                                         st.sampled_from(["ADDED", "MODIFIED", "DELETED"]), objects),
+                                       one_in=4), max_size=6), label="events")
+    check_reflector(kind, items, events)
+
+
+def check_reflector(kind: str, items: list, events: list) -> None:
+    agent = make_agent({}, ["192.168.1.10"])
+    script = _Script(kind, items, events)
+    reflector = Reflector(script, agent.handlers()[kind], reporter=agent.report_invalid, keep=keep_version,
+                          wait=lambda _: True)
+    script.reflector = reflector
+    capture = _Capture()
+    for name in ("ebpf_proxy.k8s", "ebpf_proxy.agent"):
+        logging.getLogger(name).addHandler(capture)
+    try:
+        reflector.run()
+    finally:
+        for name in ("ebpf_proxy.k8s", "ebpf_proxy.agent"):
+            logging.getLogger(name).removeHandler(capture)
+    failures = [r.getMessage() for r in capture.records if r.levelno >= logging.ERROR]
+    assert failures == [], failures
+    invalid = [r for r in capture.records if r.name == INVALID_LOGGER]
+    assert invalid_total(agent) == len(invalid)
+    assert all(hasattr(r, "field") and hasattr(r, "object") for r in invalid)
+
+
+def test_the_reflector_oracle_catches_a_handler_that_raises(monkeypatch):
+    def broken(*args, **kwargs):
+        raise KeyError("spec")
+
+    monkeypatch.setattr(convert, "service_ports", broken)
+    with pytest.raises(AssertionError, match="handler failed"):
+        check_reflector("Service", [kobjects.service()], [{"type": "MODIFIED", "object": kobjects.service(rv="2")}])
