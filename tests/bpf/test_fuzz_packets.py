@@ -57,14 +57,18 @@ TCP, UDP = socket.IPPROTO_TCP, socket.IPPROTO_UDP
 ETH_HLEN = 14
 
 # The world: web (TCP and UDP: clusterIP, NodePort, externalIP, LB IP), a service without
-# endpoints (REJECT), and an eTP=Local NodePort without a local endpoint (DROP from outside).
+# endpoints (REJECT), an eTP=Local NodePort without a local endpoint (DROP from outside), and an
+# LB IP with loadBalancerSourceRanges and session affinity (DROP for clients outside the range).
 NO_EP_VIP = "10.96.0.20"
 LOCAL_ONLY_PORT = 30090
 WEB_TCP = w.web()
 WEB_UDP = w.web(id=2, proto=UDP)
 NO_EP = w.Svc(id=3, frontends=((NO_EP_VIP, 80, 0),), flags=0)
 ETP_LOCAL = w.Svc(id=4, frontends=((None, LOCAL_ONLY_PORT, w.EXT | s.LB4_F_ETP_LOCAL),), cluster=(w.REMOTE_EP,))
-SERVICES = (WEB_TCP, WEB_UDP, NO_EP, ETP_LOCAL)
+RANGED_LB_IP = "192.0.2.81"
+RANGED = w.Svc(id=5, frontends=((RANGED_LB_IP, 443, w.EXT | s.LB4_F_SOURCE_RANGES),), cluster=(w.REMOTE_EP2,),
+               ranges=("203.0.113.0/24",), affinity=60)  # loadBalancerSourceRanges and ClientIP affinity
+SERVICES = (WEB_TCP, WEB_UDP, NO_EP, ETP_LOCAL, RANGED)
 NODE_ADDRS = (w.NODE_IP, w.NODE_IP2)
 
 
@@ -370,6 +374,9 @@ def judge(world: World, prog: str, frame: bytes, verdict: int, out: bytes, count
     elif reason == R.REJECT:
         assert frontend_of(p.dst, p.dport, p.proto) is NO_EP and not p.later, "REJECT for a service with endpoints"
         check_reject(frame, out, p)
+    elif reason == R.DROP_SOURCE_RANGE:
+        assert frontend_of(p.dst, p.dport, p.proto) is RANGED, "source-range drop for a service without ranges"
+        assert not p.src.startswith("203.0.113."), "source-range drop of an admitted client"
     elif reason == R.DROP_NO_LOCAL_EXTERNAL:
         assert frontend_of(p.dst, p.dport, p.proto) is ETP_LOCAL, "eTP=Local drop for another service"
         assert p.src not in (w.POD_CLIENT, *NODE_ADDRS), "eTP=Local drop of a pod's or the node's own packet"
@@ -379,11 +386,21 @@ def judge(world: World, prog: str, frame: bytes, verdict: int, out: bytes, count
 
 # ---- generation ----------------------------------------------------------------------------------
 
-ADDRS = st.sampled_from([w.POD_CLIENT, w.OUTSIDE, w.NODE_IP, w.NODE_IP2, w.VIP, w.EXTERNAL_IP, w.LB_IP, NO_EP_VIP,
-                         w.LOCAL_EP[0], w.REMOTE_EP[0], w.REMOTE_EP2[0], "8.8.8.8", "127.0.0.1", "0.0.0.0",
-                         "255.255.255.255"]) | st.ip_addresses(v=4).map(str)
-PORTS = st.sampled_from([80, w.NODE_PORT, LOCAL_ONLY_PORT, 8080, 40000, 40001, w.SNAT_MIN, w.SNAT_MAX, 0, 65535]) | \
-    st.integers(0, 65535)
+ADDRS = [w.POD_CLIENT, w.OUTSIDE, w.OUTSIDE2, w.NODE_IP, w.NODE_IP2, w.VIP, w.EXTERNAL_IP, w.LB_IP, RANGED_LB_IP,
+         NO_EP_VIP, w.LOCAL_EP[0], w.REMOTE_EP[0], w.REMOTE_EP2[0], "8.8.8.8", "127.0.0.1", "0.0.0.0",
+         "255.255.255.255", None]  # None: any address
+PORTS = [80, 443, w.NODE_PORT, LOCAL_ONLY_PORT, 8080, 40000, 40001, w.SNAT_MIN, w.SNAT_MAX, 0, 65535, None]
+
+
+def addr(draw) -> str:
+    return pick(draw, ADDRS) or str(draw(st.ip_addresses(v=4)))
+
+
+def port(draw) -> int:
+    chosen = pick(draw, PORTS)
+    return draw(st.integers(0, 65535)) if chosen is None else chosen
+
+
 OPTIONS = st.integers(0, 10).flatmap(lambda n: st.binary(min_size=4 * n, max_size=4 * n))
 
 
@@ -397,8 +414,9 @@ def legs(world: World) -> list[tuple[tuple[str, int], tuple[str, int], int]]:
     return out
 
 
-FRONTENDS = [(addr or node, port, svc.proto) for svc in (*SERVICES, NO_EP, NO_EP) for addr, port, _ in svc.frontends
-             for node in ((None,) if addr else NODE_ADDRS)]  # the REJECT service thrice: it has one frontend
+FRONTENDS = [(addr or node, port, svc.proto) for svc in (*SERVICES, NO_EP, NO_EP, RANGED, RANGED)
+             for addr, port, _ in svc.frontends for node in ((None,) if addr else NODE_ADDRS)]
+# (the REJECT and source-range services thrice: they have one frontend each)
 
 
 def pick(draw, choices: list):
@@ -414,20 +432,20 @@ def specs(draw, world: World) -> Spec:
         (src, sport), (dst, dport), proto = pick(draw, legs(world))
     elif aim == "frontend":  # a new connection to a service, from anywhere
         dst, dport, proto = pick(draw, FRONTENDS)
-        src, sport = draw(ADDRS), draw(PORTS)
+        src, sport = addr(draw), port(draw)
     else:
-        src, sport, dst, dport = draw(ADDRS), draw(PORTS), draw(ADDRS), draw(PORTS)
-        proto = draw(st.sampled_from([TCP, UDP, TCP, UDP, socket.IPPROTO_ICMP, 132, 0, 255]))
+        src, sport, dst, dport = addr(draw), port(draw), addr(draw), port(draw)
+        proto = pick(draw, [TCP, UDP, TCP, UDP, socket.IPPROTO_ICMP, 132, 0, 255])
     frag = pick(draw, ["none", "none", "first", "later"])
     return Spec(src, sport, dst, dport, proto, options=draw(OPTIONS), payload=draw(st.binary(max_size=64)),
                 ip_id=draw(st.integers(0, 65535)), frag=draw(st.integers(1, 8191)) if frag == "later" else 0,
                 more=frag == "first" or (frag == "later" and draw(st.booleans())),
-                tcp_flags=draw(st.sampled_from([0x02, 0x10, 0x18, 0x11, 0x04, 0x12, 0xFF, 0x00])),
+                tcp_flags=pick(draw, [0x02, 0x10, 0x18, 0x11, 0x04, 0x12, 0xFF, 0x00]),
                 udp_no_csum=proto == UDP and draw(st.booleans()))
 
 
 def ipv6_frame(draw) -> bytes:
-    payload = struct.pack("!HHIIBBHHH", draw(PORTS), 80, 1, 0, 0x50, 0x02, 1024, 0, 0)
+    payload = struct.pack("!HHIIBBHHH", port(draw), 80, 1, 0, 0x50, 0x02, 1024, 0, 0)
     hdr = struct.pack("!IHBB16s16s", 6 << 28, len(payload), TCP, 64, socket.inet_pton(socket.AF_INET6, "fd00::1"),
                       socket.inet_pton(socket.AF_INET6, "fd00::a"))
     return eth(0x86DD) + hdr + payload
@@ -506,6 +524,7 @@ MUST_SEE = [
     *[("tc_ingress", r, shape) for r in (R.FWD_NEW, R.FWD_ESTABLISHED) for shape in ("whole", "first")],
     ("tc_ingress", R.FWD_ESTABLISHED, "later"), ("tc_ingress", R.REV_SNAT, "whole"),
     ("tc_ingress", R.REJECT, "whole"), ("tc_ingress", R.DROP_NO_LOCAL_EXTERNAL, "whole"),
+    ("tc_ingress", R.DROP_SOURCE_RANGE, "whole"), ("xdp_lb", R.DROP_SOURCE_RANGE, "whole"),
     *[("tc_egress", r, shape) for r in (R.SNAT, R.REV_DNAT) for shape in ("whole", "first", "later")],
     ("xdp_lb", None, "whole"), ("xdp_lb", None, NOT_IPV4), ("xdp_lb", R.DROP_MALFORMED_IP, MALFORMED_IP),
     ("xdp_lb", R.DROP_MALFORMED_L4, MALFORMED_L4), ("xdp_lb", R.DROP_NO_LOCAL_EXTERNAL, "whole"),
