@@ -529,7 +529,9 @@ def check_reflector(kind: str, items: list, events: list) -> None:
     finally:
         for name in ("ebpf_proxy.k8s", "ebpf_proxy.agent"):
             logging.getLogger(name).removeHandler(capture)
-    failures = [r.getMessage() for r in capture.records if r.levelno >= logging.ERROR]
+    # the Reflector's "<kind> handler failed" (logged with the exception); other ERROR lines, such
+    # as a LoadBalancer without a healthCheckNodePort, are the agent reporting odd input
+    failures = [r.getMessage() for r in capture.records if r.name == "ebpf_proxy.k8s.watch" and r.levelno >= logging.ERROR]
     assert failures == [], failures
     invalid = [r for r in capture.records if r.name == INVALID_LOGGER]
     assert invalid_total(agent) == len(invalid)
