@@ -57,7 +57,7 @@ static __always_inline int xdp_lb_run(struct xdp_md *ctx, struct epx_trace_rec *
 			tr->flags |= EPX_TRACE_F_ESTABLISHED;
 		return xdp_done(EPX_CONTINUE, 0, tr);
 	}
-	svc = lb4_lookup_service(p.daddr, p.dport, p.proto);
+	svc = lb4_lookup_packet_service(p.daddr, p.dport, p.proto);
 	cfg = epx_lookup(epx_config, &zero);
 	if (!svc || !cfg)
 		return xdp_done(EPX_CONTINUE, 0, tr);

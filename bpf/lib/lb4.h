@@ -1,6 +1,7 @@
 /* Service load balancing: kube-proxy's iptables-mode decisions (shared SEMANTICS.md) for IPv4.
  *
  * lb4_lookup_service  frontend -> service (exact frontend, else NodePort on a node address)
+ * lb4_lookup_packet_service  the same for a packet's destination (never 0.0.0.0)
  * lb4_local_pod       kube-proxy's local-traffic detector (source CIDR or ingress interface)
  * lb4_origin          pod / node / external, as kube-proxy's rules tell sources apart
  * lb4_policy          endpoint set (cluster or local), masquerade, or REJECT / DROP
@@ -29,6 +30,17 @@ static __always_inline struct lb4_service *lb4_lookup_service(__be32 daddr, __be
 		return svc;
 	key.addr = 0; /* NodePort: any of this node's addresses */
 	return epx_lookup(epx_svc, &key);
+}
+
+/* The service a packet to daddr:dport addresses, for the packet programs. 0.0.0.0 is never one: it
+ * is the key NodePorts are stored under, but as a destination on the wire it is not a node address
+ * (addrtype calls it BROADCAST, not LOCAL, and the kernel drops it as martian), so kube-proxy's
+ * KUBE-NODEPORTS never sees it; without this check the exact lookup above found the NodePort and
+ * DNATed a packet the kernel would have dropped (found by tests/bpf/test_fuzz_packets.py).
+ * The socket LB keeps lb4_lookup_service: a connect() to 0.0.0.0 does reach the node itself. */
+static __always_inline struct lb4_service *lb4_lookup_packet_service(__be32 daddr, __be16 dport, __u8 proto)
+{
+	return daddr ? lb4_lookup_service(daddr, dport, proto) : NULL;
 }
 
 static __always_inline int lb4_in_pod_cidr(__be32 saddr)
@@ -216,7 +228,7 @@ static __always_inline __u32 lb4_forward(struct __sk_buff *skb, struct pkt4 *p, 
 		return reason ? reason : EPX_FWD_ESTABLISHED;
 	}
 
-	svc = lb4_lookup_service(p->daddr, p->dport, p->proto);
+	svc = lb4_lookup_packet_service(p->daddr, p->dport, p->proto);
 	if (!svc)
 		return EPX_PASS_NO_SERVICE;
 	trace_service(tr, svc);

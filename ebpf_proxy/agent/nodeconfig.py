@@ -67,10 +67,26 @@ def local_detector(config: AgentConfig, node: NodeState | None) -> LocalDetector
             log.info("detect-local-mode set to NodeCIDR, but no PodCIDR defined at node: defaulting to no-op "
                      "detect-local", extra={"node": config.node_name})
             return LocalDetector()
-        return LocalDetector(mode, node.pod_cidrs)
+        return LocalDetector(mode, first_per_family(node.pod_cidrs, node.name))
     if mode is LocalMode.BRIDGE_INTERFACE:
         return LocalDetector(mode, interface=config.pod_bridge_interface)
     return LocalDetector(mode, interface=config.pod_interface_name_prefix)
+
+
+def first_per_family(cidrs: Sequence[str], node_name: str) -> tuple[str, ...]:
+    """The first CIDR of each IP family, as kube-proxy's getLocalDetectors reads a Node's podCIDRs
+    (MapCIDRsByIPFamily, then cidrs[0] per family). The API server allows one per family, but the
+    agent does not trust that: a Node with two IPv4 podCIDRs made every sync raise (found by
+    tests/unit/test_fuzz_k8s.py). The ones left out are logged."""
+    first: dict[int, str] = {}
+    for cidr in cidrs:
+        first.setdefault(ipaddress.ip_network(cidr, strict=False).version, cidr)
+    if len(first) < len(cidrs):
+        log.warning("Node has more than one podCIDR per IP family; the NodeCIDR local-traffic detector uses the "
+                    "first of each, as kube-proxy does",
+                    extra={"node": node_name, "field": "spec.podCIDRs", "pod_cidrs": ",".join(cidrs),
+                           "used": ",".join(first.values())})
+    return tuple(first.values())
 
 
 def build_node_config(config: AgentConfig, local_ips: Sequence[str], node: NodeState | None) -> NodeConfig:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import logging
+import re
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -98,6 +99,13 @@ def _port(value: Any, path: str, allow_zero: bool) -> int:
     return value
 
 
+def _optional_port(obj: dict, key: str, path: str) -> int:
+    """A port that may be unset (null or absent: 0). Only null means unset: `false`, "" or []
+    are wrong types, not "no port" (they were read as 0 and nothing said why the port was gone)."""
+    value = obj.get(key)
+    return 0 if value is None else _port(value, path, allow_zero=True)
+
+
 def _protocol(value: Any, path: str) -> Protocol:
     if value is None:
         return Protocol.TCP  # the API server's default
@@ -163,6 +171,16 @@ def _reject(reporter: Reporter | None, kind: str, obj: str, err: _Reject, skippe
                                  skipped=skipped))
 
 
+def _unnamed(obj: dict, kind: str) -> Invalid:
+    """Why object_ref found no namespace/name: the name, or (with a usable name) the namespace."""
+    meta = obj.get("metadata")
+    name = meta.get("name") if isinstance(meta, dict) else None
+    if isinstance(name, str) and name:
+        return Invalid(kind, "?", "metadata.namespace", inv.WRONG_TYPE,
+                       f"expected string, got {_describe(meta.get('namespace'))} (name {_describe(name)})", "object")
+    return Invalid(kind, "?", "metadata.name", inv.MISSING_FIELD, "missing or not a string", "object")
+
+
 def _require_ref(obj: Any, kind: str, reporter: Reporter | None) -> ObjectRef | None:
     if not isinstance(obj, dict):
         inv.report(reporter, Invalid(kind, "?", "", inv.MALFORMED, f"expected an object, got {_describe(obj)}",
@@ -170,14 +188,40 @@ def _require_ref(obj: Any, kind: str, reporter: Reporter | None) -> ObjectRef | 
         return None
     ref = object_ref(obj)
     if ref is None:
-        inv.report(reporter, Invalid(kind, "?", "metadata.name", inv.MISSING_FIELD,
-                                     "missing or not a string", "object"))
+        inv.report(reporter, _unnamed(obj, kind))
         return None
     if kind != "Node" and not ref.namespace:
         inv.report(reporter, Invalid(kind, str(ref), "metadata.namespace", inv.MISSING_FIELD, "is missing",
                                      "object"))
         return None
+    # Names end up in iptables rules (comments) and metric labels: only what the API server
+    # allows (DNS-1123 labels), so a quote or newline can never reach an iptables-restore input.
+    checks = (("metadata.namespace", ref.namespace), ("metadata.name", ref.name)) if kind == "Service" else \
+        (("metadata.namespace", ref.namespace),) if kind == "EndpointSlice" else ()
+    for field, value in checks:
+        if not is_dns_label(value):
+            inv.report(reporter, Invalid(kind, str(ref), field, inv.INVALID_VALUE,
+                                         f"{_describe(value)} is not a DNS-1123 label", "object"))
+            return None
     return ref
+
+
+_DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
+def is_dns_label(value: str) -> bool:
+    """A DNS-1123 label, what kube-apiserver requires of namespaces, Service names (DNS-1035, a
+    subset) and port names. kube-proxy relies on that validation; the agent checks it, since
+    these names are written into iptables rules."""
+    return _DNS1123_LABEL.fullmatch(value) is not None
+
+
+def _port_name(obj: dict, path: str) -> str:
+    """A port's name: "" or a DNS-1123 label (ValidateDNS1123Label on Service and EndpointSlice ports)."""
+    name = _get(obj, "name", path, str, "")
+    if name and not is_dns_label(name):
+        raise _Reject(path, inv.INVALID_VALUE, f"{_describe(name)} is not a DNS-1123 label")
+    return name
 
 
 # ---- Services ------------------------------------------------------------------------------------
@@ -225,7 +269,7 @@ def _service_ports(svc: dict, ref: ObjectRef, reporter: Reporter | None) -> list
 
     health_port = 0
     if svc_type == "LoadBalancer" and external_local:  # kube-proxy's apiservice.NeedsHealthCheck
-        health_port = _port(spec.get("healthCheckNodePort", 0) or 0, "spec.healthCheckNodePort", allow_zero=True)
+        health_port = _optional_port(spec, "healthCheckNodePort", "spec.healthCheckNodePort")
         if health_port == 0:
             log.error("service needs a health check but has no healthCheckNodePort",
                       extra={"object": str(ref), "field": "spec.healthCheckNodePort"})
@@ -237,10 +281,10 @@ def _service_ports(svc: dict, ref: ObjectRef, reporter: Reporter | None) -> list
         path = f"spec.ports[{i}]"
         if not isinstance(port, dict):
             raise _Reject(path, inv.WRONG_TYPE, f"expected object, got {_describe(port)}")
-        port_name = _get(port, "name", f"{path}.name", str, "")
+        port_name = _port_name(port, f"{path}.name")
         protocol = _protocol(port.get("protocol"), f"{path}.protocol")
         number = _port(port.get("port"), f"{path}.port", allow_zero=False)
-        node_port = _port(port.get("nodePort", 0) or 0, f"{path}.nodePort", allow_zero=True)
+        node_port = _optional_port(port, "nodePort", f"{path}.nodePort")
         spn = ServicePortName(ref.namespace, ref.name, port_name, protocol)
         if spn in seen:
             raise _Reject(f"{path}.name", inv.INVALID_VALUE, f"duplicate port name {port_name!r}/{protocol.value}")
@@ -273,22 +317,29 @@ def _cluster_ipv4(spec: dict, ref: ObjectRef) -> str | None:
 
 
 def _service_ips(values: list, path: str, ref: ObjectRef, reporter: Reporter | None) -> tuple[str, ...]:
-    ips: list[str] = []
+    ips: dict[str, None] = {}  # ordered set: a list's `in` made 80,000 IPs (the object size limit) quadratic
     for i, value in enumerate(values):
-        try:
-            ip = _ip(value, f"{path}[{i}]")
-        except _Reject as err:
-            _reject(reporter, "Service", str(ref), err, "ip")
-            continue
-        if ip.version != 4:
-            log.debug("ignoring IPv6 address of service", extra={"object": str(ref), "field": f"{path}[{i}]"})
-        elif str(ip) not in ips:
-            ips.append(str(ip))
+        ip = _service_ipv4(value, f"{path}[{i}]", ref, reporter)
+        if ip is not None:
+            ips[ip] = None
     return tuple(ips)
 
 
+def _service_ipv4(value: Any, path: str, ref: ObjectRef, reporter: Reporter | None) -> str | None:
+    """One external or load-balancer IP: the IPv4 address, or None (reported when invalid)."""
+    try:
+        ip = _ip(value, path)
+    except _Reject as err:
+        _reject(reporter, "Service", str(ref), err, "ip")
+        return None
+    if ip.version != 4:
+        log.debug("ignoring IPv6 address of service", extra={"object": str(ref), "field": path})
+        return None
+    return str(ip)
+
+
 def _ingress_ips(ingress: list, ref: ObjectRef, reporter: Reporter | None) -> tuple[str, ...]:
-    ips: list[str] = []
+    ips: dict[str, None] = {}  # ordered set, as in _service_ips
     for i, entry in enumerate(ingress):
         path = f"status.loadBalancer.ingress[{i}]"
         if not isinstance(entry, dict):
@@ -300,7 +351,9 @@ def _ingress_ips(ingress: list, ref: ObjectRef, reporter: Reporter | None) -> tu
         if entry.get("ipMode") == "Proxy":
             # The load balancer proxies to the nodes itself; kube-proxy does not capture its IP.
             continue
-        ips.extend(ip for ip in _service_ips([entry["ip"]], f"{path}.ip", ref, reporter) if ip not in ips)
+        ip = _service_ipv4(entry["ip"], f"{path}.ip", ref, reporter)  # the report names ingress[i].ip itself
+        if ip is not None:
+            ips[ip] = None
     return tuple(ips)
 
 
@@ -310,7 +363,7 @@ def _source_ranges(spec: dict, ref: ObjectRef) -> tuple[str, ...] | None:
     An unparsable range rejects the whole Service: dropping it would widen who can reach the
     load balancer, which is the opposite of what the user asked for."""
     values = _get(spec, "loadBalancerSourceRanges", "spec.loadBalancerSourceRanges", list, [])
-    ranges: list[str] = []
+    ranges: dict[str, None] = {}  # ordered set, as in _service_ips
     for i, value in enumerate(values):
         path = f"spec.loadBalancerSourceRanges[{i}]"
         if not isinstance(value, str):
@@ -320,8 +373,8 @@ def _source_ranges(spec: dict, ref: ObjectRef) -> tuple[str, ...] | None:
         if parsed is None:
             raise _Reject(path, inv.INVALID_CIDR, f"{value!r} is not a CIDR")
         net = parsed[1]
-        if net.version == 4 and str(net) not in ranges:
-            ranges.append(str(net))
+        if net.version == 4:
+            ranges[str(net)] = None
     if values and not ranges:
         return None
     return tuple(ranges)
@@ -378,6 +431,9 @@ def _endpoint_slice(obj: dict, ref: ObjectRef, node_name: str, reporter: Reporte
     service = labels.get(SERVICE_NAME_LABEL)
     if not isinstance(service, str) or not service:
         raise _Reject(f"metadata.labels[{SERVICE_NAME_LABEL}]", inv.MISSING_FIELD, "missing: no owning service")
+    if not is_dns_label(service):  # it must name a Service, and so be one of their names
+        raise _Reject(f"metadata.labels[{SERVICE_NAME_LABEL}]", inv.INVALID_VALUE,
+                      f"{_describe(service)} is not a DNS-1123 label")
     address_type = _get(obj, "addressType", "addressType", str)
     if address_type not in ADDRESS_TYPES:
         raise _Reject("addressType", inv.INVALID_VALUE, f"{address_type!r} is not one of {', '.join(ADDRESS_TYPES)}")
@@ -408,7 +464,7 @@ def _slice_ports(ports: list, ref: ObjectRef, reporter: Reporter | None) -> list
         try:
             if not isinstance(port, dict):
                 raise _Reject(path, inv.WRONG_TYPE, f"expected object, got {_describe(port)}")
-            name = _get(port, "name", f"{path}.name", str, "")
+            name = _port_name(port, f"{path}.name")
             protocol = _protocol(port.get("protocol"), f"{path}.protocol")
             number = _port(port.get("port"), f"{path}.port", allow_zero=False)
             if (name, protocol) in seen:
@@ -560,7 +616,9 @@ def _node_info(obj: dict, ref: ObjectRef, reporter: Reporter | None) -> NodeStat
 
 def _pod_cidrs(spec: dict, ref: ObjectRef, reporter: Reporter | None) -> tuple[str, ...]:
     """spec.podCIDRs (kube-controller-manager keeps spec.podCIDR equal to its first entry; an
-    older object may have only that). A malformed entry is skipped and reported."""
+    older object may have only that). A malformed entry is skipped and reported. Parsed as
+    kube-proxy parses them (ParseCIDRSloppy): a bare address such as "10.0.0.0", which Python's
+    ip_network took for a /32, is not a CIDR."""
     raw = _get(spec, "podCIDRs", "spec.podCIDRs", list, [])
     where = "spec.podCIDRs"
     if not raw and spec.get("podCIDR"):
@@ -571,9 +629,10 @@ def _pod_cidrs(spec: dict, ref: ObjectRef, reporter: Reporter | None) -> tuple[s
         try:
             if not isinstance(value, str):
                 raise _Reject(path, inv.WRONG_TYPE, f"expected string, got {_describe(value)}")
-            out.append(str(ipaddress.ip_network(value.strip(), strict=False)))
-        except ValueError:
-            _reject(reporter, "Node", str(ref), _Reject(path, inv.INVALID_CIDR, f"{value!r} is not a CIDR"), "cidr")
+            parsed = ipsloppy.parse_cidr(value.strip())
+            if parsed is None:
+                raise _Reject(path, inv.INVALID_CIDR, f"{value!r} is not a CIDR")
+            out.append(str(parsed[1]))
         except _Reject as err:
             _reject(reporter, "Node", str(ref), err, "cidr")
     return tuple(dict.fromkeys(out))

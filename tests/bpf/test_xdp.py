@@ -29,6 +29,9 @@ PASSES = {
     "eTP=Local from a pod": (w.web(flags=HAS | ETP, local=()), tcp(w.POD_CLIENT, 40000, w.NODE_IP, w.NODE_PORT)),
     "no endpoints: the TC program rejects": (w.web(flags=0, cluster=(), local=()), tcp(w.OUTSIDE, 40000, w.VIP, 80)),
     "not a service": (w.web(), tcp(w.OUTSIDE, 40000, "192.0.2.99", 80)),
+    # 0.0.0.0 is the NodePort key in epx_svc, not a node address (regression: it was dropped as
+    # an eTP=Local NodePort packet; found by test_fuzz_packets.py)
+    "0.0.0.0 is not a node address": (w.web(flags=HAS | ETP, local=()), tcp(w.OUTSIDE, 40000, "0.0.0.0", w.NODE_PORT)),
 }
 
 

@@ -432,3 +432,88 @@ def test_node_bad_pod_cidr_is_reported_and_skipped():
     assert convert.node_info(obj, reports).pod_cidrs == ("10.244.3.0/24",)
     assert [(r.field, r.reason) for r in reports] == [("spec.podCIDRs[1]", "invalid_cidr"),
                                                       ("spec.podCIDRs[2]", "wrong_type")]
+
+
+def test_node_pod_cidr_is_parsed_as_kube_proxy_parses_it():
+    """ParseCIDRSloppy: a bare address is not a CIDR (ip_network read "10.244.3.0" as a /32), and
+    leading zeros are decimal. Found by tests/unit/test_fuzz_k8s.py."""
+    obj = node("n1")
+    obj["spec"] = {"podCIDRs": ["010.244.003.0/24", "10.244.9.0", ""]}
+    reports = Reports()
+    assert convert.node_info(obj, reports).pod_cidrs == ("10.244.3.0/24",)
+    assert [(r.field, r.reason) for r in reports] == [("spec.podCIDRs[1]", "invalid_cidr"),
+                                                      ("spec.podCIDRs[2]", "invalid_cidr")]
+
+
+def test_bad_load_balancer_ip_report_names_the_ingress_field():
+    """The report named `status.loadBalancer.ingress[0].ip[0]`, a field that does not exist.
+    Found by tests/unit/test_fuzz_k8s.py."""
+    reports = Reports()
+    obj = service(svc_type="LoadBalancer", status={"loadBalancer": {"ingress": [{"ip": "10.0.0.256"},
+                                                                                {"ip": "198.51.100.1"}]}})
+    (sp,) = convert.service_ports(obj, reports)
+    assert sp.load_balancer_ips == ("198.51.100.1",)
+    assert [(r.field, r.reason, r.skipped) for r in reports] == [
+        ("status.loadBalancer.ingress[0].ip", "invalid_ip", "ip")]
+
+
+def test_a_namespace_that_is_not_a_string_is_reported_as_such():
+    """It was reported as "metadata.name: missing or not a string", pointing at the wrong field.
+    Found by tests/unit/test_fuzz_k8s.py."""
+    reports = Reports()
+    assert convert.service_ports(service(namespace=["default"]), reports) == []
+    assert [(r.obj, r.field, r.reason) for r in reports] == [("?", "metadata.namespace", "wrong_type")]
+    assert "'web'" in reports[0].detail
+
+
+@pytest.mark.parametrize("value", [False, "", [], {}, 0.0])
+def test_a_falsy_node_port_of_the_wrong_type_is_reported_not_read_as_unset(value):
+    """`nodePort: false` was read as "no nodePort" without a word. Found by tests/unit/test_fuzz_k8s.py."""
+    reports = Reports()
+    assert convert.service_ports(service(svc_type="NodePort", ports=[{"port": 80, "nodePort": value}]), reports) == []
+    assert [(r.field, r.reason) for r in reports] == [("spec.ports[0].nodePort", "wrong_type")]
+    reports = Reports()
+    obj = service(svc_type="LoadBalancer", externalTrafficPolicy="Local", healthCheckNodePort=value)
+    assert convert.service_ports(obj, reports) == []
+    assert [(r.field, r.reason) for r in reports] == [("spec.healthCheckNodePort", "wrong_type")]
+
+
+@pytest.mark.parametrize("bad", ['a"b', "a\nb", "a b", "Web", "名前", "-web", "a" * 64])
+def test_names_written_into_rules_must_be_dns_labels(bad):
+    """A quote or a newline in a Service, namespace or port name broke the iptables-restore input
+    (a newline could smuggle in a rule of its own). kube-apiserver allows only DNS-1123 labels
+    there; the agent now checks it. Found by tests/unit/test_fuzz_k8s.py."""
+    cases = [
+        (convert.service_ports, service(name=bad), "metadata.name"),
+        (convert.service_ports, service(namespace=bad), "metadata.namespace"),
+        (convert.service_ports, service(ports=[port(bad, 80)]), "spec.ports[0].name"),
+        (lambda o, r: convert.endpoint_slice(o, "n1", r), endpoint_slice(namespace=bad), "metadata.namespace"),
+        (lambda o, r: convert.endpoint_slice(o, "n1", r), endpoint_slice(service_name=bad),
+         "metadata.labels[kubernetes.io/service-name]"),
+    ]
+    for fn, obj, field in cases:
+        reports = Reports()
+        assert not fn(obj, reports)
+        assert [(r.field, r.reason) for r in reports] == [(field, "invalid_value")], field
+    reports = Reports()
+    sl = convert.endpoint_slice(endpoint_slice(ports=[{"name": bad, "port": 80}, {"name": "http", "port": 8080}]),
+                                "n1", reports)
+    assert [spn.port for spn in sl.endpoints] == ["http"]
+    assert [(r.field, r.reason, r.skipped) for r in reports] == [("ports[0].name", "invalid_value", "port")]
+
+
+def test_huge_address_lists_convert_in_linear_time():
+    """80,000 distinct externalIPs, load-balancer IPs and source ranges (about what the API
+    server's 1.5 MB object limit lets through) took 34 s to deduplicate with list lookups, a
+    watch handler stalled for every update of one hostile Service; now well under a second.
+    Found while sizing the huge-list cases of tests/unit/test_fuzz_k8s.py."""
+    import time
+
+    ips = [f"10.{i // 65536}.{i // 256 % 256}.{i % 256}" for i in range(80_000)]
+    obj = service(svc_type="LoadBalancer", externalIPs=ips, loadBalancerSourceRanges=[f"{ip}/32" for ip in ips],
+                  status={"loadBalancer": {"ingress": [{"ip": ip} for ip in ips]}})
+    started = time.process_time()
+    (sp,) = convert.service_ports(obj)
+    assert time.process_time() - started < 5
+    assert len(sp.external_ips) == len(sp.load_balancer_ips) == len(sp.load_balancer_source_ranges) == 80_000
+    assert sp.external_ips[:2] == ("10.0.0.0", "10.0.0.1"), "order kept"

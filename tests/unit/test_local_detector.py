@@ -46,6 +46,21 @@ def test_node_cidr_uses_the_nodes_pod_cidrs_and_is_a_no_op_without_them(caplog):
     assert "no PodCIDR defined at node" in caplog.text
 
 
+def test_node_cidr_takes_the_first_pod_cidr_per_family_as_kube_proxy(caplog):
+    """getLocalDetectors: MapCIDRsByIPFamily(spec.podCIDRs), then cidrs[0] of each family. A Node
+    with two IPv4 podCIDRs (the API server refuses it, the agent does not rely on that) once made
+    every sync raise in the iptables renderer; found by tests/unit/test_fuzz_k8s.py."""
+    config = load_config({"detect_local_mode": "NodeCIDR", "cluster_cidrs": "10.244.0.0/16"})
+    node = NodeState(name="n1", pod_cidrs=("10.244.3.0/24", "fd00:3::/64", "10.244.9.0/24", "fd00:9::/64"))
+    with caplog.at_level(logging.WARNING):
+        detector = local_detector(config, node)
+    assert detector == LocalDetector(LocalMode.NODE_CIDR, ("10.244.3.0/24", "fd00:3::/64"))
+    assert "first of each" in caplog.text
+    assert detector_matches("n1", detector) == (("-s", "10.244.3.0/24"), ("!", "-s", "10.244.3.0/24"))
+    node_config = build_node_config(config, ["192.168.1.10"], node)
+    render(node_config, ProxyState())  # raised ValueError before
+
+
 def test_interface_detectors_take_their_names():
     bridge = load_config({"detect_local_mode": "BridgeInterface", "pod_bridge_interface": "cbr0"})
     assert local_detector(bridge, NODE) == LocalDetector(LocalMode.BRIDGE_INTERFACE, interface="cbr0")
