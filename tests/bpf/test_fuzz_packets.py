@@ -39,7 +39,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import given
+from hypothesis import given, seed, settings
 from hypothesis import strategies as st
 
 from ebpf_proxy.datapath.ebpf import structs as s
@@ -47,7 +47,7 @@ from ebpf_proxy.datapath.ebpf import testrun
 from ebpf_proxy.datapath.ebpf.maps import Maps
 from tests.bpf import world as w
 from tests.bpf.packets import MAC_NODE, MAC_PEER, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, XDP_DROP, XDP_PASS
-from tests.fuzzing import fuzz, fuzz_examples
+from tests.fuzzing import fuzz, fuzz_examples, fuzz_settings
 
 pytestmark = [pytest.mark.bpf, pytest.mark.root]
 
@@ -534,11 +534,14 @@ MUST_SEE = [
 EXAMPLES = 1000  # ~8 s; the rarest outcome (a masqueraded first fragment) comes up ~8 times
 
 
+ROUNDS = 3  # the backends set_up's connections get are the kernel's random pick, so which rare
+# outcomes 1000 frames reach varies from run to run; a round that misses one is followed by another
+# from a fresh seed (an outcome the programs can no longer produce still fails, after 3 rounds)
+
+
 def test_every_program_translates_correctly_or_leaves_alone_or_drops_with_a_reason(datapath, maps):
     seen: Counter = Counter()
 
-    @fuzz(EXAMPLES)
-    @given(data=st.data())
     def examples(data):
         w.install(maps, *SERVICES)
         world = set_up(datapath, maps)
@@ -552,10 +555,19 @@ def test_every_program_translates_correctly_or_leaves_alone_or_drops_with_a_reas
             for prog in PROGRAMS:
                 run_one(datapath, maps, world, prog, later, seen)
 
-    examples()
-    if fuzz_examples(EXAMPLES) >= EXAMPLES:  # a deliberately short run (EPX_FUZZ_EXAMPLES) may miss some
-        missing = [(prog, r.name if r else "pass", shape) for prog, r, shape in MUST_SEE if not seen[(prog, r, shape)]]
-        assert not missing, f"never exercised: {missing}"
+    def missing() -> list:
+        return [(prog, r.name if r else "pass", shape) for prog, r, shape in MUST_SEE if not seen[(prog, r, shape)]]
+
+    for round_no in range(ROUNDS):
+        if round_no == 0:
+            run = fuzz(EXAMPLES)(given(data=st.data())(examples))
+        else:  # other frames than the derandomized first round's
+            run = seed(round_no)(settings(fuzz_settings(EXAMPLES), derandomize=False)(given(data=st.data())(examples)))
+        run()
+        if fuzz_examples(EXAMPLES) < EXAMPLES or not missing():  # a deliberately short run may miss some
+            break
+    if fuzz_examples(EXAMPLES) >= EXAMPLES:
+        assert not missing(), f"never exercised in {ROUNDS} rounds of {EXAMPLES}: {missing()}"
 
 
 # ---- the oracle catches mistranslations ----------------------------------------------------------

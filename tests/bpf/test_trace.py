@@ -9,6 +9,7 @@ the reason and the set of backends chosen among.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import time
 from dataclasses import replace
@@ -27,17 +28,33 @@ from tests.bpf.packets import TC_ACT_OK, XDP_DROP, XDP_PASS, counted, endpoints,
 pytestmark = [pytest.mark.bpf, pytest.mark.root]
 
 R = s.Reason
-NONCE = 0x1234567
+NONCE = 0x1234567  # a magic-carrying context that is not a trace (_cb_only)
+# Every trace run gets a nonce of its own: epx_trace is per-CPU, and a record an earlier run left
+# on another CPU with the same nonce would be read instead of this run's when the test process
+# migrates between CPUs (it did, under load).
+_nonces = itertools.count(0x2000000)
+_last_nonce = 0
 
 
-def trace_tc(datapath, prog: str, pkt, nonce: int = NONCE, ifindex: int = 0):
+def last_nonce() -> int:
+    """The nonce of the latest trace_tc/trace_xdp run: where its record is found."""
+    return _last_nonce
+
+
+def _fresh_nonce() -> int:
+    global _last_nonce
+    _last_nonce = next(_nonces)
+    return _last_nonce
+
+
+def trace_tc(datapath, prog: str, pkt, ifindex: int = 0):
     ctx = testrun.SkBuffCtx(mark=s.TRACE_MARK, ifindex=ifindex)
-    ctx.cb[0], ctx.cb[1] = s.TRACE_MAGIC, nonce
+    ctx.cb[0], ctx.cb[1] = s.TRACE_MAGIC, _fresh_nonce()
     return testrun.run(datapath.prog_fds[prog], bytes(pkt), ctx=ctx)
 
 
-def trace_xdp(datapath, pkt, nonce: int = NONCE):
-    meta = bytes(s.EpxTraceMeta(magic=s.TRACE_MAGIC, nonce=nonce))
+def trace_xdp(datapath, pkt):
+    meta = bytes(s.EpxTraceMeta(magic=s.TRACE_MAGIC, nonce=_fresh_nonce()))
     frame = bytes(pkt)
     ctx = testrun.XdpMd(data=len(meta), data_end=len(meta) + len(frame))
     return testrun.run(datapath.prog_fds["xdp_lb"], meta + frame, ctx=ctx)
@@ -80,7 +97,7 @@ def test_dry_run_decides_as_the_live_run(datapath, maps, case):
     before = state(maps)
 
     traced = trace_tc(datapath, "tc_ingress", case.pkt)
-    rec = maps.trace_record(NONCE)
+    rec = maps.trace_record(last_nonce())
     assert rec is not None and rec.hook == s.HOOK_TC_INGRESS
     assert state(maps) == before, "a trace run writes no connection, affinity entry or counter"
 
@@ -110,7 +127,7 @@ def test_xdp_dry_run_decides_as_the_live_run(datapath, maps, name):
     w.install(maps, svc)
     before = state(maps)
     traced = trace_xdp(datapath, pkt)
-    rec = maps.trace_record(NONCE)
+    rec = maps.trace_record(last_nonce())
     assert rec is not None and rec.hook == s.HOOK_XDP
     assert state(maps) == before
     live = run(datapath, "xdp_lb", pkt)
@@ -127,12 +144,12 @@ def test_affinity_is_read_not_written(datapath, maps):
     before = maps.affinity(svc.id, w.POD_CLIENT)
     for sport in range(40000, 40020):
         trace_tc(datapath, "tc_ingress", tcp(w.POD_CLIENT, sport, w.VIP, 80))
-        rec = maps.trace_record(NONCE)
+        rec = maps.trace_record(last_nonce())
         assert rec.flags & s.TRACE_F_AFFINITY and rec.backend_id == remote
     assert maps.affinity(svc.id, w.POD_CLIENT) == before
     # a new client: no entry is created
     trace_tc(datapath, "tc_ingress", tcp(w.OUTSIDE, 40000, w.VIP, 80))
-    assert not maps.trace_record(NONCE).flags & s.TRACE_F_AFFINITY
+    assert not maps.trace_record(last_nonce()).flags & s.TRACE_F_AFFINITY
     assert maps.affinity(svc.id, w.OUTSIDE) is None
     assert list(maps.affinity_ids()) == [(svc.id, remote)]
 
@@ -146,7 +163,7 @@ def test_established_connection_is_reported_and_not_touched(datapath, maps):
     before = state(maps)
 
     traced = trace_tc(datapath, "tc_ingress", tcp(w.OUTSIDE, 40000, w.VIP, 80, flags="A"))
-    rec = maps.trace_record(NONCE)
+    rec = maps.trace_record(last_nonce())
     assert R(rec.reason) == R.FWD_ESTABLISHED and rec.flags & s.TRACE_F_ESTABLISHED
     assert (ip_str(rec.backend_addr), port_int(rec.backend_port)) == (svc.nat_addr, svc.nat_port)
     assert rec.masq and (ip_str(rec.snat_addr), port_int(rec.snat_port)) == (svc.snat_addr, svc.snat_port)
@@ -154,8 +171,8 @@ def test_established_connection_is_reported_and_not_touched(datapath, maps):
     assert endpoints(Ether(traced.packet))[1] == endpoints(live.pkt)[1], "DNATed as the live packet was"
 
     # egress toward the backend: the connection's own masquerade, read, not refreshed
-    out = trace_tc(datapath, "tc_egress", live.pkt, nonce=NONCE + 1)
-    rec = maps.trace_record(NONCE + 1)
+    out = trace_tc(datapath, "tc_egress", live.pkt)
+    rec = maps.trace_record(last_nonce())
     assert rec.hook == s.HOOK_TC_EGRESS and R(rec.reason) == R.SNAT and rec.flags & s.TRACE_F_SNAT
     assert endpoints(Ether(out.packet))[0] == (svc.snat_addr, svc.snat_port)
     assert state(maps) == before
@@ -164,17 +181,17 @@ def test_established_connection_is_reported_and_not_touched(datapath, maps):
 def test_dry_run_egress_of_a_new_connection_finds_nothing(datapath, maps):
     w.install(maps, w.web())
     traced = trace_tc(datapath, "tc_ingress", tcp(w.OUTSIDE, 40000, w.VIP, 80))
-    rec = maps.trace_record(NONCE)
+    rec = maps.trace_record(last_nonce())
     assert rec.masq == s.TRACE_MASQ_POLICY
-    trace_tc(datapath, "tc_egress", traced.packet, nonce=NONCE + 1)
-    assert R(maps.trace_record(NONCE + 1).reason) == R.PASS_NO_SERVICE
+    trace_tc(datapath, "tc_egress", traced.packet)
+    assert R(maps.trace_record(last_nonce()).reason) == R.PASS_NO_SERVICE
     assert not maps.connections() and counted(maps) == {}
 
 
 def test_hairpin_is_recorded(datapath, maps):
     w.install(maps, w.web(cluster=(w.LOCAL_EP,)))
     trace_tc(datapath, "tc_ingress", tcp(w.LOCAL_EP[0], 40000, w.VIP, 80))
-    assert maps.trace_record(NONCE).masq == s.TRACE_MASQ_HAIRPIN
+    assert maps.trace_record(last_nonce()).masq == s.TRACE_MASQ_HAIRPIN
 
 
 def test_live_packets_never_write_the_trace_map(datapath, maps):
