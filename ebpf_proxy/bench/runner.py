@@ -364,14 +364,15 @@ def run_bench(config: BenchConfig, argv: list[str] | None = None,
         reason = mode_unavailable_reason(mode)
         results.set_mode_status(mode, "unavailable" if reason else "ok", reason)
     started = time.monotonic()
-    previous = signal.signal(signal.SIGTERM, _terminate)  # so `finally` removes the lab on SIGTERM too
+    previous = signal.signal(signal.SIGTERM, terminate)  # so `finally` removes the lab on SIGTERM too
     try:
         return _run(config, results, modes, started, display_factory)
     finally:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _terminate(signum: int, _frame: Any) -> None:
+def terminate(signum: int, _frame: Any) -> None:
+    """SIGTERM as SystemExit, so a run's `finally` removes its lab (the soak installs it too)."""
     raise SystemExit(128 + signum)
 
 

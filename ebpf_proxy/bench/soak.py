@@ -35,6 +35,7 @@ from __future__ import annotations
 import ipaddress
 import random
 import secrets
+import signal
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -43,7 +44,7 @@ from typing import Any, Callable
 
 from ebpf_proxy.bench import kernelstate, procstat, traffic
 from ebpf_proxy.bench.rest import Rest, RestError
-from ebpf_proxy.bench.runner import TOPOLOGY, start_agents
+from ebpf_proxy.bench.runner import TOPOLOGY, start_agents, terminate
 from ebpf_proxy.bench.services import (NAMESPACE, ROLE_LABEL, BenchServices, measured_targets, range_address,
                                        service_object, slice_object)
 from ebpf_proxy.lab.cluster import Lab, LabError
@@ -392,6 +393,16 @@ def run_soak(config: SoakConfig, say: Callable[[str], None] = print) -> list[Mod
     A mode that breaks is recorded with its error and the next mode still runs."""
     name = config.lab_name or f"sk{secrets.token_hex(3)}"
     say(f"building lab {name}")
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, terminate) if in_main else None  # so `finally` removes the lab
+    try:
+        return _run_soak(config, name, say)
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run_soak(config: SoakConfig, name: str, say: Callable[[str], None]) -> list[ModeResult]:
     lab = Lab.up(name, str(TOPOLOGY), "none")
     results: list[ModeResult] = []
     rest = Rest(lab.data["apiserver"]["url"])
