@@ -58,6 +58,18 @@ def _seconds(text: str, what: str, allow_zero: bool = False) -> float:
     return value
 
 
+def _modes_as_root(modes: str, allowed: tuple[str, ...], what: str) -> list[str]:
+    """--modes as a list, each one of `allowed`; and root, which building a lab needs (checked
+    after the options, so a typo is reported as such even without root)."""
+    mode_list = [m.strip() for m in modes.split(",") if m.strip()]
+    bad = [m for m in mode_list if m not in allowed]
+    if bad or not mode_list:
+        raise click.BadParameter(f"{modes!r}: modes are {', '.join(allowed)}", param_hint="--modes")
+    if os.geteuid() != 0:
+        raise click.ClickException(f"the {what} builds a lab (network namespaces, iptables): run it as root")
+    return mode_list
+
+
 def _print_compare(old_path: str, new_path: str) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -129,12 +141,7 @@ def bench(modes, services, endpoints_per_service, duration, warmup, repeats, con
         target = out_dir or Path(report_from).parent
         click.echo(f"wrote {write_report(doc, target)}")
         return
-    mode_list = [m.strip() for m in modes.split(",") if m.strip()]
-    bad = [m for m in mode_list if m not in ports.MODES]
-    if bad or not mode_list:
-        raise click.BadParameter(f"{modes!r}: modes are {', '.join(ports.MODES)}", param_hint="--modes")
-    if os.geteuid() != 0:
-        raise click.ClickException("the bench builds a lab (network namespaces, iptables): run it as root")
+    mode_list = _modes_as_root(modes, ports.MODES, "bench")
     config = BenchConfig(
         modes=mode_list,
         services=_int_list(_pick("services", services, quick), "--services"),
@@ -191,12 +198,7 @@ def soak(minutes, modes, writers, max_rate, live, json_path) -> None:
     from ebpf_proxy.bench import ports
     from ebpf_proxy.bench.soak import SoakConfig, problems, run_soak, table, write_json
 
-    mode_list = [m.strip() for m in modes.split(",") if m.strip()]
-    bad = [m for m in mode_list if m not in ports.PROXY_MODES]
-    if bad or not mode_list:
-        raise click.BadParameter(f"{modes!r}: modes are {', '.join(ports.PROXY_MODES)}", param_hint="--modes")
-    if os.geteuid() != 0:
-        raise click.ClickException("the soak builds a lab (network namespaces, iptables): run it as root")
+    mode_list = _modes_as_root(modes, ports.PROXY_MODES, "soak")
     config = SoakConfig(modes=mode_list, duration=minutes * 60, writers=writers, max_rate=max_rate,
                         slots_per_writer=max(1, live // writers))
     results = run_soak(config, say=lambda line: click.echo(line, err=True))
