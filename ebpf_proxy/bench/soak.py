@@ -352,7 +352,6 @@ def run_mode(lab: Lab, services: BenchServices, mode: str, config: SoakConfig,
     finally:
         prober.stop()
         sampler.stop()
-    peak_rss = {node: procstat.read(pid).peak_rss_mib for node, pid in pids.items()}
     result.changes, result.api_errors, result.api_error_samples = churn.changes, churn.errors, churn.error_samples
     result.probes_ok, result.probes_failed, result.failures = prober.ok, prober.failed_count, prober.failed
     if sampler.error:
@@ -370,10 +369,11 @@ def run_mode(lab: Lab, services: BenchServices, mode: str, config: SoakConfig,
         if time.monotonic() - drain_start > config.drain_timeout:
             break
         time.sleep(1.0)
-    rss_after = {node: procstat.read(pid).rss_mib for node, pid in pids.items()}
-    for node in pids:
-        result.rss_mib[node] = {"baseline": round(rss_base[node], 1), "peak": round(peak_rss[node], 1),
-                                "after": round(rss_after[node], 1)}
+    # VmHWM since the baseline's reset covers the churn and the drain: never below "after"
+    usage_after = {node: procstat.read(pid) for node, pid in pids.items()}
+    for node, usage in usage_after.items():
+        result.rss_mib[node] = {"baseline": round(rss_base[node], 1), "peak": round(usage.peak_rss_mib, 1),
+                                "after": round(usage.rss_mib, 1)}
     for node in baseline:
         result.objects[node] = {label: {"baseline": baseline[node][label],
                                         "peak": max(sampler.peak[node][label], after[node][label]),
