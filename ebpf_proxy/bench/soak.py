@@ -305,6 +305,9 @@ def _agent_pids(lab: Lab) -> dict[str, int]:
 
 def run_mode(lab: Lab, services: BenchServices, mode: str, config: SoakConfig,
              say: Callable[[str], None] = print) -> ModeResult:
+    """One mode's soak, steps 1-5 of the module docstring. A broken claim is recorded in the
+    result (see ModeResult.problems); what stops the run itself (a stable Service that does not
+    answer before any churn, churned objects the API server keeps) raises SoakError naming it."""
     result = ModeResult(mode)
     say(f"[{mode}] starting agents")
     services.point_at_mode(mode)
