@@ -4,7 +4,7 @@ VENV := .venv
 CLI := $(VENV)/bin/ebpf-proxy
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint unit clean-lab clean bench
+.PHONY: setup demo test lint unit clean-lab clean bench soak
 
 setup:
 	@scripts/setup.sh
@@ -23,6 +23,14 @@ unit: setup
 
 bench: setup
 	$(CLI) bench --quick
+
+# Not part of `make test`: SOAK_MINUTES of churn per mode (iptables, then ebpf). The short form
+# that `make test` runs is tests/e2e/test_soak.py.
+SOAK_MINUTES ?= 30
+SOAK_ARGS ?=
+
+soak: setup
+	$(CLI) soak --minutes $(SOAK_MINUTES) $(SOAK_ARGS)
 
 clean-lab:
 	@if [ -x $(CLI) ]; then $(CLI) lab down --all; else echo "no CLI yet: nothing the lab made"; fi

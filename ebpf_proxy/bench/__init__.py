@@ -17,4 +17,5 @@ and reads the kernel state the agents leave. Modules, one job each:
     report       report.md and the PNG plots
     compare      ratio table between two results.json
     runner       the whole run, with a live table
+    soak         `ebpf-proxy soak`: minutes of Service churn under steady traffic, leak check
 """

@@ -270,15 +270,7 @@ class Bench:
         self._resources(mode, size, phases)
 
     def _start_agents(self, mode: str) -> None:
-        """Every node's agent in `mode`, from a clean kernel, waiting as long as a sync at this size
-        takes. Lab.set_mode(mode) would do it with a fixed 30 s wait, less than an agent needs to
-        list and program 10,000 Services; so: mode none (stops the agents and removes every mode's
-        kernel state), then start and wait here."""
-        self.lab.set_mode("none")
-        for node in self.lab.topology.nodes:
-            self.lab.start_agent(node.name, mode, wait=False)
-        for node in self.lab.topology.nodes:
-            self.lab.wait_agent_ready(node.name, timeout=self.config.sync_timeout)
+        start_agents(self.lab, mode, self.config.sync_timeout)
 
     def _kernel_state(self, mode: str, size: int) -> None:
         for node in self.lab.topology.nodes:
@@ -349,6 +341,18 @@ class Bench:
         })
 
 
+def start_agents(lab: Lab, mode: str, timeout: float) -> None:
+    """Every node's agent in `mode`, from a clean kernel, waiting as long as a sync at this size
+    takes. Lab.set_mode(mode) would do it with a fixed 30 s wait, less than an agent needs to
+    list and program 10,000 Services; so: mode none (stops the agents and removes every mode's
+    kernel state), then start and wait here."""
+    lab.set_mode("none")
+    for node in lab.topology.nodes:
+        lab.start_agent(node.name, mode, wait=False)
+    for node in lab.topology.nodes:
+        lab.wait_agent_ready(node.name, timeout=timeout)
+
+
 def run_bench(config: BenchConfig, argv: list[str] | None = None,
               display_factory: Callable[[int], Display] = Display) -> tuple[dict, Path]:
     """Run the whole bench; returns (results document, report path). Files land in config.out_dir.
@@ -360,14 +364,15 @@ def run_bench(config: BenchConfig, argv: list[str] | None = None,
         reason = mode_unavailable_reason(mode)
         results.set_mode_status(mode, "unavailable" if reason else "ok", reason)
     started = time.monotonic()
-    previous = signal.signal(signal.SIGTERM, _terminate)  # so `finally` removes the lab on SIGTERM too
+    previous = signal.signal(signal.SIGTERM, terminate)  # so `finally` removes the lab on SIGTERM too
     try:
         return _run(config, results, modes, started, display_factory)
     finally:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _terminate(signum: int, _frame: Any) -> None:
+def terminate(signum: int, _frame: Any) -> None:
+    """SIGTERM as SystemExit, so a run's `finally` removes its lab (the soak installs it too)."""
     raise SystemExit(128 + signum)
 
 

@@ -58,6 +58,18 @@ def _seconds(text: str, what: str, allow_zero: bool = False) -> float:
     return value
 
 
+def _modes_as_root(modes: str, allowed: tuple[str, ...], what: str) -> list[str]:
+    """--modes as a list, each one of `allowed`; and root, which building a lab needs (checked
+    after the options, so a typo is reported as such even without root)."""
+    mode_list = [m.strip() for m in modes.split(",") if m.strip()]
+    bad = [m for m in mode_list if m not in allowed]
+    if bad or not mode_list:
+        raise click.BadParameter(f"{modes!r}: modes are {', '.join(allowed)}", param_hint="--modes")
+    if os.geteuid() != 0:
+        raise click.ClickException(f"the {what} builds a lab (network namespaces, iptables): run it as root")
+    return mode_list
+
+
 def _print_compare(old_path: str, new_path: str) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -129,12 +141,7 @@ def bench(modes, services, endpoints_per_service, duration, warmup, repeats, con
         target = out_dir or Path(report_from).parent
         click.echo(f"wrote {write_report(doc, target)}")
         return
-    mode_list = [m.strip() for m in modes.split(",") if m.strip()]
-    bad = [m for m in mode_list if m not in ports.MODES]
-    if bad or not mode_list:
-        raise click.BadParameter(f"{modes!r}: modes are {', '.join(ports.MODES)}", param_hint="--modes")
-    if os.geteuid() != 0:
-        raise click.ClickException("the bench builds a lab (network namespaces, iptables): run it as root")
+    mode_list = _modes_as_root(modes, ports.MODES, "bench")
     config = BenchConfig(
         modes=mode_list,
         services=_int_list(_pick("services", services, quick), "--services"),
@@ -159,4 +166,49 @@ def bench(modes, services, endpoints_per_service, duration, warmup, repeats, con
         raise click.ClickException("the results failed their sanity check:\n  " + "\n  ".join(problems))
 
 
-COMMANDS = [bench]
+SOAK_EPILOG = """\b
+Examples:
+  ebpf-proxy soak --minutes 30                           # what `make soak` runs
+  ebpf-proxy soak --minutes 10 --modes ebpf --json soak.json
+"""
+
+
+@click.command(epilog=SOAK_EPILOG)
+@click.option("--minutes", type=click.FloatRange(min=0.1), default=30.0, show_default=True,
+              help="Minutes of churn per mode.")
+@click.option("--modes", default="iptables,ebpf", show_default=True, help="Comma-separated proxy modes, run in turn.")
+@click.option("--writers", type=click.IntRange(1, 64), default=4, show_default=True,
+              help="Threads writing to the API server.")
+@click.option("--max-rate", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Cap on API changes per second over all writers; 0: as fast as the API server takes them.")
+@click.option("--services", "live", type=click.IntRange(1, 10000), default=100, show_default=True,
+              help="Churned Services existing at most at once (spread over the writers).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Also write every figure (and the parameters) to this file.")
+def soak(minutes, modes, writers, max_rate, live, json_path) -> None:
+    """Churn Services and endpoints for MINUTES per mode under steady traffic; check for leaks.
+
+    Creates, scales (EndpointSlice rewrites) and deletes Services as fast as the lab's API server
+    takes them, while fresh connections go to a few stable Services without pause. Prints, per
+    mode: API changes and rate, stable connections ok / failed, agent RSS and datapath objects
+    (iptables rules, or eBPF services, backends, slots and connections) at baseline, peak and
+    after the churned objects are deleted. Exits 1 when a connection failed or anything is not
+    back to its baseline (RSS: within 30 MiB).
+    """
+    from ebpf_proxy.bench import ports
+    from ebpf_proxy.bench.soak import SoakConfig, problems, run_soak, table, write_json
+
+    mode_list = _modes_as_root(modes, ports.PROXY_MODES, "soak")
+    config = SoakConfig(modes=mode_list, duration=minutes * 60, writers=writers, max_rate=max_rate,
+                        slots_per_writer=max(1, live // writers))
+    results = run_soak(config, say=lambda line: click.echo(line, err=True))
+    click.echo(f"ebpf-proxy {' '.join(sys.argv[1:])}\n")
+    click.echo(table(results))
+    if json_path:
+        write_json(results, config, json_path)
+    found = problems(results)
+    if found:
+        raise click.ClickException("the soak's claim does not hold:\n  " + "\n  ".join(found))
+
+
+COMMANDS = [bench, soak]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 
 import pytest
@@ -31,6 +30,7 @@ from ebpf_proxy.datapath.ebpf import structs as s
 from ebpf_proxy.datapath.ebpf.maps import be16
 from ebpf_proxy.lab import apiserver_ctl
 from ebpf_proxy.lab.probe import Outcome
+from ebpf_proxy.lab.prober import Prober
 from tests.e2e.conftest import E2E_MODES, _lab
 from tests.e2e.scenario_runner import HERE
 
@@ -77,41 +77,17 @@ def node_port_target(lab, node: str, port: int) -> str:
     return f"{lab.topology.node(node).ip}:{port}"
 
 
-class Prober:
+def web_prober(lab) -> Prober:
     """Probes the existing `web` Service without pause, from outside (NodePort on every node) and
     from a pod (its ClusterIP), and counts what failed."""
-
-    def __init__(self, lab) -> None:
-        api = lab.api()
-        try:
-            cluster_ip = api.get("Service", "web")["spec"]["clusterIP"]
-        finally:
-            api.close()
-        self.lab = lab
-        self.targets = [("outside", node_port_target(lab, n, WEB_NODE_PORT)) for n in nodes(lab)]
-        self.targets.append(("client-1", f"{cluster_ip}:80"))
-        self.ok = 0
-        self.failed: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            for where, target in self.targets:
-                result = self.lab.probe(where, target, timeout=1.0).results[0]
-                if result.outcome == Outcome.OK:
-                    self.ok += 1
-                else:
-                    self.failed.append(f"{where} -> {target}: {result.outcome}")
-            time.sleep(0.05)
-
-    def __enter__(self) -> "Prober":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
+    api = lab.api()
+    try:
+        cluster_ip = api.get("Service", "web")["spec"]["clusterIP"]
+    finally:
+        api.close()
+    targets = [("outside", node_port_target(lab, n, WEB_NODE_PORT)) for n in nodes(lab)]
+    targets.append(("client-1", f"{cluster_ip}:80"))
+    return Prober(lab, targets)
 
 
 def log_sizes(lab) -> dict[str, int]:
@@ -177,7 +153,7 @@ def test_outage_keeps_traffic_and_the_agent_catches_up(lab, fault, outage, recov
     read timeout (log: "the connection is hung"); a restarted one has forgotten our versions, so
     the watch's 410 makes the agent relist (log: "relisting")."""
     since = log_sizes(lab)
-    with Prober(lab) as prober:
+    with web_prober(lab) as prober:
         outage(lab)
         started = time.monotonic()
         time.sleep(OUTAGE)
@@ -237,7 +213,7 @@ def test_restore_from_an_older_backup_converges_to_it(lab):
 
     since = log_sizes(lab)
     try:
-        with Prober(lab) as prober:
+        with web_prober(lab) as prober:
             apiserver_ctl.stop(lab)
             lab.apiserver_state_file.write_bytes(backup)
             apiserver_ctl.start(lab)

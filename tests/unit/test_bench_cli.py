@@ -36,3 +36,12 @@ def test_quick_profile_defaults_and_explicit_options_win():
     assert _pick("services", None, quick=False) == "1,1000,10000"
     assert _pick("duration", "3s", quick=True) == "3s"
     assert all(len(v) == 2 for v in PROFILES.values())
+
+
+def test_soak_is_registered_and_takes_proxy_modes_only():
+    runner = CliRunner()
+    result = runner.invoke(main, ["soak", "--help"])
+    assert result.exit_code == 0 and "--minutes" in result.output and "--max-rate" in result.output
+    result = runner.invoke(main, ["soak", "--modes", "direct"])  # nothing to soak without a proxy
+    assert result.exit_code == 2 and "modes are iptables, ebpf" in result.output
+    assert runner.invoke(main, ["soak", "--minutes", "0"]).exit_code == 2
