@@ -343,7 +343,7 @@ class Bench:
 
 def start_agents(lab: Lab, mode: str, timeout: float) -> None:
     """Every node's agent in `mode`, from a clean kernel, waiting as long as a sync at this size
-    takes. Lab.set_mode(mode) would do it with a fixed 30 s wait, less than an agent needs to
+    takes. Lab.set_mode(mode) would wait only AGENT_READY_TIMEOUT (2 min), less than an agent needs to
     list and program 10,000 Services; so: mode none (stops the agents and removes every mode's
     kernel state), then start and wait here."""
     lab.set_mode("none")

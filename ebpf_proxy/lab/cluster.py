@@ -33,6 +33,11 @@ API_PORT = 6443
 MODES = ("none", "iptables", "ebpf", "auto")
 AGENT_HEALTHZ_PORT = 10256
 AGENT_METRICS_PORT = 10249
+# How long an agent may take to become ready (/healthz 200 after its first sync). A first eBPF start
+# compiles its programs, every node at once: ~15 s on two idle cores, but over 30 s (the old
+# limit) on a loaded CI machine, where a whole mode's e2e tests then failed. Ready agents answer at
+# once, so the bound costs nothing when things work.
+AGENT_READY_TIMEOUT = 120.0
 ZONE_LABEL = "topology.kubernetes.io/zone"
 
 
@@ -420,7 +425,7 @@ class Lab:
             return ["--config", str(cfg)]
         return ["--cluster-cidr", self.topology.cluster_cidr]
 
-    def set_proxy_config(self, config: Mapping[str, Any] | None, timeout: float = 30.0) -> None:
+    def set_proxy_config(self, config: Mapping[str, Any] | None, timeout: float = AGENT_READY_TIMEOUT) -> None:
         """Give every agent another KubeProxyConfiguration (None: none, flags only) and restart
         them with it, as rolling out a changed kube-proxy ConfigMap does. The datapath stays in
         place across the restart; each agent's first sync rewrites it for the new settings."""
@@ -457,7 +462,8 @@ class Lab:
             self.wait_agent_ready(node_name, proc)
         return proc.pid
 
-    def wait_agent_ready(self, node_name: str, proc: subprocess.Popen | None = None, timeout: float = 30.0) -> None:
+    def wait_agent_ready(self, node_name: str, proc: subprocess.Popen | None = None,
+                         timeout: float = AGENT_READY_TIMEOUT) -> None:
         """Ready = its /healthz answers 200, which the agent does only after a first successful sync."""
         netns_name = naming.node_netns(self.name, node_name)
         deadline = time.monotonic() + timeout
@@ -528,7 +534,7 @@ class Lab:
         else:
             raise LabError(f"agent action {action!r} is not one of start, stop, restart")
 
-    def set_mode(self, mode: str, timeout: float = 30.0) -> None:
+    def set_mode(self, mode: str, timeout: float = AGENT_READY_TIMEOUT) -> None:
         """Switch every node's agent in place. Switching cleans the previous mode's state.
 
         `timeout` bounds each agent's first sync (10,000 services take far longer than 1)."""

@@ -28,6 +28,7 @@ import pytest
 from ebpf_proxy.datapath.ebpf import libbpf
 from ebpf_proxy.lab import naming, nsexec, state
 from ebpf_proxy.lab.cluster import Lab, destroy
+from tests.netns_util import nsenter
 
 pytestmark = [
     pytest.mark.root,
@@ -138,7 +139,10 @@ def _ip_netns_list() -> list[str]:
 
 
 def _in_netns(netns: str, argv: list[str]) -> str:
-    return subprocess.run(["ip", "netns", "exec", netns, *argv], capture_output=True, text=True, timeout=30).stdout
+    """`argv`'s output inside `netns`, entered with nsenter: `ip netns exec` also remounts /sys,
+    which fails in a chroot (the fresh-machine check) and then lists nothing at all."""
+    done = subprocess.run([*nsenter(netns), *argv], capture_output=True, text=True, timeout=30)
+    return done.stdout
 
 
 def _iptables_rules(netns: str) -> list[str]:
