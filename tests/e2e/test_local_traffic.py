@@ -207,16 +207,19 @@ def _address(lab: Lab, name: str) -> str:
 
 
 def check(lab: Lab, p: Probe, want: Expected) -> list[str]:
-    """Probe one cell. A cell whose only problem is an attempt that got no answer where every
-    attempt should (a lost SYN costs a 1 s retransmit, past the 0.4 s timeout) is probed once
-    more; a wrong backend or source is never given a second chance."""
+    """Probe one cell. A cell is probed once more when its only problem is chance: an attempt
+    that got no answer where every attempt should (a lost SYN costs a 1 s retransmit, past the
+    0.4 s timeout), or every attempt picking the one reachable endpoint of two (each attempt is a
+    fair coin, so 1 in 4096 cells: across every configuration and mode that came up in CI). A
+    wrong backend or source is never given a second chance."""
     problems = _check_once(lab, p, want)
-    if problems and all(x.endswith(_MISSING_ANSWER) for x in problems):
+    if problems and all(x.endswith((_MISSING_ANSWER, _ALL_LUCKY)) for x in problems):
         problems = _check_once(lab, p, want)
     return problems
 
 
 _MISSING_ANSWER = "(some attempt got no answer)"
+_ALL_LUCKY = "(every attempt picked a reachable endpoint)"
 
 
 def _check_once(lab: Lab, p: Probe, want: Expected) -> list[str]:
@@ -238,7 +241,7 @@ def _check_once(lab: Lab, p: Probe, want: Expected) -> list[str]:
             problems.append(f"expected every attempt answered, got {report['summary']} {_MISSING_ANSWER}")
         if want.reachable != want.pods and len(ok) == count:
             problems.append(f"expected some attempts to reach {sorted(want.pods - want.reachable)} (no answer), "
-                            f"got {report['summary']}")
+                            f"got {report['summary']} {_ALL_LUCKY}")
         if seen and seen != {want.source}:
             problems.append(f"backend saw source {sorted(seen)}, expected {want.source}")
     return [f"{p.origin.where} ({p.origin.row}) → {p.target} [{p.dest}]: {x}" for x in problems]
