@@ -263,7 +263,9 @@ def test_masquerade_ports_keep_up_with_connection_churn(lab):
             maps.close()
 
     dropped, new = counted(s.Reason.DROP_SNAT_NO_PORT), counted(s.Reason.FWD_NEW)
-    spec = loadgen.LoadSpec("tcp", (f"{node_ip(lab, 'worker2')}:{NODE_PORT}",), duration=2.5, concurrency=16,
+    # Within the 10 s close timeout, more connections than both backends' ports: 2.5 s was enough
+    # on an idle machine, not on a loaded one (4,916 started), so 8 s, still under the timeout.
+    spec = loadgen.LoadSpec("tcp", (f"{node_ip(lab, 'worker2')}:{NODE_PORT}",), duration=8, concurrency=16,
                             timeout_ms=1000)
     result = loadgen.run(lab.netns_of("outside"), spec, binary)
     assert counted(s.Reason.DROP_SNAT_NO_PORT) == dropped, "masquerade ports ran out"
