@@ -257,6 +257,7 @@ class Agent:
             "localhost_nodeports": self.node_config.localhost_nodeports})
         self.datapath = self._datapath_factory(self.mode, self.node_config, cgroup_path=self.config.cgroup_path or None,
                                                bpffs=self.config.bpffs or None,
+                                               bpf_cache_dir=self.config.bpf_cache_dir or None,
                                                backend=self.config.iptables_backend or None)
         self.metrics.set_datapath(self.mode)
         self.metrics.read_counters_from(self.datapath)

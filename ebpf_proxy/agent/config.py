@@ -57,6 +57,7 @@ class AgentConfig:
     mode: str = "auto"
     cgroup_path: str = ""
     bpffs: str = "/sys/fs/bpf"
+    bpf_cache_dir: str = "/var/cache/ebpf-proxy/bpf"  # compiled programs by build id; "" disables
     iptables_backend: str = "auto"
     log_format: str = "text"
     log_level: str = "info"
@@ -267,6 +268,7 @@ _FIELDS: dict[str, _Field] = {
     "mode": _Field("--mode", (("mode",),), _mode),
     "cgroup_path": _Field("--cgroup-path", (), _string),
     "bpffs": _Field("--bpffs", (), _string),
+    "bpf_cache_dir": _Field("--bpf-cache-dir", (), _string),
     "iptables_backend": _Field("--iptables-backend", (), _choice(("auto", "legacy", "nft"))),
     "log_format": _Field("--log-format", (), _choice(LOG_FORMATS)),
     "log_level": _Field("--log-level", (), _choice(LOG_LEVELS)),

@@ -83,6 +83,10 @@ def _bool_flag(*names: str, help: str):  # noqa: A002 (click's name)
               help="cgroup v2 directory whose sockets get eBPF socket load-balancing (ebpf mode).")
 @click.option("--bpffs", default=None, type=click.Path(file_okay=False),
               help="bpffs mount for pinned maps (default /sys/fs/bpf).")
+@click.option("--bpf-cache-dir", default=None, type=click.Path(file_okay=False),
+              help="The node's cache of compiled eBPF programs, by build: a start that finds no pinned "
+                   "programs loads them from here instead of compiling (default /var/cache/ebpf-proxy/bpf; "
+                   "empty disables). Root-owned, mode 0700.")
 @click.option("--iptables-backend", default=None, metavar="auto|legacy|nft",
               help="iptables mode: which backend (auto: the one already holding rules, else legacy).")
 @click.option("--audit-period", default=None, metavar="DURATION",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -410,6 +411,7 @@ class Lab:
             "--healthz-bind-address", f"0.0.0.0:{AGENT_HEALTHZ_PORT}",
             "--cgroup-path", naming.node_cgroup(self.name, node.name),
             "--bpffs", str(self.dir / "bpffs" / node.name),
+            "--bpf-cache-dir", str(state.BPF_CACHE),
         ]
         return argv + self.proxy_config_args() + list(self.topology.agent_args)
 
@@ -597,4 +599,5 @@ def destroy_all() -> list[str]:
     names = sorted(set(state.known_labs()) | set(naming.leftover_labs()))
     for name in names:
         destroy(name)
+    shutil.rmtree(state.BPF_CACHE, ignore_errors=True)
     return names

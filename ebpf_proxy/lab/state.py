@@ -14,6 +14,9 @@ from typing import Any
 
 STATE_ROOT = Path(os.environ.get("EBPF_PROXY_LAB_ROOT", "/run/ebpf-proxy/labs"))
 DEFAULT_LAB = "lab"
+# The lab agents' program cache (--bpf-cache-dir): every node of every lab built from the same
+# sources and map sizes shares one compile. Removed by `lab down --all`.
+BPF_CACHE = STATE_ROOT.parent / "bpf-cache"
 
 
 class LabNotFound(RuntimeError):

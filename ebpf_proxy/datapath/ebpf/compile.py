@@ -4,7 +4,8 @@ bcc compiles with LLVM inside the calling process: importing bcc alone maps ~60 
 leaves the process at ~250 MiB, and none of it is ever given back (shared/PLATFORM.md, pitfall 5).
 The agent therefore never compiles itself: loader.load() runs this module as a child, which
 compiles bpf/ with bcc, creates (or re-opens) the pinned maps, loads the programs and pins them
-under <pin dir>/progs/<build id>/, then exits. The agent opens those pins by path, exactly as it
+under <pin dir>/progs/<build id>/, stores the build in the node's program cache when given one
+(objcache.py), then exits. The agent opens those pins by path, exactly as it
 does after a restart, and its memory stays what its own state needs.
 
 The one line on stdout is a JSON object, {"ok": true, "build": ..., "seconds": ...,
@@ -45,6 +46,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-entries", action="append", default=[], type=_entries, metavar="MAP=ENTRIES",
                         help="capacity of a map (repeat)")
     parser.add_argument("--build", required=True, help="the build id the caller expects (loader.build_id)")
+    parser.add_argument("--cache-dir", type=Path, default=None, help="the node's program cache: store this build there")
     return parser.parse_args(argv)
 
 
@@ -61,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         if build != args.build:
             raise loader.LoadError(f"build id {build} here, {args.build} in the agent: the sources changed "
                                    "while it started; restart it")
-        loaded = loader.load(args.pin_dir, args.programs, sizes, in_process=True)
+        loaded = loader.load(args.pin_dir, args.programs, sizes, in_process=True, cache_dir=args.cache_dir)
         loaded.close()
     except (loader.LoadError, toolchain.KernelHeadersMissing, OSError) as exc:
         print(json.dumps({"ok": False, "error": str(exc)}), flush=True)

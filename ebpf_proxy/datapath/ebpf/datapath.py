@@ -86,6 +86,7 @@ class EbpfDatapath(Datapath):
         watch_devices: bool = True,
         max_entries: Mapping[str, int] | None = None,
         ct_gc_period: float = CT_GC_PERIOD,
+        bpf_cache_dir: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(node)
@@ -94,6 +95,7 @@ class EbpfDatapath(Datapath):
         self.cgroup_path = Path(cgroup_path) if cgroup_path else None
         self.bpffs = Path(bpffs)
         self.pin_dir = pins.pin_dir(self.bpffs)
+        self._cache_dir = Path(bpf_cache_dir) if bpf_cache_dir else None  # the node's program cache
         self._pod_patterns = tuple(pod_device_patterns)
         self._xdp_mode = xdp_mode
         self._watch = watch_devices
@@ -121,6 +123,7 @@ class EbpfDatapath(Datapath):
         if first:
             counts["map_writes"] += self._load(state)
             counts["programs_compiled"] = int(self._loaded is not None and self._loaded.compiled)
+            counts["programs_from_cache"] = int(self._loaded is not None and self._loaded.source == "cache")
         assert self._programs is not None
         if changes.full or first:
             names = set(state.services) | set(self._programs.current)
@@ -152,7 +155,7 @@ class EbpfDatapath(Datapath):
     def _load(self, state: ProxyState) -> int:
         """Steps 1-3 of the first sync. Returns the map writes made."""
         pin_dir = pins.prepare(self.bpffs)
-        loaded = loader.load(pin_dir, max_entries=self._max_entries, reuse=True)
+        loaded = loader.load(pin_dir, max_entries=self._max_entries, reuse=True, cache_dir=self._cache_dir)
         try:
             maps = Maps.from_loaded(loaded)
             programs = ServicePrograms(maps, self.node.node_ips)

@@ -41,6 +41,13 @@ class _ProgLoadOpts(ctypes.Structure):
     _fields_ = [("sz", ctypes.c_size_t), ("attempts", ctypes.c_int), ("expected_attach_type", ctypes.c_uint32)]
 
 
+class _MapCreateOpts(ctypes.Structure):
+    # struct bpf_map_create_opts, up to map_extra.
+    _fields_ = [("sz", ctypes.c_size_t), ("btf_fd", ctypes.c_uint32), ("btf_key_type_id", ctypes.c_uint32),
+                ("btf_value_type_id", ctypes.c_uint32), ("btf_vmlinux_value_type_id", ctypes.c_uint32),
+                ("inner_map_fd", ctypes.c_uint32), ("map_flags", ctypes.c_uint32), ("map_extra", ctypes.c_uint64)]
+
+
 class MapInfo(ctypes.Structure):
     """struct bpf_map_info, up to `name` (the kernel fills as much as we give room for)."""
 
@@ -132,6 +139,9 @@ def lib() -> ctypes.CDLL:
             ctypes.c_size_t,
             ctypes.POINTER(_ProgLoadOpts),
         ]
+        handle.bpf_map_create.restype = ctypes.c_int
+        handle.bpf_map_create.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32, ctypes.c_uint32,
+                                          ctypes.c_uint32, ctypes.POINTER(_MapCreateOpts)]
         handle.bpf_obj_get.restype = ctypes.c_int
         handle.bpf_obj_get.argtypes = [ctypes.c_char_p]
         handle.bpf_obj_get_info_by_fd.restype = ctypes.c_int
@@ -197,6 +207,16 @@ def prog_load(prog_type: int, insns: bytes, expected_attach_type: int = 0, name:
     opts = _ProgLoadOpts(sz=ctypes.sizeof(_ProgLoadOpts), attempts=0, expected_attach_type=expected_attach_type)
     buf = ctypes.create_string_buffer(insns, len(insns))
     ret = lib().bpf_prog_load(prog_type, name.encode(), b"GPL", buf, len(insns) // 8, ctypes.byref(opts))
+    if ret < 0:
+        raise _error(ret)
+    return ret
+
+
+def map_create(map_type: int, name: str, key_size: int, value_size: int, max_entries: int, flags: int = 0) -> int:
+    """Create a map (no BTF); returns its fd (caller closes it). Raises OSError(errno)."""
+    opts = _MapCreateOpts(sz=ctypes.sizeof(_MapCreateOpts), map_flags=flags)
+    ret = lib().bpf_map_create(map_type, name.encode()[: BPF_OBJ_NAME_LEN - 1], key_size, value_size, max_entries,
+                               ctypes.byref(opts))
     if ret < 0:
         raise _error(ret)
     return ret

@@ -19,6 +19,12 @@ exits; the caller then opens the pins, as after a restart. bcc's LLVM never ente
 importing bcc costs ~60 MiB of RSS, a compile leaves ~250 MiB behind, and neither is returned
 (shared/PLATFORM.md, pitfall 5). `in_process=True` compiles here instead and keeps bcc's tables
 (the child itself, and the tests that compare structs.py with bcc's reflection of the C).
+
+A start that finds no pinned programs of its build (after a reboot, on a new node, after
+`cleanup`) first looks in the node's program cache (objcache.py, `cache_dir`): the bytecode the
+compiler produced for this build id, loaded with this process's map fds in milliseconds instead
+of a multi-second compile. bcc stays the fallback for a build the cache does not have, and
+every compile refreshes the cache.
 """
 
 from __future__ import annotations
@@ -32,11 +38,12 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ebpf_proxy.datapath.ebpf import libbpf, structs, toolchain
+from ebpf_proxy.datapath.ebpf import libbpf, objcache, structs, toolchain
 
 log = logging.getLogger(__name__)
 
@@ -175,9 +182,13 @@ class Loaded:
     tables: dict[str, object]  # bcc tables (empty when the programs were re-opened from pins)
     prog_fds: dict[str, int]
     map_fds: dict[str, int] = field(default_factory=dict)
-    compiled: bool = True
+    source: str = "compiler"  # where the programs came from: compiler | cache | pins
     _modules: list = field(default_factory=list, repr=False)
     _fds: list[int] = field(default_factory=list, repr=False)  # opened from pins: ours to close
+
+    @property
+    def compiled(self) -> bool:
+        return self.source == "compiler"
 
     def close(self) -> None:
         for module in self._modules:
@@ -230,7 +241,7 @@ def _open_pinned(pin_dir: Path, bid: str, programs: Iterable[str], sizes: Mappin
         for fd in fds:
             os.close(fd)
         return None
-    return Loaded(pin_dir=pin_dir, tables={}, prog_fds=prog_fds, map_fds=map_fds, compiled=False, _fds=fds)
+    return Loaded(pin_dir=pin_dir, tables={}, prog_fds=prog_fds, map_fds=map_fds, source="pins", _fds=fds)
 
 
 def _pin_programs(pin_dir: Path, bid: str, prog_fds: Mapping[str, int]) -> None:
@@ -257,11 +268,14 @@ def load(
     max_entries: Mapping[str, int] | None = None,
     reuse: bool = False,
     in_process: bool = False,
+    cache_dir: Path | None = None,
 ) -> Loaded:
     """The datapath's maps (pinned in `pin_dir`, a directory on bpffs) and the given programs,
     compiled from bpf/ and pinned. With `reuse`, this build's pinned programs are re-opened instead
-    when they are there and still use the pinned maps (no compile). The compile runs in a child
-    process (see the module docstring) unless `in_process`; only then are bcc's tables kept."""
+    when they are there and still use the pinned maps (no compile). With `cache_dir`, a build the
+    node's program cache has is loaded from there (no compile), and a compile stores its build
+    there. The compile runs in a child process (see the module docstring) unless `in_process`;
+    only then are bcc's tables kept."""
     programs = list(programs)
     sizes = {**MAX_ENTRIES, **(max_entries or {})}
     if not on_bpffs(pin_dir):
@@ -272,24 +286,66 @@ def load(
         if loaded is not None:
             log.info("re-opened the pinned programs of build %s (no compile)", bid)
             return loaded
+    if cache_dir is not None and not in_process:
+        loaded = _load_cached(pin_dir, bid, programs, sizes, cache_dir)
+        if loaded is not None:
+            return loaded
     toolchain.ensure_kernel_headers()  # here: its errors keep their type and message
     if in_process:
-        return _compile_here(pin_dir, programs, sizes, bid)
-    report = _compile_in_child(pin_dir, programs, max_entries or {}, bid)
+        return _compile_here(pin_dir, programs, sizes, bid, cache_dir)
+    report = _compile_in_child(pin_dir, programs, max_entries or {}, bid, cache_dir)
     loaded = _open_pinned(pin_dir, bid, programs, sizes)
     if loaded is None:
         raise LoadError(f"the compiler process pinned build {bid} under {pin_dir}, but its pins cannot be "
                         "opened (removed meanwhile?)")
-    loaded.compiled = True
+    loaded.source = "compiler"
     log.info("compiled build %s in a child process (%.1f s, its peak RSS %.0f MiB)", bid,
              report.get("seconds", 0.0), report.get("peak_rss_mib", 0.0))
     return loaded
 
 
-def _compile_in_child(pin_dir: Path, programs: list[str], max_entries: Mapping[str, int], bid: str) -> dict:
+def _load_cached(pin_dir: Path, bid: str, programs: list[str], sizes: Mapping[str, int],
+                 cache_dir: Path) -> Loaded | None:
+    """Build `bid` from the node's program cache, pinned as a compile pins it; None (with the
+    reason logged) when the cache cannot provide it."""
+    start = time.monotonic()
+    try:
+        entry = objcache.read(cache_dir, bid, programs)
+    except (objcache.CacheError, OSError) as exc:
+        log.warning("program cache not used for build %s (%s): compiling", bid, exc)
+        return None
+    if entry is None:
+        log.info("build %s is not in the program cache %s: compiling", bid, cache_dir)
+        return None
+    if drop_incompatible_pins(pin_dir, sizes):
+        shutil.rmtree(pin_dir / PROGS_SUBDIR, ignore_errors=True)  # they use the maps just dropped
+    fds: list[int] = []
+    try:
+        map_fds = objcache.open_or_create_maps(pin_dir, entry["maps"])
+        fds += map_fds.values()
+        prog_fds = objcache.load_programs(entry, programs, map_fds)
+        fds += prog_fds.values()
+        _pin_programs(pin_dir, bid, prog_fds)
+    except (objcache.CacheError, OSError) as exc:
+        log.warning("program cache entry of build %s not loadable (%s): compiling", bid, exc)
+        return None
+    finally:
+        for fd in fds:
+            os.close(fd)
+    loaded = _open_pinned(pin_dir, bid, programs, sizes)
+    if loaded is not None:
+        loaded.source = "cache"
+        log.info("loaded build %s from the program cache in %.3f s (no compile)", bid, time.monotonic() - start)
+    return loaded
+
+
+def _compile_in_child(pin_dir: Path, programs: list[str], max_entries: Mapping[str, int], bid: str,
+                      cache_dir: Path | None = None) -> dict:
     """Run compile.py in a fresh interpreter; returns its report. Raises LoadError with its error."""
     argv = [sys.executable, "-m", "ebpf_proxy.datapath.ebpf.compile", "--pin-dir", str(pin_dir),
             "--src-dir", str(BPF_SRC_DIR), "--build", bid]
+    if cache_dir is not None:
+        argv += ["--cache-dir", str(cache_dir)]
     argv += [f"--program={name}" for name in programs]
     argv += [f"--max-entries={name}={n}" for name, n in sorted(max_entries.items())]
     env = dict(os.environ)
@@ -319,9 +375,10 @@ def _compile_in_child(pin_dir: Path, programs: list[str], max_entries: Mapping[s
     raise LoadError("compiling the datapath failed: " + "\n  ".join([error, *diagnostics]))
 
 
-def _compile_here(pin_dir: Path, programs: list[str], sizes: Mapping[str, int], bid: str) -> Loaded:
+def _compile_here(pin_dir: Path, programs: list[str], sizes: Mapping[str, int], bid: str,
+                  cache_dir: Path | None = None) -> Loaded:
     """Compile bpf/maps.c (pinning maps in `pin_dir`) and the programs with bcc in this process,
-    and pin the programs under build `bid`."""
+    pin the programs under build `bid`, and store the build in the program cache `cache_dir`."""
     try:
         from bcc import BPF, BPFAttachType  # noqa: PLC0415 (the package imports without bcc)
     except ImportError as exc:
@@ -350,6 +407,12 @@ def _compile_here(pin_dir: Path, programs: list[str], sizes: Mapping[str, int], 
             fn = by_source[source].load_func(name.encode(), getattr(BPF, prog_type), **kwargs)
             prog_fds[name] = fn.fd
         _pin_programs(pin_dir, bid, prog_fds)
+        if cache_dir is not None:
+            compiled = {name: (getattr(BPF, PROGRAMS[name][1]),
+                               getattr(BPFAttachType, PROGRAMS[name][2]) if PROGRAMS[name][2] else 0,
+                               by_source[PROGRAMS[name][0]].dump_func(name.encode()))
+                        for name in programs}
+            _store_cached(cache_dir, bid, tables, compiled)
     except Exception as exc:
         for module in modules:
             module.cleanup()
@@ -358,6 +421,20 @@ def _compile_here(pin_dir: Path, programs: list[str], sizes: Mapping[str, int], 
         raise LoadError(f"loading the datapath failed: {exc}") from exc
     map_fds = {name: table.get_fd() for name, table in tables.items()}
     return Loaded(pin_dir=pin_dir, tables=tables, prog_fds=prog_fds, map_fds=map_fds, _modules=modules)
+
+
+def _store_cached(cache_dir: Path, bid: str, tables: Mapping[str, object],
+                  compiled: Mapping[str, tuple[int, int, bytes]]) -> None:
+    """Put a fresh compile in the program cache; a failure costs the next cold start a compile,
+    nothing else, so it is logged, never raised."""
+    fds = {name: table.get_fd() for name, table in tables.items()}
+    try:
+        path = objcache.store(cache_dir, bid, {name: libbpf.map_info(fd) for name, fd in fds.items()}, compiled,
+                              {fd: name for name, fd in fds.items()})
+    except (objcache.CacheError, OSError) as exc:
+        log.warning("build %s not stored in the program cache %s: %s", bid, cache_dir, exc)
+        return
+    log.info("stored build %s in the program cache: %s", bid, path)
 
 
 # ---- attachment (network devices: pyroute2, in the caller's chosen netns) ----
