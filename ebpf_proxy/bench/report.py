@@ -118,6 +118,27 @@ def _datapath_section(doc: dict, idx: dict) -> list[str]:
     return lines
 
 
+BPF_PATH_TITLES = {"clusterip_syn": "ClusterIP, first packet (SYN)", "established": "ClusterIP, established",
+                   "nodeport": "NodePort, first packet (SYN, masqueraded)"}
+
+
+def _bpf_cost_section(doc: dict, idx: dict) -> list[str]:
+    sizes = [n for n in _sizes(doc) if any(idx.get(("bpf_ns_per_packet", p, "ebpf", n)) for p in BPF_PATH_TITLES)]
+    if not sizes:
+        return []
+    lines = ["## eBPF program cost per packet", "",
+             "tc_ingress alone, timed by the kernel (BPF_PROG_TEST_RUN, one run per packet, a new "
+             "connection each; private maps holding the Services; bench/bpfcost.py): median / p99 ns.", ""]
+    rows = []
+    for path, title in BPF_PATH_TITLES.items():
+        cells = [title]
+        for n in sizes:
+            r = idx.get(("bpf_ns_per_packet", path, "ebpf", n))
+            cells.append(f"{_fmt(r['value'])} / {_fmt(r['p99'])} {_pm(r)}" if r else "–")
+        rows.append(cells)
+    return lines + _table(["packet"] + [f"{n:,} services: ns" for n in sizes], rows)
+
+
 def _control_section(doc: dict, idx: dict) -> list[str]:
     modes, sizes = _proxy_modes(doc), _sizes(doc)
     if not modes:
@@ -299,7 +320,8 @@ def write_plots(doc: dict, out_dir: Path) -> list[str]:
 
 def render_markdown(doc: dict, plots: list[str], plot_error: str | None = None) -> str:
     idx = _index(doc.get("summary", []))
-    lines = _header(doc) + _datapath_section(doc, idx) + _control_section(doc, idx) + _kernel_section(doc) \
+    lines = _header(doc) + _datapath_section(doc, idx) + _bpf_cost_section(doc, idx) + _control_section(doc, idx) \
+        + _kernel_section(doc) \
         + _installs_section(doc) + _unavailable_section(doc)
     if plots:
         lines += ["## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots] + [""]

@@ -22,7 +22,9 @@ A summary row: {"metric", "path", "mode", "services", "value", "unit", "p50", "p
 change; for rss: the highest peak RSS of any agent in any phase, the phases being its "repeats"),
 `spread` is (max - min) / median of the per-repeat values, and p50/p99 are request
 latency in ms (the median over repeats of each run's percentile) for conn_rate/udp_rate, the
-percentiles over every change for update_latency, and null for the rest. Rate rows also carry
+percentiles over every change for update_latency, for bpf_ns_per_packet the program's own run
+time in ns (median over repeats of each repeat's median and p99; bench/bpfcost.py), and null
+for the rest. Rate rows also carry
 `p90` and `latency_unit`; rss rows carry `by_phase` (MiB) and `cpu_seconds_by_phase`.
 """
 
@@ -44,8 +46,9 @@ from ebpf_proxy.bench.stats import is_figure, median, percentile, spread
 
 SCHEMA = 1
 SUMMARY_KEYS = ("metric", "path", "mode", "services", "value", "unit", "p50", "p99", "repeats", "spread")
-METRICS = ("conn_rate", "udp_rate", "update_latency", "full_sync", "burst_converge", "rss")
-PATHS = ("clusterip", "nodeport-cluster", "nodeport-local", "direct", None)
+METRICS = ("conn_rate", "udp_rate", "bpf_ns_per_packet", "update_latency", "full_sync", "burst_converge", "rss")
+PATHS = ("clusterip", "nodeport-cluster", "nodeport-local", "direct", "clusterip_syn", "established", "nodeport",
+         None)
 MODES = ("direct", "iptables", "ebpf")
 RATE_METRICS = ("conn_rate", "udp_rate")
 HIGHER_IS_BETTER = frozenset(RATE_METRICS)
@@ -76,6 +79,9 @@ def summarize_point(point: dict[str, Any]) -> dict[str, Any]:
         row["value"] = row["p50"] = _round(percentile(pooled, 50))
         row["p99"] = _round(percentile(pooled, 99))
         row["changes"] = len(pooled)
+    elif metric == "bpf_ns_per_packet":
+        row["p50"] = row["value"]
+        row["p99"] = _round(median([r["p99"] for r in point["runs"]]))
     elif metric == "rss":
         row["value"] = _round(max(values))  # the peak: the most memory the agent needed
         row["by_phase"] = point.get("by_phase", {})

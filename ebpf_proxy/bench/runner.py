@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from ebpf_proxy.bench import controlplane, kernelstate, loadgen, ports, procstat, report, traffic
+from ebpf_proxy.bench import bpfcost, controlplane, kernelstate, loadgen, ports, procstat, report, traffic
 from ebpf_proxy.bench.display import Display
 from ebpf_proxy.bench.results import Results, check
 from ebpf_proxy.bench.rest import Rest, RestError
@@ -37,13 +37,15 @@ from ebpf_proxy.bench.services import BenchServices, measured_targets
 from ebpf_proxy.bench.stats import median, percentile
 from ebpf_proxy.datapath import DatapathUnavailable, datapath_class
 from ebpf_proxy.lab.cluster import Lab, LabError
+from ebpf_proxy.lab.state import BPF_CACHE
 
 TOPOLOGY = Path(__file__).with_name("topology.yaml")
 OBSERVED_NODE = traffic.ENTRY_NODE  # the node whose agent restarts and whose kernel is polled
 # The reference mode: if its agents do not start, that is a failure, not "not available here".
 MUST_RUN = ("iptables",)
 MEASUREMENT_ERRORS = (controlplane.ControlPlaneError, kernelstate.KernelStateError, loadgen.LoadgenError,
-                      LabError, RestError, subprocess.TimeoutExpired, OSError)
+                      LabError, RestError, subprocess.TimeoutExpired, OSError, bpfcost.BpfCostError,
+                      bpfcost.loader.LoadError)
 
 
 @dataclass
@@ -64,6 +66,8 @@ class BenchConfig:
     sync_timeout: float = 600.0
     change_timeout: float = 120.0
     writers: int = 4
+    bpf_samples: int = 1000  # test runs per path and repeat of bpf_ns_per_packet
+    bpf_endpoints: int = 10  # backends per Service in bpf_ns_per_packet's maps
 
     def parameters(self) -> dict[str, Any]:
         d = asdict(self)
@@ -90,7 +94,7 @@ def mode_unavailable_reason(mode: str) -> str | None:
 
 
 def total_steps(config: BenchConfig, modes: list[str]) -> int:
-    per_size = 1 + sum(2 if m == "direct" else 8 for m in modes)
+    per_size = 1 + sum(2 if m == "direct" else 9 if m == "ebpf" else 8 for m in modes)
     return per_size * len(config.services)
 
 
@@ -247,6 +251,11 @@ class Bench:
         self._kernel_state(mode, size)
         self.ui.advance()
 
+        if mode == "ebpf":
+            with self._guard("bpf_ns_per_packet", mode, size):
+                self._bpf_cost(size)
+            self.ui.advance()
+
         meter = procstat.PhaseMeter(self._agent_pids())
         targets = measured_targets(self.services.measured, self.lab.topology, traffic.ENTRY_NODE)
         for point in traffic.proxy_points(mode, targets):
@@ -285,6 +294,21 @@ class Bench:
             self.results.doc["kernel_state"].append({"mode": mode, "services": size, "node": node.name,
                                                      "counts": counts})
         self._save()
+
+    def _bpf_cost(self, size: int) -> None:
+        cfg = self.config
+        label = f"{size:,} services, ebpf: BPF ns/packet"
+        self.ui.step(label)
+        # one map capacity for every size of the run: one build, so at most one compile
+        capacity = max(cfg.services)
+        runs = bpfcost.measure(size, endpoints=cfg.bpf_endpoints, samples=cfg.bpf_samples, repeats=cfg.repeats,
+                               capacity=capacity, cache_dir=BPF_CACHE,
+                               on_repeat=lambda r, ns: self.ui.detail(
+                                   f"{label} (repeat {r + 1}: " + ", ".join(f"{p} {v:.0f}" for p, v in ns.items()) + ")"))
+        for path, per_repeat in runs.items():
+            self._point({"metric": "bpf_ns_per_packet", "path": path, "mode": "ebpf", "services": size, "unit": "ns",
+                         "values": [r["median"] for r in per_repeat], "runs": per_repeat,
+                         "endpoints_per_service": cfg.bpf_endpoints, "samples": cfg.bpf_samples})
 
     def _update_latency(self, observer: controlplane.Observer, size: int) -> None:
         mode, cfg = observer.mode, self.config

@@ -94,6 +94,13 @@ def test_every_point_was_measured(quick_run):
                 assert (metric, None, mode, n) in rows
             for metric in ("update_latency", "burst_converge"):
                 assert (metric, None, mode, n) in rows or (mode, metric) in unavailable
+        if "ebpf" in running:
+            for path in ("clusterip_syn", "established", "nodeport"):
+                assert ("bpf_ns_per_packet", path, "ebpf", n) in rows
+    if "ebpf" in running:
+        cost = {(r["path"], r["services"]): r for r in doc["summary"] if r["metric"] == "bpf_ns_per_packet"}
+        # a connection-table hit is cheaper than a lookup, a backend choice and a new entry
+        assert cost[("established", 1)]["value"] < cost[("clusterip_syn", 1)]["value"], cost
     iptables_state = [k for k in doc["kernel_state"] if k["mode"] == "iptables"]
     assert {k["services"] for k in iptables_state} == {1, 1000}
     small = max(k["counts"]["total"] for k in iptables_state if k["services"] == 1)
@@ -119,6 +126,8 @@ def test_report_and_plots(quick_run):
     report = (out / "report.md").read_text()
     for heading in ("## Data path", "## Control plane", "## Kernel state"):
         assert heading in report
+    if doc["modes"].get("ebpf", {}).get("status") == "ok":
+        assert "## eBPF program cost per packet" in report
     for mode, status in doc["modes"].items():
         if status["status"] != "ok":
             assert f"Mode {mode} was skipped" in report
