@@ -84,10 +84,8 @@ static __always_inline int tc_ingress_run(struct __sk_buff *skb, struct epx_trac
 int tc_ingress(struct __sk_buff *skb)
 {
 	if (trace_skb_requested(skb)) { /* the one test live packets pay */
-		struct epx_trace_rec *tr = trace_begin(skb->cb[1], EPX_HOOK_TC_INGRESS);
+		struct epx_trace_rec *tr = trace_skb_begin(skb, EPX_HOOK_TC_INGRESS);
 
-		if (tr)
-			tr->ifindex = skb->ifindex;
 		return tr ? tc_ingress_run(skb, tr) : TC_ACT_OK;
 	}
 	return tc_ingress_run(skb, NULL);
@@ -123,10 +121,8 @@ static __always_inline int tc_egress_run(struct __sk_buff *skb, struct epx_trace
 int tc_egress(struct __sk_buff *skb)
 {
 	if (trace_skb_requested(skb)) { /* the one test live packets pay */
-		struct epx_trace_rec *tr = trace_begin(skb->cb[1], EPX_HOOK_TC_EGRESS);
+		struct epx_trace_rec *tr = trace_skb_begin(skb, EPX_HOOK_TC_EGRESS);
 
-		if (tr)
-			tr->ifindex = skb->ifindex;
 		return tr ? tc_egress_run(skb, tr) : TC_ACT_OK;
 	}
 	return tc_egress_run(skb, NULL);

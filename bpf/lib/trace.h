@@ -8,6 +8,7 @@
  * trace_skb_requested  TC: mark and cb[0] carry the trace signal
  * trace_xdp_requested  XDP: data_meta holds a struct epx_trace_meta
  * trace_begin          the record of this CPU, cleared, with the caller's nonce and the hook
+ * trace_skb_begin      trace_begin for a TC run: the nonce from cb[1], the device from the skb
  * trace_service        frontend matched: the service as the maps held it
  * trace_policy         lb4_policy's choice: origin, scope, masquerade
  * trace_backend        the backend chosen (or the one the connection table holds)
@@ -41,6 +42,17 @@ static __always_inline struct epx_trace_rec *trace_begin(__u32 nonce, __u8 hook)
 	__builtin_memset(tr, 0, sizeof(*tr));
 	tr->nonce = nonce;
 	tr->hook = hook;
+	return tr;
+}
+
+/* Both TC entries open a trace run the same way; one place keeps the nonce's slot (cb[1], see
+ * common.h) and the recorded device from drifting apart between ingress and egress. */
+static __always_inline struct epx_trace_rec *trace_skb_begin(const struct __sk_buff *skb, __u8 hook)
+{
+	struct epx_trace_rec *tr = trace_begin(skb->cb[1], hook);
+
+	if (tr)
+		tr->ifindex = skb->ifindex;
 	return tr;
 }
 

@@ -9,6 +9,7 @@ is then probed for real.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import pytest
 
@@ -46,17 +47,27 @@ OUTSIDE = "203.0.113.5"
 BOTH = (f"{POD2}:80", f"{POD1}:80")  # sorted as Trace sorts
 
 
-@pytest.fixture(scope="module")
-def lab():
-    name = f"trc{os.getpid() % 10000}"
+@contextmanager
+def ebpf_lab(prefix: str, topology: str | None, manifests: str, source: str, proxy_config: dict | None = None):
+    """A lab in ebpf mode (a name of this process's, any leftover of it removed first) with
+    `manifests` applied and every agent converged; destroyed on the way out, whatever happens."""
+    name = f"{prefix}{os.getpid() % 10000}"
     destroy(name)
-    lab = Lab.up(name, None, mode="ebpf")
+    lab = Lab.up(name, topology, mode="ebpf")
     try:
-        lab.apply_manifests(MANIFESTS, "trace-ebpf")
+        if proxy_config:
+            lab.set_proxy_config(proxy_config)
+        lab.apply_manifests(manifests, source)
         lab.wait_converged()
         yield lab
     finally:
         destroy(name)
+
+
+@pytest.fixture(scope="module")
+def lab():
+    with ebpf_lab("trc", None, MANIFESTS, "trace-ebpf") as lab:
+        yield lab
 
 
 def hosts(sources: set[str]) -> set[str]:
@@ -80,21 +91,23 @@ def test_outside_to_worker2_nodeport_is_dropped_for_externaltrafficpolicy(lab):
     assert report.summary["timeout"] == 1
 
 
-def test_outside_to_worker3_nodeport_reaches_its_own_pod_unmasqueraded(lab):
-    t = trace_on(lab, "worker3", FlowSpec(OUTSIDE, W3, NODE_PORT, origin="external"))
-    assert (t.verdict, t.backends, t.masquerade, t.source_after) == ("dnat", (f"{POD2}:80",), False, OUTSIDE)
-    assert [st.hook for st in t.steps] == ["xdp", "tc-ingress", "tc-egress"]
-    report = lab.probe("outside", f"{W3}:{NODE_PORT}", count=5)
-    assert report.pods == {"my-nginx-2"} and hosts(report.sources) == {OUTSIDE}
-    assert {r.backend for r in report.results} == set(t.backends)
-
-
-def test_worker2_to_its_own_nodeport_goes_anywhere_masqueraded(lab):
-    t = trace_on(lab, "worker2", FlowSpec(W2, W2, NODE_PORT, origin="host"))
-    assert (t.verdict, t.backends, t.masquerade, t.source_after) == ("dnat", BOTH, True, W2)
-    assert [(st.hook, st.unit) for st in t.steps] == [("cgroup/connect4", "sock_connect4")]
-    report = lab.probe("worker2", f"{W2}:{NODE_PORT}", count=20)
-    assert report.pods == {"my-nginx-1", "my-nginx-2"} and hosts(report.sources) == {W2}
+@pytest.mark.parametrize("client,node,flow,backends,masquerade,seen_as,programs,count,pods", [
+    pytest.param("outside", "worker3", FlowSpec(OUTSIDE, W3, NODE_PORT, origin="external"), (f"{POD2}:80",),
+                 False, OUTSIDE, [("xdp", "xdp_lb"), ("tc-ingress", "tc_ingress"), ("tc-egress", "tc_egress")],
+                 5, {"my-nginx-2"}, id="outside to worker3: its own pod, unmasqueraded"),
+    pytest.param("worker2", "worker2", FlowSpec(W2, W2, NODE_PORT, origin="host"), BOTH,
+                 True, W2, [("cgroup/connect4", "sock_connect4")],
+                 20, {"my-nginx-1", "my-nginx-2"}, id="worker2 to itself: any pod, masqueraded"),
+])
+def test_nodeport_trace_is_what_the_probe_sees(lab, client, node, flow, backends, masquerade, seen_as,
+                                               programs, count, pods):
+    """The eTP=Local NodePort from outside (rule 5) and from the node itself (rule 7): the backends
+    the trace names are the ones real connections reach, seen from the source it says."""
+    t = trace_on(lab, node, flow)
+    assert (t.verdict, t.backends, t.masquerade, t.source_after) == ("dnat", backends, masquerade, seen_as)
+    assert [(st.hook, st.unit.split("@")[0]) for st in t.steps] == programs
+    report = lab.probe(client, f"{flow.dst}:{flow.dport}", count=count)
+    assert report.pods == pods and hosts(report.sources) == {seen_as}
     assert {r.backend for r in report.results} == set(t.backends)
 
 
@@ -137,17 +150,10 @@ spec:
 @pytest.fixture(scope="module")
 def bridged_lab():
     """worker1's pods on a bridge, the others' on routed veths; detectLocalMode BridgeInterface."""
-    name = f"trcb{os.getpid() % 10000}"
-    destroy(name)
-    lab = Lab.up(name, BRIDGED_TOPOLOGY, mode="ebpf")
-    try:
-        lab.set_proxy_config({"apiVersion": "kubeproxy.config.k8s.io/v1alpha1", "kind": "KubeProxyConfiguration",
-                              "detectLocalMode": "BridgeInterface", "detectLocal": {"bridgeInterface": "cbr0"}})
-        lab.apply_manifests(WEB, "trace-ebpf-bridged")
-        lab.wait_converged()
+    config = {"apiVersion": "kubeproxy.config.k8s.io/v1alpha1", "kind": "KubeProxyConfiguration",
+              "detectLocalMode": "BridgeInterface", "detectLocal": {"bridgeInterface": "cbr0"}}
+    with ebpf_lab("trcb", BRIDGED_TOPOLOGY, WEB, "trace-ebpf-bridged", config) as lab:
         yield lab
-    finally:
-        destroy(name)
 
 
 @pytest.mark.parametrize("pod,node,masquerade", [("client-a", "worker1", False), ("client-c", "worker3", True)],

@@ -5,9 +5,11 @@ through the generated rules with its packet tracer, in four variants ("base", "n
 LocalTrafficDetector", "masqueradeAll", "masqueradeAll, no LocalTrafficDetector"), checking the
 DNAT targets reachable and whether the flow is masqueraded. Here the same services go through
 *our* renderer and the same flows through our walker, with the same expectations (flow names,
-addresses and the variants' overrides verbatim, row 15's port 3001 quirk included: see
+addresses and the variants' overrides as upstream's, row 15's port 3001 quirk included: see
 /work/research/masquerade-flows.md): if our rules differed from kube-proxy's in anything these
-flows touch, a row would fail.
+flows touch, a row would fail. Upstream spells out all 30 rows; here they are built from their
+shared shape (the same ten flows per service, most reaching every endpoint masqueraded) and
+each service's differences, which yields upstream's rows in upstream's order.
 
 Differences of harness, none of which changes an expectation: upstream's tracer runs only nat
 PREROUTING and calls a flow masqueraded when it passed KUBE-MARK-MASQ; the walker runs the
@@ -52,67 +54,74 @@ def ruleset(masquerade_all: bool, detector: bool):
     return from_ruleset(render(node, ProxyState(services, endpoints)))
 
 
-# (name, source, destination IP, destination port, expected output, masq), upstream's 30 base flows
-BASE = [
-    ("pod to ClusterIP", POD, "172.30.0.41", 80, "10.180.0.1:80, 10.180.1.1:80", False),
-    ("pod to NodePort", POD, NODE_IP, 3001, "10.180.0.1:80, 10.180.1.1:80", True),
-    ("pod to LB", POD, "1.2.3.4", 80, "10.180.0.1:80, 10.180.1.1:80", True),
-    ("node to ClusterIP", NODE_IP, "172.30.0.41", 80, "10.180.0.1:80, 10.180.1.1:80", True),
-    ("node to NodePort", NODE_IP, NODE_IP, 3001, "10.180.0.1:80, 10.180.1.1:80", True),
-    ("localhost to NodePort", LOCALHOST, LOCALHOST, 3001, "10.180.0.1:80, 10.180.1.1:80", True),
-    ("node to LB", NODE_IP, "1.2.3.4", 80, "10.180.0.1:80, 10.180.1.1:80", True),
-    ("external to ClusterIP", EXTERNAL_CLIENT, "172.30.0.41", 80, "10.180.0.1:80, 10.180.1.1:80", True),
-    ("external to NodePort", EXTERNAL_CLIENT, NODE_IP, 3001, "10.180.0.1:80, 10.180.1.1:80", True),
-    ("external to LB", EXTERNAL_CLIENT, "1.2.3.4", 80, "10.180.0.1:80, 10.180.1.1:80", True),
-    ("pod to ClusterIP with eTP:Local", POD, "172.30.0.42", 80, "10.180.0.2:80, 10.180.1.2:80", False),
-    ("pod to NodePort with eTP:Local", POD, NODE_IP, 3002, "10.180.0.2:80, 10.180.1.2:80", False),
-    ("pod to LB with eTP:Local", POD, "5.6.7.8", 80, "10.180.0.2:80, 10.180.1.2:80", False),
-    ("node to ClusterIP with eTP:Local", NODE_IP, "172.30.0.42", 80, "10.180.0.2:80, 10.180.1.2:80", True),
-    # upstream's quirk, kept: port 3001 is svc1's NodePort ("short-circuited ... same as 'node to NodePort'")
-    ("node to NodePort with eTP:Local", NODE_IP, NODE_IP, 3001, "10.180.0.1:80, 10.180.1.1:80", True),
-    ("localhost to NodePort with eTP:Local", LOCALHOST, LOCALHOST, 3002, "10.180.0.2:80, 10.180.1.2:80", True),
-    ("node to LB with eTP:Local", NODE_IP, "5.6.7.8", 80, "10.180.0.2:80, 10.180.1.2:80", True),
-    ("external to ClusterIP with eTP:Local", EXTERNAL_CLIENT, "172.30.0.42", 80, "10.180.0.2:80, 10.180.1.2:80", True),
-    ("external to NodePort with eTP:Local", EXTERNAL_CLIENT, NODE_IP, 3002, "10.180.0.2:80", False),
-    ("external to LB with eTP:Local", EXTERNAL_CLIENT, "5.6.7.8", 80, "10.180.0.2:80", False),
-    ("pod to ClusterIP with iTP:Local", POD, "172.30.0.43", 80, "10.180.0.3:80", False),
-    ("pod to NodePort with iTP:Local", POD, NODE_IP, 3003, "10.180.0.3:80, 10.180.1.3:80", True),
-    ("pod to LB with iTP:Local", POD, "9.10.11.12", 80, "10.180.0.3:80, 10.180.1.3:80", True),
-    ("node to ClusterIP with iTP:Local", NODE_IP, "172.30.0.43", 80, "10.180.0.3:80", True),
-    ("node to NodePort with iTP:Local", NODE_IP, NODE_IP, 3003, "10.180.0.3:80, 10.180.1.3:80", True),
-    ("localhost to NodePort with iTP:Local", LOCALHOST, LOCALHOST, 3003, "10.180.0.3:80, 10.180.1.3:80", True),
-    ("node to LB with iTP:Local", NODE_IP, "9.10.11.12", 80, "10.180.0.3:80, 10.180.1.3:80", True),
-    ("external to ClusterIP with iTP:Local", EXTERNAL_CLIENT, "172.30.0.43", 80, "10.180.0.3:80", True),
-    ("external to NodePort with iTP:Local", EXTERNAL_CLIENT, NODE_IP, 3003, "10.180.0.3:80, 10.180.1.3:80", True),
-    ("external to LB with iTP:Local", EXTERNAL_CLIENT, "9.10.11.12", 80, "10.180.0.3:80, 10.180.1.3:80", True),
-]
+ALL, LOCAL = "all", "local"  # which of a service's endpoints a flow may reach: both, or the node-local one
+SOURCES = {"pod": POD, "node": NODE_IP, "localhost": LOCALHOST, "external": EXTERNAL_CLIENT}
+# The ten flows upstream sends to each service, in its order: who sends, to which address
+FLOW_SHAPE = [("pod", "ClusterIP"), ("pod", "NodePort"), ("pod", "LB"),
+              ("node", "ClusterIP"), ("node", "NodePort"), ("localhost", "NodePort"), ("node", "LB"),
+              ("external", "ClusterIP"), ("external", "NodePort"), ("external", "LB")]
+# service -> the suffix of its flows' names, and where its flows differ from "reaches every
+# endpoint, masqueraded" (flow name -> (endpoints, masq)): upstream's 30 base rows, in this form
+BASE_EXPECTED = {
+    "svc1": ("", {"pod to ClusterIP": (ALL, False)}),
+    "svc2": (" with eTP:Local", {
+        "pod to ClusterIP with eTP:Local": (ALL, False),
+        "pod to NodePort with eTP:Local": (ALL, False),
+        "pod to LB with eTP:Local": (ALL, False),
+        "external to NodePort with eTP:Local": (LOCAL, False),
+        "external to LB with eTP:Local": (LOCAL, False),
+    }),
+    "svc3": (" with iTP:Local", {
+        "pod to ClusterIP with iTP:Local": (LOCAL, False),
+        "node to ClusterIP with iTP:Local": (LOCAL, True),
+        "external to ClusterIP with iTP:Local": (LOCAL, True),
+    }),
+}
+# upstream's quirk, kept: this flow goes to port 3001, svc1's NodePort ("short-circuited ... same
+# as 'node to NodePort'"), so it reaches svc1's endpoints
+AIMED_ELSEWHERE = {"node to NodePort with eTP:Local": "svc1"}
+
+
+def reach(service: str, which: str) -> str:
+    """The walker's backends for a flow that may reach `which` endpoints of `service` (the
+    endpoints ruleset() gives the i-th service: 10.180.0.i local, 10.180.1.i remote)."""
+    i = [name for name, *_ in SERVICES].index(service) + 1
+    return f"10.180.0.{i}:80" + (f", 10.180.1.{i}:80" if which == ALL else "")
+
+
+def base_flows() -> list[tuple[str, str, str, int, str, bool]]:
+    """(name, source, destination IP, destination port, expected output, masq), upstream's 30 base flows."""
+    flows = []
+    by_name = {name: (cluster_ip, node_port, lb_ip) for name, cluster_ip, node_port, _, lb_ip, *_ in SERVICES}
+    for service, (suffix, differ) in BASE_EXPECTED.items():
+        for who, kind in FLOW_SHAPE:
+            name = f"{who} to {kind}{suffix}"
+            aimed = AIMED_ELSEWHERE.get(name, service)
+            cluster_ip, node_port, lb_ip = by_name[aimed]
+            dst, port = {"ClusterIP": (cluster_ip, 80), "LB": (lb_ip, 80),
+                         "NodePort": (LOCALHOST if who == "localhost" else NODE_IP, node_port)}[kind]
+            which, masq = differ.get(name, (ALL, True))
+            flows.append((name, SOURCES[who], dst, port, reach(aimed, which), masq))
+    return flows
+
+
+BASE = base_flows()
+# the flows a variant changes when the node has no working LocalTrafficDetector, or masquerades all
+# ("there's no eTP:Local short-circuit for pod traffic, so pods get only the local endpoints")
+_NO_DETECTOR_ETP = {"pod to NodePort with eTP:Local": (reach("svc2", LOCAL), None),
+                    "pod to LB with eTP:Local": (reach("svc2", LOCAL), None)}
+_POD_TO_CLUSTER_IP_MASQUERADED = {f"pod to ClusterIP{suffix}": (None, True) for suffix, _ in BASE_EXPECTED.values()}
 
 # variant -> (masqueradeAll, a working detector, {flow name: (output or None: unchanged, masq or None)})
 VARIANTS = {
     "base": (False, True, {}),
     "no LocalTrafficDetector": (False, False, {
-        "node to ClusterIP": (None, False),
-        "node to ClusterIP with eTP:Local": (None, False),
-        "node to ClusterIP with iTP:Local": (None, False),
-        "external to ClusterIP": (None, False),
-        "external to ClusterIP with eTP:Local": (None, False),
-        "external to ClusterIP with iTP:Local": (None, False),
-        # "there's no eTP:Local short-circuit for pod traffic, so pods get only the local endpoints"
-        "pod to NodePort with eTP:Local": ("10.180.0.2:80", None),
-        "pod to LB with eTP:Local": ("10.180.0.2:80", None),
+        **{f"{who} to ClusterIP{suffix}": (None, False)
+           for who in ("node", "external") for suffix, _ in BASE_EXPECTED.values()},
+        **_NO_DETECTOR_ETP,
     }),
-    "masqueradeAll": (True, True, {
-        "pod to ClusterIP": (None, True),
-        "pod to ClusterIP with eTP:Local": (None, True),
-        "pod to ClusterIP with iTP:Local": (None, True),
-    }),
-    "masqueradeAll, no LocalTrafficDetector": (True, False, {
-        "pod to ClusterIP": (None, True),
-        "pod to ClusterIP with eTP:Local": (None, True),
-        "pod to ClusterIP with iTP:Local": (None, True),
-        "pod to NodePort with eTP:Local": ("10.180.0.2:80", None),
-        "pod to LB with eTP:Local": ("10.180.0.2:80", None),
-    }),
+    "masqueradeAll": (True, True, _POD_TO_CLUSTER_IP_MASQUERADED),
+    "masqueradeAll, no LocalTrafficDetector": (True, False, {**_POD_TO_CLUSTER_IP_MASQUERADED, **_NO_DETECTOR_ETP}),
 }
 
 
@@ -128,6 +137,7 @@ def flow_for(src: str, dst: str, port: int) -> FlowSpec:
 def test_internal_external_masquerade(variant):
     masquerade_all, detector, overrides = VARIANTS[variant]
     names = {name for name, *_ in BASE}
+    assert len(names) == len(BASE) == 30, "upstream traces 30 distinct flows"
     assert set(overrides) <= names, "an override names no flow (upstream fails the test then too)"
     tables = ruleset(masquerade_all, detector)
     facts = NodeFacts(frozenset({NODE_IP, NODE_IP_ALT, EXTERNAL_IP}), masquerade_ip=NODE_IP)

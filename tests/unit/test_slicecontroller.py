@@ -4,23 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ebpf_proxy.apiserver import Store
-from ebpf_proxy.lab.slicecontroller import MANAGED_BY, MANAGED_BY_LABEL, SERVICE_NAME_LABEL, EndpointSliceController
-
-
-@pytest.fixture
-def store():
-    s = Store()
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def controller(store):
-    c = EndpointSliceController(store).start()
-    assert c.wait_synced()
-    yield c
-    c.stop()
+from ebpf_proxy.lab.slicecontroller import MANAGED_BY, MANAGED_BY_LABEL, SERVICE_NAME_LABEL
+from tests.unit.slicectl import controller, endpoints, running_controller, slices, store  # noqa: F401 - fixtures
 
 
 def service(store, name="web", selector=None, ports=None, **spec):
@@ -40,17 +25,6 @@ def pod(store, name, ip, labels=None, node="node-1", ready=None, container_ports
     if ready is not None:
         body["status"]["conditions"] = [{"type": "Ready", "status": "True" if ready else "False"}]
     return store.create("Pod", body)
-
-
-def slices(store, controller, name="web"):
-    assert controller.wait_synced(), "controller did not catch up"
-    items, _ = store.list("EndpointSlice", "default", label_selector={SERVICE_NAME_LABEL: name})
-    return items
-
-
-def endpoints(store, controller, name="web"):
-    eps = [ep for s in slices(store, controller, name) for ep in s["endpoints"]]
-    return sorted(eps, key=lambda ep: ep["addresses"][0])
 
 
 def test_slice_for_a_service_with_ready_pods(store, controller):
@@ -213,15 +187,12 @@ def test_only_writes_when_content_changes(store, controller):
 
 
 def test_large_services_split_at_the_slice_limit(store):
-    c = EndpointSliceController(store, max_endpoints_per_slice=3).start()
-    try:
+    with running_controller(store, max_endpoints_per_slice=3) as c:
         service(store, selector={"app": "web"})
         for i in range(7):
             pod(store, f"web-{i}", f"10.1.0.{i + 1}")
         sizes = sorted(len(s["endpoints"]) for s in slices(store, c))
         assert sizes == [1, 3, 3]
-    finally:
-        c.stop()
 
 
 def test_existing_state_is_reconciled_at_start(store):
@@ -231,12 +202,9 @@ def test_existing_state_is_reconciled_at_start(store):
         "metadata": {"name": "stale", "labels": {SERVICE_NAME_LABEL: "gone", MANAGED_BY_LABEL: MANAGED_BY}},
         "addressType": "IPv4", "endpoints": [],
     })
-    c = EndpointSliceController(store).start()
-    try:
+    with running_controller(store) as c:
         assert [ep["addresses"] for ep in endpoints(store, c)] == [["10.1.0.1"]]
         assert slices(store, c, "gone") == []
-    finally:
-        c.stop()
 
 
 def test_recovers_after_history_is_compacted(store, controller):

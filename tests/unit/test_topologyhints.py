@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from ebpf_proxy.apiserver import Store
-from ebpf_proxy.lab.slicecontroller import SERVICE_NAME_LABEL, EndpointSliceController
 from ebpf_proxy.lab.topologyhints import NodeInfo, add_hints, allocations, cpu_ratios
+from tests.unit.slicectl import controller, endpoints  # noqa: F401 - controller is a fixture
 
 A, B, C = "zone-a", "zone-b", "zone-c"
 
@@ -99,20 +99,6 @@ def store():
                           "status": {"conditions": [{"type": "Ready", "status": "True"}], "allocatable": {"cpu": "1"}}})
     yield s
     s.close()
-
-
-@pytest.fixture
-def controller(store):
-    c = EndpointSliceController(store).start()
-    assert c.wait_synced()
-    yield c
-    c.stop()
-
-
-def endpoints(store, controller):
-    assert controller.wait_synced()
-    items, _ = store.list("EndpointSlice", "default", label_selector={SERVICE_NAME_LABEL: "web"})
-    return sorted((ep for s in items for ep in s["endpoints"]), key=lambda ep: ep["addresses"][0])
 
 
 def make(store, **spec):
