@@ -153,7 +153,11 @@ class PodSpec:
     ips: tuple[str, ...] = ()  # status.podIPs: one per cluster family, in the cluster's order
 
     def __post_init__(self) -> None:
-        if not self.ips and self.ip is not None:
+        # `ip` decides: None (allocate every family) drops `ips`, and an `ip` that `ips` does not
+        # hold replaces them, so dataclasses.replace(pod, ip=...) never keeps stale addresses
+        if self.ip is None:
+            object.__setattr__(self, "ips", ())
+        elif self.ip not in self.ips:
             object.__setattr__(self, "ips", (self.ip,))
 
 

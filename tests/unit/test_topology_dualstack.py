@@ -3,6 +3,8 @@ allocation, and errors naming the field (the IPv4 behaviour is test_topology.py'
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from ebpf_proxy.lab.topology import PodSpec, TopologyError, load_topology, parse_topology
@@ -48,6 +50,9 @@ def test_pods_get_one_address_per_cluster_family_in_cluster_order():
     assert t.pod("c").ips == ("10.244.2.9", "fd00:10:244:2::3")  # the missing family allocated
     added = t.with_pod(PodSpec(name="d", node="w1"))
     assert added.pod("d").ips == ("10.244.5.2", "fd00:10:244:5::2")
+    # a copy of a pod with ip=None (lab scale's template) allocates afresh in both families
+    copied = t.with_pod(replace(t.pod("a"), name="e", node="w2", ip=None))
+    assert copied.pod("e").ips == ("10.244.2.3", "fd00:10:244:2::4")
 
 
 def test_round_trips_through_to_dict():
