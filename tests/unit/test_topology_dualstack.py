@@ -101,3 +101,15 @@ def test_errors_name_the_field(changes, field, message):
     with pytest.raises(TopologyError) as exc:
         parse_topology(dual(**changes))
     assert exc.value.field == field and message in exc.value.problem, str(exc.value)
+
+
+def test_ipv6_sysctls_only_where_the_topology_has_ipv6():
+    from ebpf_proxy.lab.netns import _netns_sysctls
+
+    v4 = _netns_sysctls(forwarding=True)
+    assert v4["net/ipv6/conf/all/disable_ipv6"] == 1 and not any("accept_dad" in k for k in v4)
+    assert "net/ipv6/conf/all/forwarding" not in v4
+    v6 = _netns_sysctls(forwarding=True, ipv6=True)
+    assert v6["net/ipv6/conf/all/disable_ipv6"] == 0 and v6["net/ipv6/conf/default/accept_dad"] == 0
+    assert v6["net/ipv6/conf/all/forwarding"] == 1
+    assert "net/ipv6/conf/all/forwarding" not in _netns_sysctls(forwarding=False, ipv6=True)  # pods, clients
