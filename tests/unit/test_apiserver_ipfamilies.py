@@ -3,13 +3,12 @@ kube-apiserver.
 
 Upstream tests matched (kubernetes/kubernetes):
 * `pkg/registry/core/service/storage/storage_test.go` TestCreateInitIPFields (defaults per
-  policy and cluster), TestCreateDeleteReuse / TestCreateInitClusterIPsFromClusterIP
-  (clusterIP only → clusterIPs), TestUpdateDryRun-style upgrade/downgrade cases of
-  TestUpdateIPsFromSingleStack / TestUpdateIPsFromDualStack;
-* `pkg/apis/core/validation/validation_test.go` TestValidateServiceCreate ("invalid, clusterIPs
-  more than 2", "invalid ipFamilies duplicate", "... ipFamilies[0] is IPv6 but clusterIPs[0] is
-  v4", "SingleStack with two families") and TestValidateServiceUpdate ("downgrade ... requires
-  SingleStack", "primary clusterIP may not change").
+  policy, families and cluster: single-stack v4, v6, dual-stack v4-primary and v6-primary) and
+  TestCreateInitClusterIPsFromClusterIP (clusterIP only fills clusterIPs);
+* `pkg/apis/core/validation/validation_test.go` TestValidateServiceCreate (the clusterIPs and
+  ipFamilies rules of ValidateServiceClusterIPsRelatedFields: more than 2 IPs, two of one family,
+  a family mismatch, duplicate families, 'None' not alone) and TestValidateServiceUpdate (the
+  upgrade/downgrade rules: the primary never changes, releasing the secondary needs SingleStack).
 """
 
 from __future__ import annotations

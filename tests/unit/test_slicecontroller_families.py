@@ -1,8 +1,8 @@
 """EndpointSlices per IP family, as kube-controller-manager's reconcileByAddressType: a
 dual-stack Service gets an IPv4 and an IPv6 set, each endpoint the Pod's address of that family;
-a family the Service drops loses its slices. (Upstream: pkg/controller/endpointslice
-reconciler_test.go TestReconcile1EndpointSlice... with dual-stack pods, TestReconcileManyPods
-per address type, and `getAddressTypesForService`.)"""
+a family the Service drops loses its slices. (Upstream behaviour matched: the endpointslice
+reconciler's `reconcile` looping over `getAddressTypesForService` and deleting slices of other
+address types, and `reconcileByAddressType`'s one placeholder per address type.)"""
 
 from __future__ import annotations
 
