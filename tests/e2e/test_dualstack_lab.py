@@ -152,3 +152,16 @@ def test_a_pod_added_at_runtime_gets_both_families_and_is_reachable(lab):
         _wait_slices(api, "ds-scaled", {"IPv4": V4 | {new.ips[0]}, "IPv6": V6 | {new.ips[1]}})
     finally:
         api.close()
+
+
+def test_a_pod_with_fixed_addresses_outside_its_podcidrs_is_routed_and_unrouted(lab):
+    from ebpf_proxy.lab.topology import PodSpec
+
+    lab.add_pod(PodSpec(name="odd", node="worker2", ip="10.250.0.7", ips=("10.250.0.7", "fd00:99::7")))
+    ok_from(lab.probe("outside", "[fd00:99::7]:80"), "odd", "[fd00:99::7]:80", "2001:db8:1::5")
+    ok_from(lab.probe("my-nginx-1", "10.250.0.7:80"), "odd", "10.250.0.7:80", "10.244.5.4")
+    route = lab.exec("worker1", ["ip", "-6", "route", "show", "fd00:99::7"], capture_output=True, text=True)
+    assert "via fd00:20::16" in route.stdout
+    lab.remove_pod("odd")
+    route = lab.exec("worker1", ["ip", "-6", "route", "show", "fd00:99::7"], capture_output=True, text=True)
+    assert route.stdout.strip() == ""
