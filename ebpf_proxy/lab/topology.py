@@ -711,7 +711,7 @@ class _Parser:
         size = 1 << (cluster.max_prefixlen - prefix)
         base = int(cluster.network_address)
         make = IPv4Network if version == 4 else ipaddress.IPv6Network
-        for k in range(index + 1, min(count, index + 2 + len(used))):
+        for k in range(index + 1, min(count, 1 << 16)):  # a /48's 65536 /64s at most: enough for a lab
             candidate = make((base + k * size, prefix))
             if not any(candidate.overlaps(u) for u in used):
                 return candidate
