@@ -76,36 +76,44 @@ class RangeAllocator:
 
 
 class IPAllocator:
-    """Cluster IPs from an IPv4 CIDR, excluding its network and broadcast addresses."""
+    """Cluster IPs from one service CIDR of either family.
+
+    As kube-apiserver's ipallocator: the network address is never handed out, nor (IPv4 only)
+    the broadcast address; an IPv6 range may be no larger than a /108 (its
+    --service-cluster-ip-range check), which keeps the used-set small."""
 
     def __init__(self, cidr: str) -> None:
         try:
-            self.network = ipaddress.IPv4Network(cidr, strict=True)
+            self.network = ipaddress.ip_network(cidr, strict=True)
         except ValueError as exc:
-            raise ValueError(f"service CIDR {cidr!r} is not an IPv4 network: {exc}") from None
-        if self.network.num_addresses < 4:
+            raise ValueError(f"service CIDR {cidr!r} is not an IP network: {exc}") from None
+        self.version = self.network.version
+        self.family = f"IPv{self.version}"
+        if self.version == 4 and self.network.num_addresses < 4:
             raise ValueError(f"service CIDR {cidr!r} is too small (need at least a /30)")
+        if self.version == 6 and not 108 <= self.network.prefixlen <= 126:
+            raise ValueError(f"service CIDR {cidr!r}: an IPv6 service range must be a /108 to a /126")
         base = int(self.network.network_address)
-        size = self.network.num_addresses - 2
+        size = self.network.num_addresses - (2 if self.version == 4 else 1)
         # kube-apiserver: min(max(16, size/16), 256) addresses reserved for explicit requests.
         self._range = RangeAllocator(base + 1, base + size, min(max(16, size // 16), 256))
         self.cidr = str(self.network)
 
     def claim(self, ip: str) -> None:
-        """Take `ip`; NotInRange / AlreadyAllocated / ValueError (not an IPv4 address).
+        """Take `ip`; NotInRange / AlreadyAllocated / ValueError (not an address of this family).
 
         `ip` may be in a legacy form (`10.96.00.010`): it is the address that is taken."""
         self._range.claim(self._value(ip))
 
-    @staticmethod
-    def _value(ip: str) -> int:
+    def _value(self, ip: str) -> int:
         addr = ipsloppy.parse_ip(ip)
-        if not isinstance(addr, ipaddress.IPv4Address):
-            raise ValueError(f"{ip!r} is not an IPv4 address")
+        if addr is None or addr.version != self.version:
+            raise ValueError(f"{ip!r} is not an {self.family} address")
         return int(addr)
 
     def allocate(self) -> str:
-        return str(ipaddress.IPv4Address(self._range.allocate()))
+        return str(ipaddress.ip_address(self._range.allocate()) if self.version == 4
+                   else ipaddress.IPv6Address(self._range.allocate()))
 
     def release(self, ip: str) -> None:
         try:
@@ -115,6 +123,22 @@ class IPAllocator:
 
     def used(self, ip: str) -> bool:
         return self._range.used(self._value(ip))
+
+
+def service_ranges(cidrs: str) -> dict[str, IPAllocator]:
+    """kube-apiserver's --service-cluster-ip-range: one CIDR, or two of different families
+    (`10.96.0.0/12,fd00:10:96::/112`), the first being the cluster's primary family. Returns
+    the allocators by family ("IPv4"/"IPv6"), primary first."""
+    parts = [c.strip() for c in cidrs.split(",")]
+    if not 1 <= len(parts) <= 2 or not all(parts):
+        raise ValueError(f"service CIDR {cidrs!r}: give one CIDR or a comma-separated pair")
+    out: dict[str, IPAllocator] = {}
+    for part in parts:
+        alloc = IPAllocator(part)
+        if alloc.family in out:
+            raise ValueError(f"service CIDR {cidrs!r}: a pair must be one IPv4 and one IPv6 CIDR")
+        out[alloc.family] = alloc
+    return out
 
 
 class PortAllocator(RangeAllocator):

@@ -6,7 +6,9 @@ The rules and their error wording follow `pkg/apis/core/validation` and
 `pkg/registry/core/service/storage` (including `patchAllocatedValues` and
 `dropTypeDependentFields`, which make `kubectl apply` of a Service without `clusterIP` work).
 
-The lab is IPv4 single-stack: IPv6 families and `RequireDualStack` are rejected with a 422.
+IPv4, IPv6 or dual-stack, as the service CIDR given says (one CIDR or a pair, primary first):
+`ipFamilyPolicy`, `ipFamilies` and `clusterIPs` follow kube-apiserver (see ipfamilies.py), and
+each family's cluster IPs come from that family's range.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable
 
-from ebpf_proxy.apiserver import legacyip, names
-from ebpf_proxy.apiserver.allocate import AlreadyAllocated, IPAllocator, NotInRange, PortAllocator, RangeFull
+from ebpf_proxy.apiserver import ipfamilies, legacyip, names
+from ebpf_proxy.apiserver.allocate import AlreadyAllocated, NotInRange, PortAllocator, RangeFull, service_ranges
 from ebpf_proxy.apiserver.errors import (
     FieldError,
     InvalidFields,
@@ -31,7 +33,6 @@ TYPES = ("ClusterIP", "NodePort", "LoadBalancer", "ExternalName")
 PROTOCOLS = ("TCP", "UDP", "SCTP")
 TRAFFIC_POLICIES = ("Cluster", "Local")
 AFFINITIES = ("ClientIP", "None")
-FAMILY_POLICIES = ("SingleStack", "PreferDualStack", "RequireDualStack")
 # spec.trafficDistribution (PreferSameZone/PreferSameNode: PreferSameTrafficDistribution, on by default)
 TRAFFIC_DISTRIBUTIONS = ("PreferClose", "PreferSameZone", "PreferSameNode")
 DEFAULT_AFFINITY_TIMEOUT = 10800
@@ -136,13 +137,11 @@ def drop_type_dependent_fields(new: dict[str, Any], old: dict[str, Any]) -> None
             del spec["externalTrafficPolicy"]
 
 
-def _validate_ip(field: str, value: Any, errs: list[FieldError], ipv4_only: bool = True) -> None:
-    """IsValidIPForLegacyField without strict validation: legacy forms (leading zeros) pass."""
-    addr = ipsloppy.parse_ip(value)
-    if addr is None:
+def _validate_ip(field: str, value: Any, errs: list[FieldError]) -> None:
+    """IsValidIPForLegacyField without strict validation: legacy forms (leading zeros) pass.
+    Either family: whether the cluster has it is the allocator's question (ipfamilies.py)."""
+    if ipsloppy.parse_ip(value) is None:
         errs.append(invalid(field, value, legacyip.INVALID_IP))
-    elif ipv4_only and addr.version != 4:
-        errs.append(invalid(field, value, "this lab API server only supports IPv4 services"))
 
 
 def _validate_source_ranges(spec: dict[str, Any], errs: list[FieldError]) -> None:
@@ -168,7 +167,7 @@ def validate_status(svc: dict[str, Any]) -> list[FieldError]:
             continue
         at = f"status.loadBalancer.ingress[{i}]"
         if entry.get("ip"):
-            _validate_ip(f"{at}.ip", entry["ip"], errs, ipv4_only=False)
+            _validate_ip(f"{at}.ip", entry["ip"], errs)
         if entry.get("hostname") and ipsloppy.parse_ip(entry["hostname"]) is not None:
             errs.append(invalid(f"{at}.hostname", entry["hostname"], "must be a DNS name, not an IP address"))
     return errs
@@ -250,30 +249,15 @@ def validate(svc: dict[str, Any]) -> list[FieldError]:
                 errs.append(invalid("spec.externalName", external, why))
         if cluster_ip:
             errs.append(invalid("spec.clusterIP", cluster_ip, "may not be set for ExternalName services"))
+        for field in ("ipFamilies", "ipFamilyPolicy"):
+            if spec.get(field):
+                errs.append(forbidden(f"spec.{field}", "may not be set for ExternalName services"))
     elif cluster_ip == "None":
         if kind in ("NodePort", "LoadBalancer"):
             errs.append(invalid("spec.clusterIP", cluster_ip, f"may not be set to 'None' for {kind} services"))
     elif cluster_ip:
         _validate_ip("spec.clusterIP", cluster_ip, errs)
-    cluster_ips = spec.get("clusterIPs")
-    if cluster_ips is not None:
-        if not isinstance(cluster_ips, list):
-            errs.append(invalid("spec.clusterIPs", cluster_ips, "must be a list"))
-        elif len(cluster_ips) > 1:
-            errs.append(invalid("spec.clusterIPs", cluster_ips, "this lab API server supports single-stack IPv4 services only"))
-        elif cluster_ips and cluster_ip and cluster_ips[0] != cluster_ip:
-            errs.append(invalid("spec.clusterIPs[0]", cluster_ips[0], "must be same as clusterIP"))
-    for i, family in enumerate(spec.get("ipFamilies") or []):
-        if family == "IPv6":
-            errs.append(invalid(f"spec.ipFamilies[{i}]", family, "not configured on this cluster (the lab is IPv4-only)"))
-        elif family != "IPv4":
-            errs.append(not_supported(f"spec.ipFamilies[{i}]", family, ("IPv4", "IPv6")))
-    policy = spec.get("ipFamilyPolicy")
-    if policy is not None:
-        if policy not in FAMILY_POLICIES:
-            errs.append(not_supported("spec.ipFamilyPolicy", policy, FAMILY_POLICIES))
-        elif policy == "RequireDualStack":
-            errs.append(invalid("spec.ipFamilyPolicy", policy, "this cluster is not configured for dual-stack services"))
+    errs += ipfamilies.validate_cluster_ips_related_fields(spec)
     _validate_ports(spec, errs)
     etp = spec.get("externalTrafficPolicy")
     if etp is not None:
@@ -316,7 +300,7 @@ def validate(svc: dict[str, Any]) -> list[FieldError]:
     for i, ip in enumerate(spec.get("externalIPs") or []):
         _validate_ip(f"spec.externalIPs[{i}]", ip, errs)
     if spec.get("loadBalancerIP"):
-        _validate_ip("spec.loadBalancerIP", spec["loadBalancerIP"], errs, ipv4_only=False)
+        _validate_ip("spec.loadBalancerIP", spec["loadBalancerIP"], errs)
     _validate_source_ranges(spec, errs)
     return errs + validate_status(svc)
 
@@ -327,7 +311,7 @@ def validate_update(new: dict[str, Any], old: dict[str, Any]) -> list[FieldError
     if needs_cluster_ip(old_spec) and needs_cluster_ip(spec):
         if spec.get("clusterIP", "") != old_spec.get("clusterIP", ""):
             errs.append(invalid("spec.clusterIP", spec.get("clusterIP", ""), "field is immutable"))
-    return errs
+    return errs + ipfamilies.validate_upgrade_downgrade(spec, old_spec)
 
 
 class Transaction:
@@ -354,28 +338,43 @@ class Transaction:
         self._on_commit.clear()
 
 
-def _owned(spec: dict[str, Any]) -> tuple[str | None, set[int]]:
-    ip = spec.get("clusterIP") if needs_cluster_ip(spec) else None
-    if ip in ("", "None"):
-        ip = None
+def _cluster_ips(spec: dict[str, Any]) -> list[str]:
+    ips = spec.get("clusterIPs")
+    if isinstance(ips, list) and ips:
+        return list(ips)
+    return [spec["clusterIP"]] if spec.get("clusterIP") else []
+
+
+def _owned(spec: dict[str, Any]) -> tuple[dict[str, str], set[int]]:
+    """The cluster IPs a Service holds, by family, and its node ports."""
+    ips: dict[str, str] = {}
+    if needs_cluster_ip(spec):
+        for ip in _cluster_ips(spec):
+            family = ipfamilies.family_of(ip) if isinstance(ip, str) and ip != "None" else None
+            if family:
+                ips[family] = ip
     ports = {p["nodePort"] for p in spec.get("ports") or [] if isinstance(p, dict) and _is_int(p.get("nodePort")) and p["nodePort"]}
     if _is_int(spec.get("healthCheckNodePort")) and spec["healthCheckNodePort"]:
         ports.add(spec["healthCheckNodePort"])
-    return ip, ports
+    return ips, ports
 
 
 class ServiceAllocator:
-    """The cluster-IP and node-port ranges of one API server."""
+    """The cluster-IP ranges (one per family, primary first) and node-port range of one API server."""
 
     def __init__(self, service_cidr: str = "10.96.0.0/12", node_ports: tuple[int, int] = DEFAULT_NODE_PORTS) -> None:
-        self.ips = IPAllocator(service_cidr)
+        self.by_family = service_ranges(service_cidr)
+        self.families = tuple(self.by_family)
+        self.ips = self.by_family[self.families[0]]  # the primary range
+        self.service_cidr = ",".join(a.cidr for a in self.by_family.values())
         self.ports = PortAllocator(*node_ports)
         self.node_port_range = node_ports
 
     def prepare_create(self, svc: dict[str, Any]) -> Transaction:
         """Default, validate and allocate; raises InvalidFields with nothing left allocated."""
         apply_defaults(svc)
-        errs = validate(svc)
+        ipfamilies.normalize_cluster_ips(svc["spec"], None)
+        errs = validate(svc) or ipfamilies.init_ip_family_fields(svc["spec"], None, self.families)
         if errs:
             raise InvalidFields(errs)
         return self._allocate(svc["spec"], None)
@@ -384,10 +383,15 @@ class ServiceAllocator:
         patch_allocated_values(svc, old)
         drop_type_dependent_fields(svc, old)
         apply_defaults(svc)
+        old_spec = old.get("spec") or {}
+        ipfamilies.normalize_cluster_ips(svc["spec"], old_spec)
         errs = validate(svc) + validate_update(svc, old)
+        if not errs:
+            prior = old_spec if needs_cluster_ip(old_spec) else None  # from ExternalName: as a create
+            errs = ipfamilies.init_ip_family_fields(svc["spec"], prior, self.families)
         if errs:
             raise InvalidFields(errs)
-        return self._allocate(svc["spec"], old.get("spec") or {})
+        return self._allocate(svc["spec"], old_spec)
 
     def restore(self, svc: dict[str, Any]) -> None:
         """Claim the clusterIP and nodePorts a stored Service already holds (a restarted API
@@ -395,52 +399,66 @@ class ServiceAllocator:
         self._allocate(svc.get("spec") or {}, None).commit()
 
     def release(self, svc: dict[str, Any]) -> None:
-        ip, ports = _owned(svc.get("spec") or {})
-        if ip:
-            self.ips.release(ip)
+        ips, ports = _owned(svc.get("spec") or {})
+        for family, ip in ips.items():
+            if family in self.by_family:
+                self.by_family[family].release(ip)
         for port in ports:
             self.ports.release(port)
 
     def _allocate(self, spec: dict[str, Any], old_spec: dict[str, Any] | None) -> Transaction:
         txn = Transaction()
-        old_ip, old_ports = _owned(old_spec) if old_spec is not None else (None, set())
+        old_ips, old_ports = _owned(old_spec) if old_spec is not None else ({}, set())
         try:
-            errs = self._allocate_ip(spec, old_ip, txn) + self._allocate_node_ports(spec, old_ports, txn)
+            errs = self._allocate_ips(spec, old_ips, txn) + self._allocate_node_ports(spec, old_ports, txn)
         except BaseException:
             txn.rollback()
             raise
         if errs:
             txn.rollback()
             raise InvalidFields(errs)
-        new_ip, new_ports = _owned(spec)
-        if old_ip and old_ip != new_ip:
-            txn.on_commit(lambda: self.ips.release(old_ip))
+        new_ips, new_ports = _owned(spec)
+        for family, old_ip in old_ips.items():
+            if new_ips.get(family) != old_ip and family in self.by_family:
+                txn.on_commit(lambda old_ip=old_ip, alloc=self.by_family[family]: alloc.release(old_ip))
         for port in old_ports - new_ports:
             txn.on_commit(lambda port=port: self.ports.release(port))
         return txn
 
-    def _allocate_ip(self, spec: dict[str, Any], old_ip: str | None, txn: Transaction) -> list[FieldError]:
+    def _allocate_ips(self, spec: dict[str, Any], old_ips: dict[str, str], txn: Transaction) -> list[FieldError]:
+        """allocClusterIPs: one cluster IP per entry of ipFamilies, from that family's range;
+        given ones are claimed, missing ones (an upgrade's secondary) allocated, kept ones left."""
         if not needs_cluster_ip(spec):
             return []
-        ip = spec.get("clusterIP") or ""
-        if ip == "":
-            try:
-                ip = self.ips.allocate()
-            except RangeFull:
-                return [invalid("spec.clusterIP", "", f"failed to allocate a service IP: range {self.ips.cidr} is full")]
-            txn.on_rollback(lambda: self.ips.release(ip))
-        elif ip != "None" and ip != old_ip:
-            try:
-                self.ips.claim(ip)
-            except NotInRange:
-                # The allocator works on clusterIPs (clusterIP is its first entry): so does the field path.
-                return [invalid("spec.clusterIPs[0]", ip, f"provided IP is not in the valid range. The range of valid IPs is {self.ips.cidr}")]
-            except AlreadyAllocated:
-                return [invalid("spec.clusterIPs[0]", ip, "provided IP is already allocated")]
-            txn.on_rollback(lambda: self.ips.release(ip))
-        spec["clusterIP"] = ip
-        spec["clusterIPs"] = [ip]
-        spec.setdefault("ipFamilies", ["IPv4"])
+        ips = _cluster_ips(spec)
+        if ips[:1] == ["None"]:
+            spec["clusterIP"], spec["clusterIPs"] = "None", ["None"]
+            return []
+        families = spec.get("ipFamilies") or [ipfamilies.family_of(ip) for ip in ips] or [self.families[0]]
+        ips += [""] * (len(families) - len(ips))
+        for i, family in enumerate(families):
+            alloc = self.by_family.get(family)
+            if alloc is None:
+                return [invalid(f"spec.ipFamilies[{i}]", family, "not configured on this cluster")]
+            ip = ips[i]
+            field = f"spec.clusterIPs[{i}]"
+            if ip == "":
+                try:
+                    ip = ips[i] = alloc.allocate()
+                except RangeFull:
+                    where = "spec.clusterIP" if i == 0 else field
+                    return [invalid(where, "", f"failed to allocate a service IP: range {alloc.cidr} is full")]
+                txn.on_rollback(lambda ip=ip, alloc=alloc: alloc.release(ip))
+            elif ip != old_ips.get(family):
+                try:
+                    alloc.claim(ip)
+                except (NotInRange, ValueError):
+                    return [invalid(field, ip, f"provided IP is not in the valid range. The range of valid IPs is {alloc.cidr}")]
+                except AlreadyAllocated:
+                    return [invalid(field, ip, "provided IP is already allocated")]
+                txn.on_rollback(lambda ip=ip, alloc=alloc: alloc.release(ip))
+        spec["clusterIP"], spec["clusterIPs"] = ips[0], ips
+        spec["ipFamilies"] = list(families)
         spec.setdefault("ipFamilyPolicy", "SingleStack")
         return []
 

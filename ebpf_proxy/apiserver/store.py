@@ -140,7 +140,7 @@ class Store:
         self._watch_queue_limit = watch_queue_limit
         self.bookmark_interval = bookmark_interval
         self.services = services.ServiceAllocator(service_cidr, node_port_range)
-        self.service_cidr = self.services.ips.cidr
+        self.service_cidr = self.services.service_cidr
         self._graceful: dict[tuple[str, str, str], float] = {}  # (kind, ns, name) -> deadline
         self._wake = threading.Condition(self._lock)
         self._housekeeper: threading.Thread | None = None

@@ -157,8 +157,8 @@ class Lab:
         argv = [
             sys.executable, "-m", "ebpf_proxy.lab.apiserver_main",
             "--listen", local,
-            "--listen-netns", f"{underlay}={self.topology.api_server_ip}:{API_PORT}",
-            "--service-cidr", self.topology.service_cidr,
+            "--listen-netns", f"{underlay}={_host_port(self.topology.api_server_ip, API_PORT)}",
+            "--service-cidr", ",".join(self.topology.service_cidrs),  # a pair: dual-stack Services
             "--service-node-port-range", self.topology.service_node_port_range,
             "--state-file", str(self.apiserver_state_file),
             "--ready-file", str(ready),
@@ -171,7 +171,7 @@ class Lab:
         self.data["apiserver"] = {
             "pid": proc.pid,
             "url": f"http://127.0.0.1:{local_port}",
-            "node_url": f"http://{self.topology.api_server_ip}:{API_PORT}",
+            "node_url": f"http://{_host_port(self.topology.api_server_ip, API_PORT)}",
         }
         self._write_kubeconfig(self.dir / "kubeconfig", self.data["apiserver"]["url"])
         self._write_kubeconfig(self.dir / "kubeconfig-node", self.data["apiserver"]["node_url"])
@@ -205,7 +205,8 @@ class Lab:
         api = self.api()
         try:
             for node in self.topology.nodes:
-                addresses = [{"type": "InternalIP", "address": node.ip}]
+                # one InternalIP per family, primary first, as kubelet's --node-ip pair gives
+                addresses = [{"type": "InternalIP", "address": ip} for ip in node.ips]
                 addresses += [{"type": "InternalIP", "address": ip} for ip in node.extra_ips]
                 addresses.append({"type": "Hostname", "address": node.name})
                 labels = {"kubernetes.io/hostname": node.name}
@@ -214,7 +215,7 @@ class Lab:
                 api.apply({
                     "apiVersion": "v1", "kind": "Node",
                     "metadata": {"name": node.name, "labels": labels},
-                    "spec": {"podCIDR": node.pod_cidr, "podCIDRs": [node.pod_cidr]},
+                    "spec": {"podCIDR": node.pod_cidr, "podCIDRs": list(node.pod_cidrs)},
                     # allocatable CPU: what the EndpointSlice controller weighs zones by for
                     # topology-mode Auto; every lab node counts the same
                     "status": {"addresses": addresses, "conditions": [{"type": "Ready", "status": "True"}],
@@ -234,7 +235,7 @@ class Lab:
             "metadata": {"name": pod.name, "namespace": pod.namespace, "labels": dict(pod.labels)},
             "spec": {"nodeName": pod.node, "containers": [{"name": "echo", "image": "ebpf-proxy/echo", "ports": ports}]},
             "status": {
-                "phase": "Running", "podIP": pod.ip, "podIPs": [{"ip": pod.ip}],
+                "phase": "Running", "podIP": pod.ip, "podIPs": [{"ip": ip} for ip in pod.ips],
                 "conditions": [{"type": "Ready", "status": "True"}],
             },
         }
@@ -256,6 +257,8 @@ class Lab:
         argv = [sys.executable, "-m", "ebpf_proxy.lab.echo", "--pod", pod.name, "--ready-file", str(ready)]
         for entry in pod.listen:
             argv += ["--listen", entry]
+        if any(":" in ip for ip in pod.ips):
+            argv.append("--ipv6")
         proc = nsexec.spawn(naming.pod_netns(self.name, pod.name), argv,
                             log_path=str(self.dir / f"echo-{pod.name}.log"))
         _wait_file(ready, time.monotonic() + 10, f"echo server of pod {pod.name}", proc)
@@ -336,7 +339,9 @@ class Lab:
         if any(p.name == name for p in self.topology.pods):
             return f"pod/{name} (unchanged)"
         node = spec.get("nodeName") or self.topology.nodes[0].name
-        pod = topo.PodSpec(name=name, node=node, ip=(doc.get("status") or {}).get("podIP"),
+        status = doc.get("status") or {}
+        given = [e.get("ip") for e in status.get("podIPs") or [] if isinstance(e, dict) and e.get("ip")]
+        pod = topo.PodSpec(name=name, node=node, ip=status.get("podIP"), ips=tuple(given),
                            labels=dict(meta.get("labels") or {}), listen=tuple(listen or ["80/tcp"]),
                            namespace=meta.get("namespace", "default"))
         self.add_pod(pod)
@@ -421,11 +426,11 @@ class Lab:
             # The topology's clusterCIDR is the file's default, as a kubeadm ConfigMap has it; a
             # file that sets clusterCIDR itself (even "": kube-proxy's no-op local detector) wins.
             kpc = topo.topology_to_dict(self.topology)["kubeProxyConfiguration"]  # plain dicts
-            kpc.setdefault("clusterCIDR", self.topology.cluster_cidr)
+            kpc.setdefault("clusterCIDR", ",".join(self.topology.cluster_cidrs))
             cfg = self.dir / "kube-proxy-config.yaml"  # JSON is YAML
             cfg.write_text(json.dumps(kpc))
             return ["--config", str(cfg)]
-        return ["--cluster-cidr", self.topology.cluster_cidr]
+        return ["--cluster-cidr", ",".join(self.topology.cluster_cidrs)]
 
     def set_proxy_config(self, config: Mapping[str, Any] | None, timeout: float = AGENT_READY_TIMEOUT) -> None:
         """Give every agent another KubeProxyConfiguration (None: none, flags only) and restart
@@ -573,14 +578,14 @@ class Lab:
             "mode": self.mode,
             "apiserver": {**api, "alive": _alive(api.get("pid")), "frozen": _frozen(api.get("pid"))},
             "kubeconfig": str(self.kubeconfig),
-            "nodes": [{"name": n.name, "ip": n.ip, "extraIPs": list(n.extra_ips), "podCIDR": n.pod_cidr, "zone": n.zone,
+            "nodes": [{"name": n.name, "ip": n.ip, "ips": list(n.ips), "podCIDRs": list(n.pod_cidrs), "extraIPs": list(n.extra_ips), "podCIDR": n.pod_cidr, "zone": n.zone,
                        "agent": {**self.data["agents"].get(n.name, {}),
                                  "alive": _alive(self.data["agents"].get(n.name, {}).get("pid"))}}
                       for n in self.topology.nodes],
-            "pods": [{"name": p.name, "node": p.node, "ip": p.ip, "labels": dict(p.labels),
+            "pods": [{"name": p.name, "node": p.node, "ip": p.ip, "ips": list(p.ips), "labels": dict(p.labels),
                       "listen": list(p.listen), "alive": _alive(self.data["pods"].get(p.name, {}).get("pid"))}
                      for p in self.topology.pods],
-            "clients": [{"name": c.name, "ip": c.ip} for c in self.topology.clients],
+            "clients": [{"name": c.name, "ip": c.ip, "ips": list(c.ips)} for c in self.topology.clients],
         }
 
 
@@ -601,3 +606,8 @@ def destroy_all() -> list[str]:
         destroy(name)
     shutil.rmtree(state.BPF_CACHE, ignore_errors=True)
     return names
+
+
+def _host_port(ip: str, port: int) -> str:
+    """`IP:PORT`, an IPv6 address in brackets (an IPv6-only lab's API server)."""
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"

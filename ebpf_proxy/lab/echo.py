@@ -36,6 +36,9 @@ REPLY_KEYS = ("pod", "local", "peer", "proto")
 # received datagram, and the source address to use for the reply.
 IP_PKTINFO = getattr(socket, "IP_PKTINFO", 8)
 _PKTINFO = struct.Struct("=i4s4s")  # struct in_pktinfo: ifindex, spec_dst, addr
+IPV6_RECVPKTINFO = getattr(socket, "IPV6_RECVPKTINFO", 49)
+IPV6_PKTINFO = getattr(socket, "IPV6_PKTINFO", 50)
+_PKTINFO6 = struct.Struct("=16sI")  # struct in6_pktinfo: addr, ifindex
 
 _READ_CHUNK = 65536
 _OUTBUF_HIGH = 1 << 20  # stop reading from a client that does not read its echo
@@ -111,12 +114,15 @@ class EchoServer:
     until stop() — which is safe to call from a signal handler or another thread.
     """
 
-    def __init__(self, pod: str, listens: list[Listen], host: str = "0.0.0.0") -> None:
+    def __init__(self, pod: str, listens: list[Listen], host: str = "0.0.0.0", ipv6: bool = False) -> None:
+        """`ipv6`: serve every listen on IPv6 (`::`, IPv6 only) as well, for a pod with an IPv6
+        address; separate sockets, so IPv4 peers are reported as plain IPv4, never ::ffff:a.b.c.d."""
         if not listens:
             raise ValueError("nothing to listen on")
         self.pod = pod
         self.listens = listens
         self.host = host
+        self.ipv6 = ipv6
         self._sel = selectors.DefaultSelector()
         self._listeners: list[socket.socket] = []
         self._conns: dict[int, _Conn] = {}
@@ -130,9 +136,11 @@ class EchoServer:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._sel.register(self._wake_r, selectors.EVENT_READ, self._on_wake)
+        families = [socket.AF_INET, socket.AF_INET6] if self.ipv6 else [socket.AF_INET]
         for listen in self.listens:
-            sock = self._tcp_listener(listen.port) if listen.proto == "tcp" else self._udp_socket(listen.port)
-            self._listeners.append(sock)
+            for family in families:
+                make = self._tcp_listener if listen.proto == "tcp" else self._udp_socket
+                self._listeners.append(make(listen.port, family))
 
     def serve_forever(self) -> None:
         while not self._stopping:
@@ -168,19 +176,28 @@ class EchoServer:
 
     # sockets
 
-    def _tcp_listener(self, port: int) -> socket.socket:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    def _host(self, family: int) -> str:
+        return self.host if family == socket.AF_INET else "::"
+
+    def _tcp_listener(self, port: int, family: int = socket.AF_INET) -> socket.socket:
+        sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.host, port))
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind((self._host(family), port))
         sock.listen(1024)
         sock.setblocking(False)
         self._sel.register(sock, selectors.EVENT_READ, self._on_accept)
         return sock
 
-    def _udp_socket(self, port: int) -> socket.socket:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        sock.setsockopt(socket.IPPROTO_IP, IP_PKTINFO, 1)
-        sock.bind((self.host, port))
+    def _udp_socket(self, port: int, family: int = socket.AF_INET) -> socket.socket:
+        sock = socket.socket(family, socket.SOCK_DGRAM)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.setsockopt(socket.IPPROTO_IPV6, IPV6_RECVPKTINFO, 1)
+        else:
+            sock.setsockopt(socket.IPPROTO_IP, IP_PKTINFO, 1)
+        sock.bind((self._host(family), port))
         sock.setblocking(False)
         self._sel.register(sock, selectors.EVENT_READ, self._on_datagram)
         return sock
@@ -260,7 +277,7 @@ class EchoServer:
         port = sock.getsockname()[1]
         for _ in range(_UDP_BATCH):
             try:
-                data, ancdata, _flags, peer = sock.recvmsg(65535, socket.CMSG_SPACE(_PKTINFO.size))
+                data, ancdata, _flags, peer = sock.recvmsg(65535, socket.CMSG_SPACE(_PKTINFO6.size))
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:  # an ICMP error queued on the socket by an earlier reply: ignore
@@ -268,9 +285,12 @@ class EchoServer:
             local_ip = self._pktinfo_dst(ancdata) or sock.getsockname()[0]
             reply = reply_line(self.pod, format_addr(local_ip, port), format_addr(*peer[:2]), "udp", data)
             # Answer from the address the request was sent to, whatever the routing would pick.
-            pktinfo = _PKTINFO.pack(0, socket.inet_aton(local_ip), bytes(4))
+            if sock.family == socket.AF_INET6:
+                cmsg = (socket.IPPROTO_IPV6, IPV6_PKTINFO, _PKTINFO6.pack(socket.inet_pton(socket.AF_INET6, local_ip), 0))
+            else:
+                cmsg = (socket.IPPROTO_IP, IP_PKTINFO, _PKTINFO.pack(0, socket.inet_aton(local_ip), bytes(4)))
             try:
-                sock.sendmsg([reply], [(socket.IPPROTO_IP, IP_PKTINFO, pktinfo)], 0, peer)
+                sock.sendmsg([reply], [cmsg], 0, peer)
             except OSError:  # unreachable peer, full buffer: a lost datagram, as UDP allows
                 pass
 
@@ -280,6 +300,9 @@ class EchoServer:
             if level == socket.IPPROTO_IP and kind == IP_PKTINFO and len(payload) >= _PKTINFO.size:
                 _ifindex, _spec_dst, addr = _PKTINFO.unpack_from(payload)
                 return str(ipaddress.IPv4Address(addr))
+            if level == socket.IPPROTO_IPV6 and kind == IPV6_PKTINFO and len(payload) >= _PKTINFO6.size:
+                addr6, _ifindex = _PKTINFO6.unpack_from(payload)
+                return str(ipaddress.IPv6Address(addr6))
         return None
 
 
@@ -288,7 +311,7 @@ class EchoServer:
 
 def write_ready_file(path: str, server: EchoServer) -> None:
     """Write path atomically (rename), so a reader never sees a half-written file."""
-    listening = [f"{port}/{proto}" for _host, port, proto in server.addresses]
+    listening = list(dict.fromkeys(f"{port}/{proto}" for _host, port, proto in server.addresses))
     body = {"pod": server.pod, "pid": os.getpid(), "listen": listening}
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
@@ -303,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--listen", action="append", required=True, type=parse_listen, metavar="PORT[/tcp|udp]")
     parser.add_argument("--ready-file", help="written (atomically) once every socket is bound; removed on exit")
     parser.add_argument("--host", default="0.0.0.0", help="IPv4 address to bind (default: all)")
+    parser.add_argument("--ipv6", action="store_true", help="serve on IPv6 (::) as well")
     parser.add_argument("--netns", help="enter this named netns first (when not started inside it)")
     args = parser.parse_args(argv)
 
@@ -310,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         from ebpf_proxy.lab._setns import enter_netns
 
         enter_netns(args.netns)
-    server = EchoServer(args.pod, args.listen, host=args.host)
+    server = EchoServer(args.pod, args.listen, host=args.host, ipv6=args.ipv6)
     try:
         server.bind()
     except OSError as exc:

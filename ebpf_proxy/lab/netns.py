@@ -36,10 +36,20 @@ the API server in unrelated subnets, and pods may have fixed IPs outside their p
 * Every route a node or client adds carries its own primary IP as preferred source, so
   extraIPs are never picked as source by accident.
 
+IPv6 (a topology with IPv6 in its clusterCIDR: dual-stack or IPv6-only) follows the same
+scheme family by family: /128 addresses and link routes, ``<podCIDR6> via <node ip6> onlink``,
+and in every pod ``default via fe80::1`` with a permanent neighbour entry for fe80::1 (the node
+side's MAC, as for 169.254.1.1; Calico uses a link-local gateway the same way). Each route's
+preferred source is the host's own address of the route's family; a host without an address of
+a family (an IPv4-only client in a dual-stack lab) gets no routes of it.
+
 Sysctls, all inside the lab's namespaces (never the root netns): rp_filter=0 everywhere
-(service NAT creates asymmetric paths), redirects off, IPv6 off (the lab is IPv4, and this
-keeps packet captures free of DAD and router solicitations); on nodes ip_forward=1 and
-route_localnet=1 (kube-proxy relies on it for 127.0.0.1 NodePorts). TX checksum offload is
+(service NAT creates asymmetric paths), redirects off; on nodes ip_forward=1 and
+route_localnet=1 (kube-proxy relies on it for 127.0.0.1 NodePorts). In an IPv4-only lab IPv6
+is off (this keeps packet captures free of DAD and router solicitations); with IPv6 it is on,
+with DAD off (accept_dad=0: addresses are usable at once, no "tentative" wait), router
+advertisements and solicitations off (every route is static), and on nodes
+net.ipv6.conf.all.forwarding=1. TX checksum offload is
 off on *every* veth end, so every packet leaves its sender with a software checksum, and a
 wrong incremental checksum update in a BPF program breaks delivery here as it would on a
 real NIC (see PLATFORM.md, pitfall 1).
@@ -60,7 +70,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
-import ipaddress
 import os
 import signal
 import socket
@@ -77,6 +86,7 @@ from ebpf_proxy.lab._setns import CLONE_NEWNET
 from ebpf_proxy.lab.topology import PodSpec, Topology
 
 POD_GATEWAY = "169.254.1.1"
+POD_GATEWAY6 = "fe80::1"  # the pods' IPv6 default gateway, link-local like Calico's
 
 _MNT_DETACH = 2
 _MS_BIND = 4096
@@ -303,21 +313,28 @@ class _Netns:
         return self.ipr.link("get", index=self.index(ifname))[0].get("address")
 
     def add_addr(self, idx: int, ip) -> None:
-        self.ipr.addr("add", index=idx, address=str(ip), prefixlen=32)
+        prefixlen = 128 if ":" in str(ip) else 32
+        self.ipr.addr("add", index=idx, address=str(ip), prefixlen=prefixlen)
 
     def link_route(self, idx: int, dst, src) -> None:
-        """``dst dev IDX scope link src SRC``: dst is a neighbour on that link."""
+        """``dst dev IDX scope link src SRC``: dst is a neighbour on that link. (IPv6 has no
+        route scopes: a route without gateway is on-link.)"""
         kw = {"prefsrc": str(src)} if src is not None else {}
-        self.ipr.route("add", dst=str(dst), oif=idx, scope="link", **kw)
+        if ":" in str(dst):
+            kw["family"] = socket.AF_INET6
+        else:
+            kw["scope"] = "link"
+        self.ipr.route("add", dst=str(dst), oif=idx, **kw)
 
     def via_route(self, idx: int, dst, gateway, src) -> None:
         """``dst via GATEWAY dev IDX onlink src SRC``."""
+        kw = {"family": socket.AF_INET6} if ":" in str(gateway) else {}
         self.ipr.route("add", dst=str(dst), gateway=str(gateway), oif=idx, flags=["onlink"],
-                       prefsrc=str(src))
+                       prefsrc=str(src), **kw)
 
     def del_route(self, dst) -> None:
         try:
-            self.ipr.route("del", dst=str(dst))
+            self.ipr.route("del", dst=str(dst), **({"family": socket.AF_INET6} if ":" in str(dst) else {}))
         except Exception as e:  # pyroute2 NetlinkError: ESRCH when already gone
             if getattr(e, "code", None) != errno.ESRCH:
                 raise
@@ -327,10 +344,14 @@ class _Netns:
             _tx_csum_off(self.ioctl_sock, ifname)
 
 
-def _netns_sysctls(forwarding: bool) -> dict[str, int]:
+def _netns_sysctls(forwarding: bool, ipv6: bool = False) -> dict[str, int]:
     values: dict[str, int] = {}
     for scope in ("all", "default"):
-        values[f"net/ipv6/conf/{scope}/disable_ipv6"] = 1
+        values[f"net/ipv6/conf/{scope}/disable_ipv6"] = 0 if ipv6 else 1
+        if ipv6:
+            values[f"net/ipv6/conf/{scope}/accept_dad"] = 0
+            values[f"net/ipv6/conf/{scope}/accept_ra"] = 0
+            values[f"net/ipv6/conf/{scope}/router_solicitations"] = 0
         values[f"net/ipv4/conf/{scope}/rp_filter"] = 0
         values[f"net/ipv4/conf/{scope}/accept_redirects"] = 0
         values[f"net/ipv4/conf/{scope}/send_redirects"] = 0
@@ -342,12 +363,15 @@ def _netns_sysctls(forwarding: bool) -> dict[str, int]:
         # REJECT answers with ICMP port-unreachable; the default rate limit (1/s per peer after
         # a small burst) would turn most of a burst of probes into "timeout".
         values["net/ipv4/icmp_ratelimit"] = 0
+        if ipv6:
+            values["net/ipv6/conf/all/forwarding"] = 1
+            values["net/ipv6/icmp/ratelimit"] = 0
     return values
 
 
-def _new_netns(name: str, forwarding: bool) -> _Netns:
+def _new_netns(name: str, forwarding: bool, ipv6: bool = False) -> _Netns:
     create_netns(name)
-    _write_sysctls(name, _netns_sysctls(forwarding))  # before any interface: "default" applies
+    _write_sysctls(name, _netns_sysctls(forwarding, ipv6))  # before any interface: "default" applies
     ns = _Netns(name)
     ns.up("lo")
     return ns
@@ -405,16 +429,20 @@ def build(lab: str, topology: Topology) -> LabNetwork:
 
 def _build(net: LabNetwork, handles: dict[str, _Netns]) -> None:
     topo = net.topology
-    under = handles[net.underlay_netns] = _new_netns(net.underlay_netns, forwarding=False)
-    under.ipr.link("add", ifname=net.bridge, kind="bridge")  # STP off: ports forward at once
+    v6 = topo.has_ipv6
+    under = handles[net.underlay_netns] = _new_netns(net.underlay_netns, forwarding=False, ipv6=v6)
+    # STP off: ports forward at once; with IPv6, multicast snooping off too, so neighbour
+    # solicitations reach every port without waiting for MLD reports
+    under.ipr.link("add", ifname=net.bridge, kind="bridge", **({"br_mcast_snooping": 0} if v6 else {}))
     br = under.up(net.bridge)
-    under.add_addr(br, topo.api_server_ip)
+    for api_ip in topo.api_server_ips:
+        under.add_addr(br, api_ip)
 
     hosts = [(n.netns, n.bridge_port, n.ip, topo.node(n.name).all_ips, True)
              for n in net.nodes.values()]
-    hosts += [(c.netns, c.bridge_port, c.ip, (c.ip,), False) for c in net.clients.values()]
+    hosts += [(c.netns, c.bridge_port, c.ip, topo.client(c.name).ips, False) for c in net.clients.values()]
     for netns, port, _ip, ips, is_node in hosts:
-        ns = handles[netns] = _new_netns(netns, forwarding=is_node)
+        ns = handles[netns] = _new_netns(netns, forwarding=is_node, ipv6=v6)
         ns.ipr.link("add", ifname=naming.UPLINK, kind="veth",
                     peer={"ifname": port, "net_ns_fd": net.underlay_netns})
         under.up(port, master=br)
@@ -425,48 +453,69 @@ def _build(net: LabNetwork, handles: dict[str, _Netns]) -> None:
             ns.add_addr(idx, ip)
 
     # Underlay: a /32 link route to every host on the bridge (replies from the API server).
+    api_src = _by_version(topo.api_server_ips)
     for _netns, _port, _ip, ips, _node in hosts:
         for ip in ips:
-            under.link_route(br, ip, topo.api_server_ip)
+            under.link_route(br, ip, api_src.get(_version(ip)))
 
     for node in net.nodes.values():
-        _route_host(handles[node.netns], topo, node.ip, gateway=topo.api_server_ip,
+        _route_host(handles[node.netns], topo, topo.node(node.name).ips, gateways=topo.api_server_ips,
                     skip_node=node.name)
         _make_cgroup(node.cgroup)
     _make_cgroup(naming.apiserver_cgroup(net.name))
     for client in net.clients.values():
-        _route_host(handles[client.netns], topo, client.ip, gateway=client.gateway_ip,
-                    skip_node=None)
+        _route_host(handles[client.netns], topo, topo.client(client.name).ips,
+                    gateways=topo.node(topo.client(client.name).gateway).ips, skip_node=None)
 
     for pod in net.pods.values():
         _attach_pod(net, handles[net.nodes[pod.node].netns], pod)
 
 
-def _route_host(ns: _Netns, topo: Topology, own_ip, gateway, skip_node: str | None) -> None:
-    """Routes of a node or client: /32 link routes to every other underlay address, pod
-    prefixes via their node, default via ``gateway``."""
+def _version(ip: str) -> int:
+    return 6 if ":" in ip else 4
+
+
+def _by_version(ips) -> dict[int, str]:
+    """The first address of each family (a host's primary address of that family)."""
+    out: dict[int, str] = {}
+    for ip in ips:
+        out.setdefault(_version(ip), ip)
+    return out
+
+
+def _route_host(ns: _Netns, topo: Topology, own_ips, gateways, skip_node: str | None) -> None:
+    """Routes of a node or client, per family it has an address of: host link routes to every
+    other underlay address, pod prefixes via their node, default via the family's gateway."""
     idx = ns.index(naming.UPLINK)
-    neighbours = [topo.api_server_ip]
+    own = _by_version(own_ips)
+    neighbours = list(topo.api_server_ips)
     for node in topo.nodes:
         if node.name != skip_node:
             neighbours.extend(node.all_ips)
-    neighbours.extend(c.ip for c in topo.clients)
+    neighbours.extend(ip for c in topo.clients for ip in c.ips)
     for ip in neighbours:
-        if ip != own_ip:
-            ns.link_route(idx, ip, own_ip)
+        src = own.get(_version(ip))
+        if src is not None and ip not in own_ips:
+            ns.link_route(idx, ip, src)
     for node in topo.nodes:
         if node.name == skip_node:
             continue
+        via = _by_version(node.ips)
         for prefix in topo.pod_prefixes(node.name):
-            ns.via_route(idx, prefix, node.ip, own_ip)
-    ns.via_route(idx, "0.0.0.0/0", gateway, own_ip)
+            version = _version(prefix)
+            if version in own and version in via:
+                ns.via_route(idx, prefix, via[version], own[version])
+    for version, gateway in _by_version(gateways).items():
+        if version in own:
+            ns.via_route(idx, "0.0.0.0/0" if version == 4 else "::/0", gateway, own[version])
 
 
 def _attach_pod(net: LabNetwork, node_ns: _Netns, pod: PodNet) -> None:
     """Create the pod's netns, its veth to the node, addresses, routes and cgroup."""
-    node_ip = net.nodes[pod.node].ip
+    node_src = _by_version(net.topology.node(pod.node).ips)
+    pod_ips = net.topology.pod(pod.name).ips
     bridge = net.topology.node(pod.node).pod_bridge
-    pod_ns = _new_netns(pod.netns, forwarding=False)
+    pod_ns = _new_netns(pod.netns, forwarding=False, ipv6=net.topology.has_ipv6)
     try:
         node_ns.ipr.link("add", ifname=pod.host_ifname, kind="veth",
                          peer={"ifname": pod.ifname, "net_ns_fd": pod.netns})
@@ -479,15 +528,23 @@ def _attach_pod(net: LabNetwork, node_ns: _Netns, pod: PodNet) -> None:
             _write_sysctls(node_ns.name, {f"net/ipv4/conf/{pod.host_ifname}/proxy_arp": 1})
             route_idx = node_ns.up(pod.host_ifname)
         node_ns.tx_off(pod.host_ifname)
-        node_ns.link_route(route_idx, f"{pod.ip}/32", node_ip)
+        for ip in pod_ips:
+            version = _version(ip)
+            node_ns.link_route(route_idx, f"{ip}/{32 if version == 4 else 128}", node_src.get(version))
 
         idx = pod_ns.up(pod.ifname)
         pod_ns.tx_off(pod.ifname)
-        pod_ns.add_addr(idx, pod.ip)
-        pod_ns.ipr.neigh("add", dst=str(POD_GATEWAY), lladdr=node_ns.mac(gateway_dev),
-                         ifindex=idx)
-        pod_ns.link_route(idx, f"{POD_GATEWAY}/32", pod.ip)
-        pod_ns.ipr.route("add", dst="0.0.0.0/0", gateway=str(POD_GATEWAY), oif=idx)
+        gateway_mac = node_ns.mac(gateway_dev)
+        for ip in pod_ips:
+            pod_ns.add_addr(idx, ip)
+            if _version(ip) == 4:
+                pod_ns.ipr.neigh("add", dst=str(POD_GATEWAY), lladdr=gateway_mac, ifindex=idx)
+                pod_ns.link_route(idx, f"{POD_GATEWAY}/32", ip)
+                pod_ns.ipr.route("add", dst="0.0.0.0/0", gateway=str(POD_GATEWAY), oif=idx)
+            else:
+                pod_ns.ipr.neigh("add", dst=POD_GATEWAY6, lladdr=gateway_mac, ifindex=idx,
+                                 family=socket.AF_INET6)
+                pod_ns.ipr.route("add", dst="::/0", gateway=POD_GATEWAY6, oif=idx, family=socket.AF_INET6)
     finally:
         pod_ns.close()
     _make_cgroup(pod.cgroup)
@@ -508,9 +565,12 @@ def _pod_bridge(node_ns: _Netns, name: str) -> int:
     return idx
 
 
-def _outside_cidr(topo: Topology, pod_name: str) -> bool:
+def _outside_prefixes(topo: Topology, pod_name: str) -> list[str]:
+    """The host routes (/32, /128) other hosts need to reach the pod: one per address of it
+    that lies outside its node's podCIDR of that family."""
     pod = topo.pod(pod_name)
-    return ipaddress.IPv4Address(pod.ip) not in ipaddress.IPv4Network(topo.node(pod.node).pod_cidr)
+    return [p for p in topo.pod_prefixes(pod.node)
+            if p.split("/")[0] in pod.ips and p.endswith(("/32", "/128"))]
 
 
 def add_pod(lab: str, topology: Topology, pod: PodSpec | str) -> PodNet:
@@ -529,11 +589,15 @@ def add_pod(lab: str, topology: Topology, pod: PodSpec | str) -> PodNet:
     node_ns = _Netns(node.netns)
     try:
         _attach_pod(net, node_ns, pod)
-        if _outside_cidr(topology, pod_name):
+        via = _by_version(topology.node(pod.node).ips)
+        for prefix in _outside_prefixes(topology, pod_name):
+            version = _version(prefix)
             for other in _route_holders(net, skip_node=pod.node):
+                src = _by_version(_own_ips(net, other)).get(version)
+                if src is None:
+                    continue
                 with _closing(_Netns(other)) as ns:
-                    ns.via_route(ns.index(naming.UPLINK), f"{pod.ip}/32", node.ip,
-                                 _own_ip(net, other))
+                    ns.via_route(ns.index(naming.UPLINK), prefix, via[version], src)
     except BaseException:
         _teardown_pod(net, pod)
         raise
@@ -549,11 +613,11 @@ def remove_pod(lab: str, topology: Topology, pod: PodSpec | str) -> None:
     pod_name = pod if isinstance(pod, str) else pod.name
     net = LabNetwork.describe(lab, topology)
     pod = net.pods[pod_name]
-    if _outside_cidr(topology, pod_name):
+    for prefix in _outside_prefixes(topology, pod_name):
         for other in _route_holders(net, skip_node=pod.node):
             if nsexec.netns_exists(other):
                 with _closing(_Netns(other)) as ns:
-                    ns.del_route(f"{pod.ip}/32")
+                    ns.del_route(prefix)
     _teardown_pod(net, pod)
 
 
@@ -579,13 +643,13 @@ def _route_holders(net: LabNetwork, skip_node: str) -> list[str]:
         c.netns for c in net.clients.values()]
 
 
-def _own_ip(net: LabNetwork, netns: str):
+def _own_ips(net: LabNetwork, netns: str) -> tuple[str, ...]:
     for n in net.nodes.values():
         if n.netns == netns:
-            return n.ip
+            return net.topology.node(n.name).ips
     for c in net.clients.values():
         if c.netns == netns:
-            return c.ip
+            return net.topology.client(c.name).ips
     raise LabNetError(f"netns {netns!r} is neither a node nor a client of lab {net.name!r}")
 
 

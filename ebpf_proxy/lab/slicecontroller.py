@@ -6,7 +6,10 @@ Pods into slices. This controller does that the way the real one does
 
 - only Services with a non-empty selector and a type other than ExternalName get managed
   slices; slices of selector-less Services are the user's and are never touched;
-- each matching Pod with an IPv4 address becomes one endpoint: `serving` is the Pod's Ready
+- slices come per address type, one set for each of the Service's `ipFamilies` (IPv4 when it
+  has none), as upstream's reconcileByAddressType: a dual-stack Service gets IPv4 slices and
+  `addressType: IPv6` slices; slices of a family the Service dropped are deleted;
+- each matching Pod with an address of the slice's family becomes one endpoint: `serving` is the Pod's Ready
   condition (a Pod without any conditions counts as ready, a lab convenience), `terminating`
   is set once the Pod has a deletionTimestamp, and `ready` is `serving and not terminating`
   (or always true with `publishNotReadyAddresses`); Pods that have finished (Succeeded/Failed)
@@ -54,18 +57,29 @@ def pod_ready(pod: dict[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
-def pod_ipv4(pod: dict[str, Any]) -> str | None:
+def pod_ip(pod: dict[str, Any], family: str = "IPv4") -> str | None:
+    """The Pod's address of `family` ("IPv4"/"IPv6") from status.podIPs (or podIP), else None."""
     status = pod.get("status") or {}
-    candidates = [p.get("ip") for p in status.get("podIPs") or []] + [status.get("podIP")]
+    candidates = [p.get("ip") for p in status.get("podIPs") or [] if isinstance(p, dict)] + [status.get("podIP")]
     for ip in candidates:
         if not ip:
             continue
         try:
-            if ipaddress.ip_address(ip).version == 4:
+            if f"IPv{ipaddress.ip_address(ip).version}" == family:
                 return ip
         except ValueError:
             continue
     return None
+
+
+def pod_ipv4(pod: dict[str, Any]) -> str | None:
+    return pod_ip(pod, "IPv4")
+
+
+def address_types(svc: dict[str, Any]) -> list[str]:
+    """getAddressTypesForService: the Service's ipFamilies; IPv4 for one without (an old object)."""
+    families = [f for f in (svc.get("spec") or {}).get("ipFamilies") or [] if f in ("IPv4", "IPv6")]
+    return families or ["IPv4"]
 
 
 def resolve_target_port(service_port: dict[str, Any], pod: dict[str, Any]) -> int | None:
@@ -102,13 +116,14 @@ def _endpoint(svc: dict[str, Any], pod: dict[str, Any], ip: str, nodes: Mapping[
 
 
 def desired_slices(svc: dict[str, Any], pods: list[dict[str, Any]], max_per_slice: int = MAX_ENDPOINTS_PER_SLICE,
-                   nodes: Mapping[str, NodeInfo] | None = None) -> list[tuple[list[dict[str, Any]], list[dict[str, Any]]]]:
-    """(ports, endpoints) of every slice `svc` should have, given the Pods its selector matches
-    and the Nodes (by name) they run on."""
+                   nodes: Mapping[str, NodeInfo] | None = None,
+                   family: str = "IPv4") -> list[tuple[list[dict[str, Any]], list[dict[str, Any]]]]:
+    """(ports, endpoints) of every slice of address type `family` that `svc` should have, given
+    the Pods its selector matches and the Nodes (by name) they run on."""
     nodes = nodes or {}
     groups: dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]]]] = {}
     for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
-        ip = pod_ipv4(pod)
+        ip = pod_ip(pod, family)
         if ip is None or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
             continue
         ports = []
@@ -329,7 +344,18 @@ class EndpointSliceController:
             self._with_slices.discard((namespace, name))
             return
         pods, _ = self.store.list("Pod", namespace, label_selector=spec["selector"])
-        wanted = desired_slices(svc, pods, self.max_endpoints_per_slice, self._nodes)
+        families = address_types(svc)
+        for family in families:
+            mine = [s for s in existing if s.get("addressType") == family]
+            self._reconcile_family(svc, family, pods, mine)
+        for slice_ in existing:  # address types the Service no longer has
+            if slice_.get("addressType") not in families:
+                self._delete(slice_)
+
+    def _reconcile_family(self, svc: dict[str, Any], family: str, pods: list[dict[str, Any]],
+                          existing: list[dict[str, Any]]) -> None:
+        namespace, name = svc["metadata"]["namespace"], svc["metadata"]["name"]
+        wanted = desired_slices(svc, pods, self.max_endpoints_per_slice, self._nodes, family)
         unused = list(existing)
         for ports, endpoints in wanted:
             match = next((s for s in unused if (s.get("ports") or []) == ports), None) or (unused[0] if unused else None)
@@ -337,7 +363,7 @@ class EndpointSliceController:
                 "apiVersion": "discovery.k8s.io/v1",
                 "kind": "EndpointSlice",
                 "metadata": {"namespace": namespace, "labels": _slice_labels(svc), "ownerReferences": _owner(svc)},
-                "addressType": "IPv4",
+                "addressType": family,
                 "endpoints": endpoints,
                 "ports": ports,
             }

@@ -37,9 +37,19 @@ not a silently ignored setting)::
     agentArgs: [--audit-repair=false]  # optional: more `ebpf-proxy run` options for every agent
                                     #   (ebpf-proxy's own, e.g. --audit-period 10s, --log-level debug)
 
+Dual-stack, the kube-apiserver/kubelet convention: every address or CIDR key (serviceCIDR,
+clusterCIDR, apiServerIP, a node's ip and podCIDR, a pod's or client's ip) takes one value or a
+comma-separated pair of different families, in either order (``ip: "172.20.20.15,fd00:20::15"``).
+clusterCIDR's families are the cluster's (the first written is its primary family) and
+serviceCIDR must have the same ones; one family only (IPv4 or IPv6) is a single-stack cluster.
+Every node then needs an address and a podCIDR of each family (defaults: the next free /24 or /64),
+every pod gets one address of each (allocated where not given); clients and apiServerIP may
+have any of the cluster's families. The first value of a pair is the object's primary one (the
+``ip``/``pod_cidr``/``service_cidr`` attribute; ``ips``/``pod_cidrs``/``service_cidrs`` hold all).
+
 Nodes, pods and clients need not share a subnet: the lab routes every address explicitly
 (see ``ebpf_proxy.lab.netns``). Addresses must be unique across the file, usable unicast
-IPv4 (no loopback, link-local, multicast or reserved), and outside serviceCIDR; node, client
+(no loopback, link-local, multicast or reserved), and outside serviceCIDR; node, client
 and API server addresses must also be outside clusterCIDR, which belongs to pods. A fixed pod
 IP may not lie in another node's podCIDR.
 
@@ -68,6 +78,13 @@ DEFAULT_SERVICE_CIDR = "10.96.0.0/12"
 DEFAULT_NODE_PORT_RANGE = "30000-32767"  # kube-apiserver's --service-node-port-range default
 DEFAULT_CLUSTER_CIDR = "10.244.0.0/16"
 DEFAULT_API_SERVER_IP = "192.0.2.1"
+# The IPv6 defaults, for a family only the other key names (kind's dual-stack shapes).
+DEFAULTS_BY_VERSION = {
+    "serviceCIDR": {4: DEFAULT_SERVICE_CIDR, 6: "fd00:10:96::/112"},
+    "clusterCIDR": {4: DEFAULT_CLUSTER_CIDR, 6: "fd00:10:244::/56"},
+    "apiServerIP": {4: DEFAULT_API_SERVER_IP, 6: "fd00:192:0:2::1"},
+}
+DEFAULT_POD_CIDR_PREFIXES = {4: 24, 6: 64}
 DEFAULT_NAMESPACE = "default"
 DEFAULT_LISTEN = ("80/tcp",)
 DEFAULT_POD_CIDR_PREFIX = 24
@@ -109,10 +126,18 @@ class NodeSpec:
     pod_cidr: str = ""
     pod_bridge: str = ""  # "": every pod on its own routed veth; else the bridge pods are ports of
     zone: str = ""  # label topology.kubernetes.io/zone; "" = the Node has no zone label
+    ips: tuple[str, ...] = ()  # InternalIPs, one per family, primary (== ip) first
+    pod_cidrs: tuple[str, ...] = ()  # spec.podCIDRs, one per family, primary (== pod_cidr) first
+
+    def __post_init__(self) -> None:
+        if not self.ips:
+            object.__setattr__(self, "ips", (self.ip,))
+        if not self.pod_cidrs and self.pod_cidr:
+            object.__setattr__(self, "pod_cidrs", (self.pod_cidr,))
 
     @property
     def all_ips(self) -> tuple[str, ...]:
-        return (self.ip, *self.extra_ips)
+        return (*self.ips, *self.extra_ips)
 
 
 @dataclass(frozen=True)
@@ -125,6 +150,15 @@ class PodSpec:
     namespace: str = DEFAULT_NAMESPACE
     labels: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), hash=False)
     listen: tuple[str, ...] = DEFAULT_LISTEN  # canonical "PORT/tcp" / "PORT/udp"
+    ips: tuple[str, ...] = ()  # status.podIPs: one per cluster family, in the cluster's order
+
+    def __post_init__(self) -> None:
+        # `ip` decides: None (allocate every family) drops `ips`, and an `ip` that `ips` does not
+        # hold replaces them, so dataclasses.replace(pod, ip=...) never keeps stale addresses
+        if self.ip is None:
+            object.__setattr__(self, "ips", ())
+        elif self.ip not in self.ips:
+            object.__setattr__(self, "ips", (self.ip,))
 
 
 @dataclass(frozen=True)
@@ -132,6 +166,11 @@ class ClientSpec:
     name: str
     ip: str
     gateway: str  # node name
+    ips: tuple[str, ...] = ()  # one per family, primary (== ip) first
+
+    def __post_init__(self) -> None:
+        if not self.ips:
+            object.__setattr__(self, "ips", (self.ip,))
 
 
 @dataclass(frozen=True)
@@ -145,6 +184,28 @@ class Topology:
     kube_proxy_configuration: Mapping[str, Any] | None = field(default=None, hash=False)
     service_node_port_range: str = DEFAULT_NODE_PORT_RANGE  # "FIRST-LAST"
     agent_args: tuple[str, ...] = ()  # more `ebpf-proxy run` options for every agent
+    service_cidrs: tuple[str, ...] = ()  # all families, primary (== service_cidr) first
+    cluster_cidrs: tuple[str, ...] = ()  # all families, primary (== cluster_cidr) first
+    api_server_ips: tuple[str, ...] = ()  # the API server's underlay addresses, primary first
+
+    def __post_init__(self) -> None:
+        for many, one in (("service_cidrs", self.service_cidr), ("cluster_cidrs", self.cluster_cidr),
+                          ("api_server_ips", self.api_server_ip)):
+            if not getattr(self, many):
+                object.__setattr__(self, many, (one,))
+
+    @property
+    def families(self) -> tuple[str, ...]:
+        """The cluster's IP families, primary first: ("IPv4",), ("IPv6",) or both."""
+        return tuple(f"IPv{ipaddress.ip_network(c).version}" for c in self.cluster_cidrs)
+
+    @property
+    def dual_stack(self) -> bool:
+        return len(self.cluster_cidrs) == 2
+
+    @property
+    def has_ipv6(self) -> bool:
+        return "IPv6" in self.families
 
     def node(self, name: str) -> NodeSpec:
         for node in self.nodes:
@@ -170,9 +231,14 @@ class Topology:
     def pod_prefixes(self, node: str) -> tuple[str, ...]:
         """Destinations the rest of the lab routes via ``node``: its podCIDR, plus a /32 for
         each of its pods whose fixed IP lies outside that podCIDR."""
-        cidr = IPv4Network(self.node(node).pod_cidr)
-        extra = [f"{p.ip}/32" for p in self.pods_on(node) if IPv4Address(p.ip) not in cidr]
-        return (str(cidr), *extra)
+        cidrs = [ipaddress.ip_network(c) for c in self.node(node).pod_cidrs]
+        extra = []
+        for pod in self.pods_on(node):
+            for ip in pod.ips:
+                addr = ipaddress.ip_address(ip)
+                if not any(addr in c for c in cidrs if c.version == addr.version):
+                    extra.append(f"{ip}/{addr.max_prefixlen}")
+        return (*(str(c) for c in cidrs), *extra)
 
     def with_pod(self, pod: PodSpec) -> "Topology":
         """A copy with ``pod`` added, validated like a file; ``pod.ip`` None allocates one."""
@@ -181,8 +247,8 @@ class Topology:
             "name": pod.name, "node": pod.node, "namespace": pod.namespace,
             "labels": dict(pod.labels), "listen": [str(x) for x in pod.listen],
         }
-        if pod.ip is not None:
-            entry["ip"] = str(pod.ip)
+        if pod.ips:
+            entry["ip"] = ",".join(pod.ips)
         data["pods"].append(entry)
         return parse_topology(data)
 
@@ -197,22 +263,22 @@ class Topology:
         """The topology as a file would write it, allocated IPs and podCIDRs included, so
         that ``parse_topology(t.to_dict()) == t`` (and JSON can hold it)."""
         data: dict[str, Any] = {
-            "serviceCIDR": self.service_cidr,
-            "clusterCIDR": self.cluster_cidr,
-            "apiServerIP": self.api_server_ip,
+            "serviceCIDR": ",".join(self.service_cidrs),
+            "clusterCIDR": ",".join(self.cluster_cidrs),
+            "apiServerIP": ",".join(self.api_server_ips),
             "nodes": [
-                {"name": n.name, "ip": n.ip, "extraIPs": list(n.extra_ips),
-                 "podCIDR": n.pod_cidr, **({"podBridge": n.pod_bridge} if n.pod_bridge else {}),
+                {"name": n.name, "ip": ",".join(n.ips), "extraIPs": list(n.extra_ips),
+                 "podCIDR": ",".join(n.pod_cidrs), **({"podBridge": n.pod_bridge} if n.pod_bridge else {}),
                  **({"zone": n.zone} if n.zone else {})}
                 for n in self.nodes
             ],
             "pods": [
-                {"name": p.name, "node": p.node, "namespace": p.namespace, "ip": p.ip,
+                {"name": p.name, "node": p.node, "namespace": p.namespace, "ip": ",".join(p.ips),
                  "labels": dict(p.labels), "listen": list(p.listen)}
                 for p in self.pods
             ],
             "clients": [
-                {"name": c.name, "ip": c.ip, "gateway": c.gateway} for c in self.clients
+                {"name": c.name, "ip": ",".join(c.ips), "gateway": c.gateway} for c in self.clients
             ],
         }
         if self.kube_proxy_configuration is not None:
@@ -261,7 +327,7 @@ def node_port_range(value: Any, where: str = "serviceNodePortRange") -> tuple[in
 def allocate_pod_ip(topology: Topology, node: str) -> str:
     """The first free address of ``node``'s podCIDR (never .0, .1 or the broadcast address)."""
     spec = topology.node(node)
-    found = _first_free(IPv4Network(spec.pod_cidr), _taken_ips(topology))
+    found = _first_free(ipaddress.ip_network(spec.pod_cidr), _taken_ips(topology))
     if found is None:
         raise TopologyError(f"nodes[{topology.nodes.index(spec)}].podCIDR",
                             f"{spec.pod_cidr} of node {node!r} has no free address left")
@@ -306,19 +372,23 @@ def parse_topology(data: Any, source: str | None = None) -> Topology:
 # --- parsing --------------------------------------------------------------------------------
 
 
-def _taken_ips(topology: Topology) -> set[IPv4Address]:
-    taken = [topology.api_server_ip, *(c.ip for c in topology.clients)]
+def _taken_ips(topology: Topology) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    taken = [*topology.api_server_ips, *(ip for c in topology.clients for ip in c.ips)]
     for n in topology.nodes:
         taken.extend(n.all_ips)
-    taken.extend(p.ip for p in topology.pods if p.ip is not None)
-    return {IPv4Address(x) for x in taken}
+    taken.extend(ip for p in topology.pods for ip in p.ips)
+    return {ipaddress.ip_address(x) for x in taken}
 
 
-def _first_free(cidr: IPv4Network, taken: set[IPv4Address]) -> IPv4Address | None:
-    first = int(cidr.network_address) + 2  # skip the network (.0) and gateway (.1) addresses
-    last = int(cidr.broadcast_address) - 1
-    for value in range(first, last + 1):
-        candidate = IPv4Address(value)
+def _first_free(cidr, taken: set) -> Any:
+    """The first free address of ``cidr`` (either family), skipping the network (.0) and gateway
+    (.1) addresses and, for IPv4, the broadcast address; None when full. Looks at no more than
+    ``len(taken) + 1`` candidates, so a /64 costs no more than a /24."""
+    first = int(cidr.network_address) + 2
+    last = int(cidr.broadcast_address) - (1 if cidr.version == 4 else 0)
+    make = IPv4Address if cidr.version == 4 else ipaddress.IPv6Address
+    for value in range(first, min(last, first + len(taken)) + 1):
+        candidate = make(value)
         if candidate not in taken:
             return candidate
     return None
@@ -370,18 +440,22 @@ def _name(value: Any, where: str, pattern: re.Pattern[str], what: str) -> str:
     return value
 
 
-def _ip(value: Any, where: str) -> IPv4Address:
-    if isinstance(value, str):
-        try:
-            ip = IPv4Address(value)
-        except ValueError:
-            raise TopologyError(where, f"{value!r} is not an IPv4 address") from None
-    else:
-        raise TopologyError(where, f"{value!r} is not an IPv4 address")
+def _family_word(value: Any) -> str:
+    """Which family a malformed value was probably meant to be, for the message."""
+    return "IPv6" if isinstance(value, str) and ":" in value else "IPv4"
+
+
+def _ip(value: Any, where: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    try:
+        ip = ipaddress.ip_address(value) if isinstance(value, str) else None
+    except ValueError:
+        ip = None
+    if ip is None:
+        raise TopologyError(where, f"{value!r} is not an {_family_word(value)} address")
     for bad, what in (
         (ip.is_unspecified, "unspecified"),
         (ip.is_loopback, "loopback"),
-        (ip.is_link_local, "link-local (the lab uses 169.254.0.0/16 for pod gateways)"),
+        (ip.is_link_local, "link-local (the lab uses 169.254.0.0/16 and fe80::/64 for pod gateways)"),
         (ip.is_multicast, "multicast"),
         (ip.is_reserved, "reserved"),
     ):
@@ -390,17 +464,33 @@ def _ip(value: Any, where: str) -> IPv4Address:
     return ip
 
 
-def _cidr(value: Any, where: str) -> IPv4Network:
+def _cidr(value: Any, where: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
+    example = "fd00:10:244::/56" if _family_word(value) == "IPv6" else "10.244.0.0/16"
     if not isinstance(value, str):
         raise TopologyError(where, f"{value!r} is not an IPv4 CIDR like 10.244.0.0/16")
     try:
-        return IPv4Network(value)
+        return ipaddress.ip_network(value)
     except ValueError as e:
         try:
-            loose = IPv4Network(value, strict=False)
+            loose = ipaddress.ip_network(value, strict=False)
         except ValueError:
-            raise TopologyError(where, f"{value!r} is not an IPv4 CIDR like 10.244.0.0/16") from e
+            raise TopologyError(where, f"{value!r} is not an {_family_word(value)} CIDR like {example}") from e
         raise TopologyError(where, f"{value!r} has host bits set (did you mean {loose}?)") from e
+
+
+def _pair(value: Any, where: str, one) -> list[Any]:
+    """One value, or a comma-separated pair of different families in either order
+    (``"10.244.0.0/16,fd00:10:244::/56"``), each parsed by ``one(text, where)``."""
+    if not (isinstance(value, str) and "," in value):
+        return [one(value, where)]
+    parts = [p.strip() for p in value.split(",")]
+    if len(parts) != 2:
+        raise TopologyError(where, f"{value!r}: give one value or a comma-separated pair (one IPv4, one IPv6)")
+    items = [one(p, where) for p in parts]
+    if items[0].version == items[1].version:
+        raise TopologyError(where, f"{value!r} has two IPv{items[0].version} values; "
+                                   "a pair is one IPv4 and one IPv6 value")
+    return items
 
 
 def _listen_entry(value: Any, where: str) -> tuple[int, str]:
@@ -450,27 +540,58 @@ def _label_key_ok(key: str) -> bool:
 
 
 class _Parser:
-    """One validation pass; keeps the owner of every address for collision messages."""
+    """One validation pass; keeps the owner of every address for collision messages.
+
+    ``service`` and ``cluster`` map an IP version (4, 6) to that family's CIDR; ``versions``
+    is the cluster's families in clusterCIDR's order (the first is the primary)."""
 
     def __init__(self, data: Any):
         self.data = data
-        self.owners: dict[IPv4Address, str] = {}
+        self.owners: dict[Any, str] = {}
 
-    def claim(self, ip: IPv4Address, where: str) -> None:
+    def claim(self, ip, where: str) -> None:
         if ip in self.owners:
             raise TopologyError(where, f"{ip} is already used by {self.owners[ip]}")
         self.owners[ip] = where
 
+    def ranges(self, top: Mapping[str, Any]) -> tuple[list[Any], list[Any]]:
+        """serviceCIDR and clusterCIDR; a key left out takes the defaults of the other's families."""
+        raw = {key: top.get(key) for key in ("serviceCIDR", "clusterCIDR")}
+        given = {key: _pair(v, key, _cidr) for key, v in raw.items() if v is not None}
+        versions = [n.version for n in next(iter(given.values()), [])] or [4]
+        for key in raw:
+            if key not in given:
+                given[key] = [ipaddress.ip_network(DEFAULTS_BY_VERSION[key][v]) for v in versions]
+        service, cluster = given["serviceCIDR"], given["clusterCIDR"]
+        if sorted(n.version for n in service) != sorted(n.version for n in cluster):
+            raise TopologyError("serviceCIDR", f"{','.join(map(str, service))} and clusterCIDR "
+                                               f"{','.join(map(str, cluster))} must have the same IP families")
+        return service, cluster
+
+    def family_check(self, ip, where: str) -> None:
+        if ip.version not in self.versions:
+            raise TopologyError(where, f"{ip} is an IPv{ip.version} address, but the cluster has no IPv{ip.version} "
+                                       f"(clusterCIDR {self.cluster_text})")
+
     def parse(self) -> Topology:
         top = _mapping(self.data, "topology")
         _check_keys(top, _TOP_KEYS, "")
-        service = _cidr(top.get("serviceCIDR", DEFAULT_SERVICE_CIDR), "serviceCIDR")
-        cluster = _cidr(top.get("clusterCIDR", DEFAULT_CLUSTER_CIDR), "clusterCIDR")
-        if service.overlaps(cluster):
-            raise TopologyError("serviceCIDR", f"{service} overlaps clusterCIDR {cluster}")
-        self.service, self.cluster = service, cluster
-        api_ip = self.host_ip(top.get("apiServerIP", DEFAULT_API_SERVER_IP), "apiServerIP")
-        self.claim(api_ip, "apiServerIP")
+        service, cluster = self.ranges(top)
+        for s_net in service:
+            for c_net in cluster:
+                if s_net.version == c_net.version and s_net.overlaps(c_net):
+                    raise TopologyError("serviceCIDR", f"{s_net} overlaps clusterCIDR {c_net}")
+        self.service = {n.version: n for n in service}
+        self.cluster = {n.version: n for n in cluster}
+        self.versions = tuple(n.version for n in cluster)
+        self.cluster_text = ",".join(map(str, cluster))
+        api_raw = top.get("apiServerIP")
+        if api_raw is None:
+            api_ips = [ipaddress.ip_address(DEFAULTS_BY_VERSION["apiServerIP"][v]) for v in self.versions]
+        else:
+            api_ips = _pair(api_raw, "apiServerIP", self.host_ip)
+        for ip in api_ips:
+            self.claim(ip, "apiServerIP")
 
         nodes = self.parse_nodes(top.get("nodes"))
         clients = self.parse_clients(top.get("clients", []), nodes)
@@ -489,16 +610,19 @@ class _Parser:
         for i, arg in enumerate(agent_args):
             if not isinstance(arg, str) or not arg:
                 raise TopologyError(f"agentArgs[{i}]", f"{arg!r} is not a command-line word (a non-empty string)")
-        return Topology(str(service), str(cluster), str(api_ip), nodes, pods, clients, kpc,
-                        f"{node_ports[0]}-{node_ports[1]}", agent_args)
+        return Topology(str(service[0]), str(cluster[0]), str(api_ips[0]), nodes, pods, clients, kpc,
+                        f"{node_ports[0]}-{node_ports[1]}", agent_args,
+                        service_cidrs=tuple(map(str, service)), cluster_cidrs=tuple(map(str, cluster)),
+                        api_server_ips=tuple(map(str, api_ips)))
 
-    def host_ip(self, value: Any, where: str) -> IPv4Address:
+    def host_ip(self, value: Any, where: str):
         """An address of the underlay (node, client, API server): outside the cluster ranges."""
         ip = _ip(value, where)
-        if ip in self.service:
-            raise TopologyError(where, f"{ip} lies inside serviceCIDR {self.service}")
-        if ip in self.cluster:
-            raise TopologyError(where, f"{ip} lies inside clusterCIDR {self.cluster}, "
+        self.family_check(ip, where)
+        if ip in self.service[ip.version]:
+            raise TopologyError(where, f"{ip} lies inside serviceCIDR {self.service[ip.version]}")
+        if ip in self.cluster[ip.version]:
+            raise TopologyError(where, f"{ip} lies inside clusterCIDR {self.cluster[ip.version]}, "
                                        "which is reserved for pods")
         return ip
 
@@ -519,19 +643,28 @@ class _Parser:
                 raise TopologyError(f"{where}.name",
                                     f"{name!r} duplicates nodes[{names[name]}].name")
             names[name] = i
-            ip = self.host_ip(_required(obj, "ip", where), f"{where}.ip")
-            self.claim(ip, f"{where}.ip")
+            raw_ip = _required(obj, "ip", where)
+            ips = _pair(raw_ip, f"{where}.ip", self.host_ip)
+            missing = [v for v in self.versions if v not in {ip.version for ip in ips}]
+            if missing:
+                raise TopologyError(f"{where}.ip", f"{raw_ip!r} has no IPv{missing[0]} address, but the cluster "
+                                                   f"has IPv{missing[0]} (clusterCIDR {self.cluster_text}): give a "
+                                                   "pair like \"172.20.20.15,fd00:20::15\"")
+            for ip in ips:
+                self.claim(ip, f"{where}.ip")
             extra = []
             for j, x in enumerate(_list(obj.get("extraIPs", []) or [], f"{where}.extraIPs")):
                 eip = self.host_ip(x, f"{where}.extraIPs[{j}]")
                 self.claim(eip, f"{where}.extraIPs[{j}]")
                 extra.append(eip)
-            cidr = None
+            cidrs: dict[int, Any] = {}
             if obj.get("podCIDR") is not None:
-                cidr = _cidr(obj["podCIDR"], f"{where}.podCIDR")
-                if not cidr.subnet_of(self.cluster):
-                    raise TopologyError(f"{where}.podCIDR",
-                                        f"{cidr} is not inside clusterCIDR {self.cluster}")
+                for cidr in _pair(obj["podCIDR"], f"{where}.podCIDR", _cidr):
+                    own = self.cluster.get(cidr.version)
+                    if own is None or not cidr.subnet_of(own):
+                        raise TopologyError(f"{where}.podCIDR",
+                                            f"{cidr} is not inside clusterCIDR {own or self.cluster_text}")
+                    cidrs[cidr.version] = cidr
             bridge = ""
             if obj.get("podBridge") is not None:
                 bridge = obj["podBridge"]
@@ -540,41 +673,50 @@ class _Parser:
                                         f"{bridge!r} is not a free interface name (up to 15 letters, digits, "
                                         "'-', '_', '.'; not eth0 or lo)")
             zone = _zone(obj.get("zone"), f"{where}.zone")
-            partial.append((name, ip, tuple(extra), cidr, bridge, zone))
-        cidrs = self.assign_pod_cidrs([p[3] for p in partial])
-        return tuple(NodeSpec(n, str(ip), tuple(str(x) for x in extra), str(cidr), bridge, zone)
-                     for (n, ip, extra, _, bridge, zone), cidr in zip(partial, cidrs))
+            partial.append((name, ips, tuple(extra), cidrs, bridge, zone))
+        by_version = {v: self.assign_pod_cidrs([p[3].get(v) for p in partial], v) for v in self.versions}
+        out = []
+        for i, (name, ips, extra, _, bridge, zone) in enumerate(partial):
+            # the podCIDRs in the node's own order of families (its primary IP's family first)
+            order = [ip.version for ip in ips] + [v for v in self.versions if v not in [ip.version for ip in ips]]
+            pod_cidrs = tuple(str(by_version[v][i]) for v in order if v in by_version)
+            out.append(NodeSpec(name, str(ips[0]), tuple(str(x) for x in extra), pod_cidrs[0], bridge, zone,
+                                ips=tuple(map(str, ips)), pod_cidrs=pod_cidrs))
+        return tuple(out)
 
-    def assign_pod_cidrs(self, given: list[IPv4Network | None]) -> list[IPv4Network]:
+    def assign_pod_cidrs(self, given: list[Any], version: int) -> list[Any]:
         for i, a in enumerate(given):
             for j in range(i):
                 b = given[j]
                 if a is not None and b is not None and a.overlaps(b):
                     raise TopologyError(f"nodes[{i}].podCIDR",
                                         f"{a} overlaps nodes[{j}].podCIDR {b}")
-        out: list[IPv4Network] = []
+        out: list[Any] = []
         used = [c for c in given if c is not None]
         for i, cidr in enumerate(given):
             if cidr is None:
-                cidr = self.default_pod_cidr(i, used)
+                cidr = self.default_pod_cidr(i, used, version)
                 used.append(cidr)
             out.append(cidr)
         return out
 
-    def default_pod_cidr(self, index: int, used: list[IPv4Network]) -> IPv4Network:
+    def default_pod_cidr(self, index: int, used: list[Any], version: int) -> Any:
         where = f"nodes[{index}].podCIDR"
-        if self.cluster.prefixlen > DEFAULT_POD_CIDR_PREFIX:
-            raise TopologyError(where, f"cannot pick a default: clusterCIDR {self.cluster} is "
-                                       f"smaller than a /{DEFAULT_POD_CIDR_PREFIX}; set podCIDR")
-        count = 1 << (DEFAULT_POD_CIDR_PREFIX - self.cluster.prefixlen)
-        size = 1 << (32 - DEFAULT_POD_CIDR_PREFIX)
-        base = int(self.cluster.network_address)
-        for k in range(index + 1, count):
-            candidate = IPv4Network((base + k * size, DEFAULT_POD_CIDR_PREFIX))
+        cluster = self.cluster[version]
+        prefix = DEFAULT_POD_CIDR_PREFIXES[version]
+        if cluster.prefixlen > prefix:
+            raise TopologyError(where, f"cannot pick a default: clusterCIDR {cluster} is "
+                                       f"smaller than a /{prefix}; set podCIDR")
+        count = 1 << (prefix - cluster.prefixlen)
+        size = 1 << (cluster.max_prefixlen - prefix)
+        base = int(cluster.network_address)
+        make = IPv4Network if version == 4 else ipaddress.IPv6Network
+        for k in range(index + 1, min(count, 1 << 16)):  # a /48's 65536 /64s at most: enough for a lab
+            candidate = make((base + k * size, prefix))
             if not any(candidate.overlaps(u) for u in used):
                 return candidate
-        raise TopologyError(where, f"cannot pick a default: no free /{DEFAULT_POD_CIDR_PREFIX} "
-                                   f"left in clusterCIDR {self.cluster}; set podCIDR")
+        raise TopologyError(where, f"cannot pick a default: no free /{prefix} "
+                                   f"left in clusterCIDR {cluster}; set podCIDR")
 
     def parse_clients(self, raw: Any, nodes: tuple[NodeSpec, ...]) -> tuple[ClientSpec, ...]:
         items = _list(raw if raw is not None else [], "clients")
@@ -591,13 +733,14 @@ class _Parser:
                 raise TopologyError(f"{where}.name",
                                     f"{name!r} duplicates clients[{names[name]}].name")
             names[name] = i
-            ip = self.host_ip(_required(obj, "ip", where), f"{where}.ip")
-            self.claim(ip, f"{where}.ip")
+            ips = _pair(_required(obj, "ip", where), f"{where}.ip", self.host_ip)
+            for ip in ips:
+                self.claim(ip, f"{where}.ip")
             gateway = obj.get("gateway", node_names[0])
             if gateway not in node_names:
                 raise TopologyError(f"{where}.gateway", f"{gateway!r} is not a node "
                                                         f"(nodes: {', '.join(node_names)})")
-            out.append(ClientSpec(name, str(ip), gateway))
+            out.append(ClientSpec(name, str(ips[0]), gateway, ips=tuple(map(str, ips))))
         return tuple(out)
 
     def parse_pods(self, raw: Any, nodes: tuple[NodeSpec, ...]) -> tuple[PodSpec, ...]:
@@ -630,34 +773,45 @@ class _Parser:
                 if canonical in listen:
                     raise TopologyError(f"{where}.listen[{j}]", f"{canonical} is listed twice")
                 listen.append(canonical)
-            ip = None
+            ips: dict[int, Any] = {}
             if obj.get("ip") is not None:
-                ip = self.pod_ip(obj["ip"], f"{where}.ip", by_name[node_name], nodes)
-                self.claim(ip, f"{where}.ip")
-            partial.append([name, node_name, ip, namespace, labels, tuple(listen)])
+                node = by_name[node_name]
+                for ip in _pair(obj["ip"], f"{where}.ip", lambda v, w: self.pod_ip(v, w, node, nodes)):
+                    self.claim(ip, f"{where}.ip")
+                    ips[ip.version] = ip
+            partial.append([name, node_name, ips, namespace, labels, tuple(listen)])
         for i, entry in enumerate(partial):  # allocate once every fixed address is known
-            if entry[2] is None:
-                node = by_name[entry[1]]
-                ip = _first_free(IPv4Network(node.pod_cidr), set(self.owners))
+            node = by_name[entry[1]]
+            for version in self.versions:
+                if version in entry[2]:
+                    continue
+                cidr = next(ipaddress.ip_network(c) for c in node.pod_cidrs
+                            if ipaddress.ip_network(c).version == version)
+                ip = _first_free(cidr, set(self.owners))
                 if ip is None:
-                    raise TopologyError(f"pods[{i}].ip", f"podCIDR {node.pod_cidr} of node "
+                    raise TopologyError(f"pods[{i}].ip", f"podCIDR {cidr} of node "
                                                          f"{node.name!r} has no free address")
                 self.claim(ip, f"pods[{i}].ip")
-                entry[2] = ip
-        return tuple(PodSpec(name, node, str(ip), namespace, labels, listen)
-                     for name, node, ip, namespace, labels, listen in partial)
+                entry[2][version] = ip
+        out = []
+        for name, node, ips, namespace, labels, listen in partial:
+            ordered = tuple(str(ips[v]) for v in self.versions)
+            out.append(PodSpec(name, node, ordered[0], namespace, labels, listen, ips=ordered))
+        return tuple(out)
 
-    def pod_ip(self, value: Any, where: str, node: NodeSpec,
-               nodes: tuple[NodeSpec, ...]) -> IPv4Address:
+    def pod_ip(self, value: Any, where: str, node: NodeSpec, nodes: tuple[NodeSpec, ...]):
         ip = _ip(value, where)
-        if ip in self.service:
-            raise TopologyError(where, f"{ip} lies inside serviceCIDR {self.service}")
-        own = IPv4Network(node.pod_cidr)
-        if ip in (own.network_address, own.broadcast_address):
-            raise TopologyError(where, f"{ip} is the network or broadcast address of "
-                                       f"podCIDR {node.pod_cidr} of node {node.name!r}")
+        self.family_check(ip, where)
+        if ip in self.service[ip.version]:
+            raise TopologyError(where, f"{ip} lies inside serviceCIDR {self.service[ip.version]}")
+        for cidr_text in node.pod_cidrs:
+            own = ipaddress.ip_network(cidr_text)
+            if own.version == ip.version and ip in (own.network_address, own.broadcast_address):
+                raise TopologyError(where, f"{ip} is the network or broadcast address of "
+                                           f"podCIDR {cidr_text} of node {node.name!r}")
         for other in nodes:
-            if other is not node and ip in IPv4Network(other.pod_cidr):
-                raise TopologyError(where, f"{ip} lies in podCIDR {other.pod_cidr} of node "
-                                           f"{other.name!r}, but the pod runs on {node.name!r}")
+            for cidr_text in other.pod_cidrs:
+                if other is not node and ip in ipaddress.ip_network(cidr_text):
+                    raise TopologyError(where, f"{ip} lies in podCIDR {cidr_text} of node "
+                                               f"{other.name!r}, but the pod runs on {node.name!r}")
         return ip
