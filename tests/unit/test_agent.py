@@ -129,7 +129,8 @@ def test_first_sync_programs_the_listed_state(agent_parts):
     listed(agent, services=[web_service(), service("broken", cluster_ip="not-an-ip")],
            slices=[web_slice(endpoint("10.244.1.5", NODE), endpoint("10.244.2.6", "n2"))], nodes=[node(NODE)])
     dp = agent.prepare_datapath()
-    assert dp.opts == {"mode": "iptables", "cgroup_path": None, "bpffs": "/sys/fs/bpf", "backend": "auto"}
+    assert dp.opts == {"mode": "iptables", "cgroup_path": None, "bpffs": "/sys/fs/bpf",
+                       "bpf_cache_dir": "/var/cache/ebpf-proxy/bpf", "backend": "auto"}
     assert agent.node_config == NodeConfig(node_name=NODE, node_ips=("192.168.1.10", "10.244.1.1"),
                                            cluster_cidrs=("10.244.0.0/16",),
                                            local_detector=LocalDetector(LocalMode.CLUSTER_CIDR, ("10.244.0.0/16",)))
