@@ -34,7 +34,9 @@
  * Untouched and counted: errors quoting no such connection (EPX_PASS_ICMP_NO_CT: also a later
  * fragment, or a protocol other than TCP/UDP, quoted), errors whose quote is cut short or not
  * IPv4 (EPX_PASS_ICMP_MALFORMED), fragmented errors and ICMP that is not an error (PASS_NOT_L4).
- * The IPv6 twin (icmp6_err.h) has the same shape; its checksum also covers a pseudo-header.
+ * The IPv6 twin (icmp6_err.h) has the same shape and shares csum.h's csum_quoted_replace; its
+ * ICMPv6 checksum also covers a pseudo-header (the outer addresses), and there is no quoted IP
+ * header checksum to fix.
  */
 #ifndef EPX_ICMP4_ERR_H
 #define EPX_ICMP4_ERR_H
@@ -109,38 +111,6 @@ static __always_inline __u32 icmp4_err_parse(struct __sk_buff *skb, const struct
 	return 0;
 }
 
-/* Replace the quoted 2- or 4-byte field at `off` (old value `from`) with `to` (a __be16 travels
- * zero-extended): the field, the quoted L4 checksum at `l4_csum` that covers it (0: none; for
- * an address it is the pseudo-header that covers it, the same one's-complement sum), and the
- * ICMP checksum over both. Returns 0 or -1. */
-static __always_inline int icmp4_err_store(struct __sk_buff *skb, const struct icmp4_err *e, __u32 off, __u32 l4_csum,
-					   __be32 from, __be32 to, __u32 size)
-{
-	__sum16 old_csum, new_csum;
-
-	if (l4_csum) {
-		if (bpf_skb_load_bytes(skb, l4_csum, &old_csum, sizeof(old_csum)) ||
-		    bpf_l3_csum_replace(skb, l4_csum, from, to, size) ||
-		    bpf_skb_load_bytes(skb, l4_csum, &new_csum, sizeof(new_csum)))
-			return -1;
-		if (!new_csum && e->proto == IPPROTO_UDP) {
-			new_csum = (__sum16)0xffff; /* 0 means "no checksum": CSUM_MANGLED_0, as the kernel */
-			if (bpf_skb_store_bytes(skb, l4_csum, &new_csum, sizeof(new_csum), 0))
-				return -1;
-		}
-		/* the quoted checksum is part of the ICMP message too */
-		if (bpf_l3_csum_replace(skb, e->csum_off, old_csum, new_csum, sizeof(new_csum)))
-			return -1;
-	}
-	if (bpf_l3_csum_replace(skb, e->csum_off, from, to, size))
-		return -1;
-	if (size == sizeof(__be32))
-		return bpf_skb_store_bytes(skb, off, &to, sizeof(to), 0) ? -1 : 0;
-	__be16 to16 = (__be16)to;
-
-	return bpf_skb_store_bytes(skb, off, &to16, sizeof(to16), 0) ? -1 : 0;
-}
-
 /* Apply the translation "the packet side `side` (NAT4_SRC/NAT4_DST) becomes addr:port" to the
  * error: the outer `side`, the quoted other side. Returns EPX_ICMP_RELATED or EPX_DROP_NAT_FAILED
  * (the packet may be half-written: conntrack drops it then too). */
@@ -163,10 +133,12 @@ static __always_inline __u32 icmp4_err_rewrite(struct __sk_buff *skb, const stru
 		    bpf_l3_csum_replace(skb, in_check, in_addr, addr, sizeof(addr)) ||
 		    bpf_skb_load_bytes(skb, in_check, &new_check, sizeof(new_check)) ||
 		    bpf_l3_csum_replace(skb, e->csum_off, old_check, new_check, sizeof(new_check)) ||
-		    icmp4_err_store(skb, e, in_addr_off, e->in_l4_csum, in_addr, addr, sizeof(addr)))
+		    csum_quoted_replace(skb, in_addr_off, e->in_l4_csum, e->proto == IPPROTO_UDP, e->csum_off, in_addr, addr,
+					sizeof(addr)))
 			return EPX_DROP_NAT_FAILED;
 	}
-	if (in_port != port && icmp4_err_store(skb, e, in_port_off, e->in_l4_csum, in_port, port, sizeof(port)))
+	if (in_port != port && csum_quoted_replace(skb, in_port_off, e->in_l4_csum, e->proto == IPPROTO_UDP, e->csum_off,
+						   in_port, port, sizeof(port)))
 		return EPX_DROP_NAT_FAILED;
 	if (out_addr != addr) {
 		if (bpf_l3_csum_replace(skb, ETH_HLEN + offsetof(struct iphdr, check), out_addr, addr, sizeof(addr)) ||
