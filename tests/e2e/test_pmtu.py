@@ -12,7 +12,8 @@ before bpf/lib/icmp4_err.h: both transfers timed out, no PMTU cached).
 Checked for each case, in every mode (iptables: conntrack's related NAT; ebpf: icmp4_err.h):
 the echo of the whole request comes back; the client read fragmentation-needed errors (raw
 socket) whose sender *and* quoted destination are the frontend it connected to, next-hop MTU
-1200; and its kernel caches MTU 1200 for the frontend (`ip route get`).
+1200; its kernel caches MTU 1200 for the frontend (`ip route get`); in ebpf mode, worker1
+counted at least as many ICMP_RELATED translations as the client read errors.
 
 Cases (pmtu_topology.yaml: connections are proxied at worker1, web-1 is on worker2):
   hop "worker2->web-1": a router between the proxying node and the backend answers (worker2);
@@ -114,6 +115,15 @@ def _route(lab: Lab, node: str, dst: str) -> str:
     return line.replace("\\", " ").split(" mtu ")[0]
 
 
+def _icmp_related(lab: Lab) -> int:
+    """worker1's ICMP_RELATED packet count (ebpf mode): the translations behind what the client read."""
+    if lab.mode != "ebpf":
+        return 0
+    done = lab.exec("worker1", [sys.executable, "-m", "ebpf_proxy", "stats", "--json", "--bpffs",
+                                str(lab.dir / "bpffs" / "worker1")], check=True)
+    return json.loads(done.stdout)["reasons"]["ICMP_RELATED"]["packets"]
+
+
 def _flush_pmtu(lab: Lab, where: str) -> None:
     lab.exec(where, ["ip", "route", "flush", "cache"], check=True)
 
@@ -126,6 +136,7 @@ def test_large_request_learns_the_path_mtu_of_the_service(pmtu_lab, hop, client)
     host, port = CLIENTS[client]
     route = _route(lab, node, dst)
     _flush_pmtu(lab, client)
+    related_before = _icmp_related(lab)
     lab.exec(node, ["ip", "route", "replace", *route.split(), "mtu", str(MTU)], check=True)
     try:
         done = lab.exec(client, [sys.executable, "-c", TRANSFER, host, str(port), str(64 * 1024)], check=True)
@@ -144,3 +155,5 @@ def test_large_request_learns_the_path_mtu_of_the_service(pmtu_lab, hop, client)
     for e in frag_needed:
         assert (e["src"], e["quoted_dst"], e["quoted_dport"], e["mtu"]) == (host, host, port, MTU), e
     assert f"mtu {MTU}" in cached, f"{client} cached no path MTU for {host}: {cached}"
+    if lab.mode == "ebpf":  # each error the client read was translated by worker1's icmp4_err.h
+        assert _icmp_related(lab) - related_before >= len(frag_needed)
