@@ -4,12 +4,16 @@
  *   1. a reply to a masqueraded connection gets its real client back as destination;
  *   2. a packet of a known connection is DNATed to that connection's backend;
  *   3. a packet to a service frontend starts a connection (policy, backend, CT entries, DNAT),
- *      or is rejected with ICMP, or dropped with its reason.
+ *      or is rejected with ICMP, or dropped with its reason;
+ *   an ICMP error about a connection's packet gets that connection's translation (icmp4_err.h).
  * tc_egress (packets leaving toward pods and outside):
  *   1. forward packets of masqueraded connections get the masquerade source;
  *   2. replies get the frontend back as source. This is done on egress toward the client, not
  *      on ingress from the backend, so reverse-path filtering never sees a frontend address
  *      arriving on a backend-facing device (PLATFORM.md pitfall 2);
+ *   an ICMP error about a connection's packet gets that connection's translation (icmp4_err.h):
+ *   errors about a client's packet (a router's or the backend's, or this node's own forwarding
+ *   error, e.g. fragmentation needed, whose quote tc_ingress already DNATed) leave here;
  *   3. a node socket bound to 127.0.0.0/8 that the socket LB sent to a backend is masqueraded
  *      (127.0.0.1:<nodePort>, rule 8), as kube-proxy's POSTROUTING MASQUERADE does, and the ARP
  *      request its first packet may cause announces the masquerade address, not 127.0.0.1.
@@ -25,6 +29,7 @@
 #include "lib/stats.h"
 #include "lib/lb4.h"
 #include "lib/icmp4.h"
+#include "lib/icmp4_err.h"
 #include "lib/arp4.h"
 #include "lib/trace.h"
 
@@ -53,6 +58,8 @@ static __always_inline int tc_ingress_run(struct __sk_buff *skb, struct epx_trac
 	__u32 reason;
 
 	reason = pkt4_parse_skb(skb, &p);
+	if (reason == EPX_PASS_NOT_L4 && p.proto == IPPROTO_ICMP && (cfg = tc_config()))
+		return tc_done(skb, icmp4_err_ingress(skb, &p, cfg, bpf_ktime_get_ns()), tr);
 	if (reason)
 		return tc_done(skb, reason, tr);
 	cfg = tc_config();
@@ -101,6 +108,8 @@ static __always_inline int tc_egress_run(struct __sk_buff *skb, struct epx_trace
 	reason = pkt4_parse_skb(skb, &p);
 	if (reason == EPX_PASS_NOT_IPV4 && (cfg = tc_config()))
 		reason = arp4_masq_loopback_sender(skb, cfg) ?: reason;
+	if (reason == EPX_PASS_NOT_L4 && p.proto == IPPROTO_ICMP)
+		reason = icmp4_err_egress(skb, &p, bpf_ktime_get_ns());
 	if (reason)
 		return tc_done(skb, reason, tr);
 	cfg = tc_config();

@@ -72,7 +72,10 @@ enum epx_reason {
 	EPX_PASS_SOCK_EXTERNAL = 26,     /* socket LB: the node's own call to an externalIP/LB IP of a service without endpoints, left alone (kube-proxy rejects it only in INPUT/FORWARD) */
 	EPX_DROP_CT_FULL = 27,           /* new connection, connection table full and no connection to early-drop (nf_conntrack: "table full, dropping packet") */
 	EPX_EV_CT_EARLY_DROP = 28,       /* not a verdict: a connection dropped to make room for a new one (ct4_early_drop), counted once per eviction */
-	EPX_REASON_MAX = 29,
+	EPX_ICMP_RELATED = 29,           /* ICMP error about a tracked connection: quoted and outer headers translated, as conntrack NAT does */
+	EPX_PASS_ICMP_NO_CT = 30,        /* ICMP error quoting no connection this hook translates: untouched */
+	EPX_PASS_ICMP_MALFORMED = 31,    /* ICMP error whose quoted header is truncated or invalid: untouched, never translated */
+	EPX_REASON_MAX = 32,
 };
 #define EPX_DROP_FIRST EPX_DROP_MALFORMED_IP
 #define EPX_DROP_LAST EPX_DROP_REJECT_FAILED /* and EPX_DROP_CT_FULL, appended later (epx_is_drop) */

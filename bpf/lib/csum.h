@@ -27,4 +27,37 @@ static __always_inline __sum16 csum_fold(__u32 csum)
 	return (__sum16)~csum;
 }
 
+/* Replace the 2- or 4-byte field at `off` inside a quoted packet (an ICMP or ICMPv6 error's
+ * quote; old value `from`, new `to`, a __be16 zero-extended) and keep both checksums around it
+ * right: the quoted L4 checksum at `quoted_csum` that covers the field (0: none, or not quoted;
+ * for an address it is its pseudo-header that covers it, the same one's-complement sum), which
+ * `mangled0` (UDP) keeps from becoming 0 ("no checksum"), and the message's own checksum at
+ * `msg_csum`, which covers both. All of it is payload to the skb: plain field updates
+ * (bpf_l3_csum_replace), no pseudo-header or CHECKSUM_PARTIAL bookkeeping. Returns 0 or -1. */
+static __always_inline int csum_quoted_replace(struct __sk_buff *skb, __u32 off, __u32 quoted_csum, int mangled0,
+					       __u32 msg_csum, __be32 from, __be32 to, __u32 size)
+{
+	__sum16 old_csum, new_csum;
+	__be16 to16 = (__be16)to;
+
+	if (quoted_csum) {
+		if (bpf_skb_load_bytes(skb, quoted_csum, &old_csum, sizeof(old_csum)) ||
+		    bpf_l3_csum_replace(skb, quoted_csum, from, to, size) ||
+		    bpf_skb_load_bytes(skb, quoted_csum, &new_csum, sizeof(new_csum)))
+			return -1;
+		if (!new_csum && mangled0) {
+			new_csum = (__sum16)0xffff; /* the kernel's CSUM_MANGLED_0; the same one's-complement value */
+			if (bpf_skb_store_bytes(skb, quoted_csum, &new_csum, sizeof(new_csum), 0))
+				return -1;
+		}
+		if (bpf_l3_csum_replace(skb, msg_csum, old_csum, new_csum, sizeof(new_csum)))
+			return -1;
+	}
+	if (bpf_l3_csum_replace(skb, msg_csum, from, to, size))
+		return -1;
+	if (size == sizeof(__be32))
+		return bpf_skb_store_bytes(skb, off, &to, sizeof(to), 0) ? -1 : 0;
+	return bpf_skb_store_bytes(skb, off, &to16, sizeof(to16), 0) ? -1 : 0;
+}
+
 #endif /* EPX_CSUM_H */

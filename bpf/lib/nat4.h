@@ -53,6 +53,37 @@ static __always_inline __u32 nat4_rewrite(struct __sk_buff *skb, struct pkt4 *p,
 	return 0;
 }
 
+/* ---- which halves count: shared by the packet path here and the ICMP error path (icmp4_err.h),
+ * so that an error is translated by exactly the entries its connection's packets are ---- */
+
+/* Whether `owner` (the live CT4_SVC entry) still owns the CT4_SNAT half `half` found at `key`. */
+static __always_inline int nat4_snat_owns(const struct ct4_entry *owner, const struct ct4_entry *half,
+					  const struct ct4_key *key)
+{
+	return owner && (owner->flags & CT4_F_MASQ) && owner->nat_addr == key->daddr && owner->nat_port == key->dport &&
+	       owner->snat_port == half->nat_port;
+}
+
+/* Whether daddr:dport may be a masquerade address and port of this node (CT4_REV_SNAT's keys). */
+static __always_inline int nat4_is_masq_dest(const struct lb4_config *cfg, __be32 daddr, __be16 dport)
+{
+	__u16 port = epx_ntohs(dport);
+
+	return cfg->snat_addr && daddr == cfg->snat_addr && port >= cfg->snat_port_min && port <= cfg->snat_port_max;
+}
+
+/* Whether `owner` still owns the CT4_REV_SNAT half at `key` (backend -> masquerade addr:port). */
+static __always_inline int nat4_rev_snat_owns(const struct ct4_entry *owner, const struct ct4_key *key)
+{
+	return owner && owner->snat_port == key->dport && owner->nat_addr == key->saddr && owner->nat_port == key->sport;
+}
+
+/* Whether `owner` still owns the CT4_REV_DNAT half at `key` (backend -> client). */
+static __always_inline int nat4_rev_dnat_owns(const struct ct4_entry *owner, const struct ct4_key *key)
+{
+	return owner && owner->nat_addr == key->saddr && owner->nat_port == key->sport;
+}
+
 /* Egress toward the backend: masquerade a masqueraded connection's forward packets. */
 static __always_inline __u32 nat4_snat(struct __sk_buff *skb, struct pkt4 *p, const struct lb4_config *cfg, __u64 now,
 					struct epx_trace_rec *tr)
@@ -64,8 +95,7 @@ static __always_inline __u32 nat4_snat(struct __sk_buff *skb, struct pkt4 *p, co
 	if (!half)
 		return 0;
 	owner = ct4_owner(p->saddr, p->sport, half, p->proto, now, tr != NULL);
-	if (!owner || !(owner->flags & CT4_F_MASQ) || owner->nat_addr != p->daddr || owner->nat_port != p->dport ||
-	    owner->snat_port != half->nat_port) {
+	if (!nat4_snat_owns(owner, half, &key)) {
 		if (!tr)
 			epx_delete(epx_ct4, &key); /* left behind by an earlier connection */
 		return 0;
@@ -86,17 +116,16 @@ static __always_inline __u32 nat4_rev_snat(struct __sk_buff *skb, struct pkt4 *p
 {
 	struct ct4_key key;
 	struct ct4_entry *half, *owner;
-	__u16 dport = epx_ntohs(p->dport);
 	__u32 reason;
 
-	if (!cfg->snat_addr || p->daddr != cfg->snat_addr || dport < cfg->snat_port_min || dport > cfg->snat_port_max)
+	if (!nat4_is_masq_dest(cfg, p->daddr, p->dport))
 		return 0;
 	key = ct4_key_make(p->saddr, p->daddr, p->sport, p->dport, p->proto, CT4_REV_SNAT);
 	half = epx_lookup(epx_ct4, &key);
 	if (!half)
 		return 0;
 	owner = ct4_owner(half->nat_addr, half->nat_port, half, p->proto, now, tr != NULL);
-	if (!owner || owner->snat_port != p->dport || owner->nat_addr != p->saddr || owner->nat_port != p->sport)
+	if (!nat4_rev_snat_owns(owner, &key))
 		return 0; /* stale: left for the port allocator to reclaim */
 	if (!tr && (owner->flags & CT4_F_SOCK_MASQ))
 		ct4_touch(owner, cfg, p, 1, now);
@@ -115,7 +144,7 @@ static __always_inline __u32 nat4_rev_dnat(struct __sk_buff *skb, struct pkt4 *p
 	if (!half)
 		return 0;
 	owner = ct4_owner(p->daddr, p->dport, half, p->proto, now, tr != NULL);
-	if (!owner || owner->nat_addr != p->saddr || owner->nat_port != p->sport) {
+	if (!nat4_rev_dnat_owns(owner, &key)) {
 		if (!tr)
 			epx_delete(epx_ct4, &key);
 		return 0;

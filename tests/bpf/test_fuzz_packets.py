@@ -11,6 +11,11 @@ output is one of
   bytes, is what it was, so a valid checksum stays valid and a broken one stays broken);
 - kube-proxy's REJECT for the service without endpoints: an ICMP port unreachable from the
   frontend, quoting the packet, with valid checksums;
+- for an ICMP error (bpf/lib/icmp4_err.h): translated (ICMP_RELATED) exactly when its reversed
+  quote is a packet of a set-up connection that this program translates, and then only the
+  outer address, the quote's address and port and the four checksums (outer IP, quoted IP,
+  quoted L4 when quoted, ICMP) change, each checksum updated exactly; else untouched, under
+  PASS_ICMP_MALFORMED exactly when an independent parser finds the quote cut short or not IPv4;
 - a drop whose named reason counted once, and only the drops the frame calls for: MALFORMED_IP /
   MALFORMED_L4 exactly when an independent parser (`classify`, the rules of bpf/lib/pkt4.h:
   what the kernel's own IPv4 input would refuse) says the frame is malformed, and the policy
@@ -20,7 +25,8 @@ Frames: well-formed TCP/UDP built here (every byte controlled, IP options includ
 frontends, backends, clients, the masquerade address and elsewhere, then mutated: truncated at
 any length, IHL, version or total length rewritten, bad IP or L4 checksums, fragments (first and
 later), other protocols, other ethertypes (IPv6, ARP, VLAN and QinQ tags), bytes flipped, or
-random bytes altogether. Before each example four connections are set up by real packets (a pod
+random bytes altogether; and ICMP errors (and other ICMP) quoting such a packet, or a packet of
+a set-up connection as it travels, cut at any length or damaged. Before each example four connections are set up by real packets (a pod
 to the clusterIP and an outside client to the NodePort, masqueraded; TCP and UDP), so generated
 replies and forward packets hit the reverse paths too.
 
@@ -339,6 +345,121 @@ def check_reject(frame: bytes, out: bytes, p: Parsed) -> None:
     assert icmp[8:] == frame[ETH_HLEN:ETH_HLEN + p.hlen + 8], "quote is not the packet's header + 8 bytes"
 
 
+ICMP_ERRORS = (3, 4, 5, 11, 12)  # the kernel's icmp_is_err
+ICMP_MALFORMED, ICMP_OTHER, ICMP_NOT_ERROR = "icmp-malformed", "icmp-other", "icmp-not-error"
+
+
+@dataclass(frozen=True)
+class Quote:
+    """An ICMP error's quoted packet: its tuple and where its fields lie in the frame."""
+
+    src: str
+    dst: str
+    sport: int
+    dport: int
+    proto: int
+    ip_off: int  # the quoted IP header
+    l4_off: int
+    icmp_off: int
+    end: int  # the end of the outer datagram
+    l4_csum_at: int | None  # the quoted L4 checksum, when quoted and in use
+
+
+def classify_icmp(frame: bytes, p_hlen: int) -> str | Quote:
+    """An IPv4 ICMP frame (classify said NOT_L4) as an ICMP error (RFC 792): not an error (or a
+    fragment of one, or too short for its ICMP header); a quote that is cut short (an IP header
+    and 8 bytes of L4 are required) or not IPv4 with IHL >= 5; a quote of a later fragment or of
+    neither TCP nor UDP; else the quote."""
+    ip = frame[ETH_HLEN:]
+    tot = struct.unpack("!H", ip[2:4])[0]
+    end = ETH_HLEN + tot
+    icmp_off = ETH_HLEN + p_hlen
+    if struct.unpack("!H", ip[6:8])[0] & 0x3FFF or end < icmp_off + 8 or frame[icmp_off] not in ICMP_ERRORS:
+        return ICMP_NOT_ERROR
+    q = icmp_off + 8
+    if end < q + 20 or frame[q] >> 4 != 4 or (frame[q] & 15) < 5:
+        return ICMP_MALFORMED
+    qhlen = (frame[q] & 15) * 4
+    proto = frame[q + 9]
+    if proto not in (TCP, UDP) or struct.unpack("!H", frame[q + 6:q + 8])[0] & 0x1FFF:
+        return ICMP_OTHER
+    l4 = q + qhlen
+    if end < l4 + 8:
+        return ICMP_MALFORMED
+    sport, dport = struct.unpack("!HH", frame[l4:l4 + 4])
+    csum_at = None
+    if proto == UDP and frame[l4 + 6:l4 + 8] != b"\0\0":
+        csum_at = l4 + 6
+    elif proto == TCP and end >= l4 + 20:
+        csum_at = l4 + 16
+    return Quote(socket.inet_ntoa(frame[q + 12:q + 16]), socket.inet_ntoa(frame[q + 16:q + 20]), sport, dport, proto,
+                 q, l4, icmp_off, end, csum_at)
+
+
+def icmp_targets(world: World, q: Quote, prog: str) -> tuple[str, set[tuple[str, int]]]:
+    """The translation an error quoting `q` may get in `prog`: the one the reversed quote (the
+    packet the error answers) gets, first of the program's two lookups that applies."""
+    reversed_quote = Parsed(q.dst, q.src, q.proto, 0, 20, later=False, first=False, sport=q.dport, dport=q.sport)
+    order = (R.SNAT, R.REV_DNAT) if prog == "tc_egress" else (R.REV_SNAT, R.FWD_ESTABLISHED)
+    for reason in order:
+        side, targets = allowed(world, reason, reversed_quote, prog)
+        if targets:
+            return side, targets
+    return "", set()
+
+
+def check_icmp_translation(frame: bytes, out: bytes, p_hlen: int, q: Quote, side: str,
+                           targets: set[tuple[str, int]]) -> None:
+    """The outer `side` and the quote's other side rewritten to one of `targets`; nothing else
+    but the four checksums changed, each updated exactly (its one's complement sum kept)."""
+    assert len(out) == len(frame), "a translation must not change the length"
+    outer_at = ETH_HLEN + (12 if side == "src" else 16)
+    q_addr_at = q.ip_off + (16 if side == "src" else 12)
+    q_port_at = q.l4_off + (2 if side == "src" else 0)
+    new = (socket.inet_ntoa(out[q_addr_at:q_addr_at + 4]), struct.unpack("!H", out[q_port_at:q_port_at + 2])[0])
+    assert new in targets, f"quote rewritten to {new}, allowed: {sorted(targets)}"
+    assert out[outer_at:outer_at + 4] == ip4(new[0]), "the outer address is not the quote's new one"
+    may_change = {*range(outer_at, outer_at + 4), ETH_HLEN + 10, ETH_HLEN + 11, *range(q_addr_at, q_addr_at + 4),
+                  q_port_at, q_port_at + 1, q.ip_off + 10, q.ip_off + 11, q.icmp_off + 2, q.icmp_off + 3}
+    if q.l4_csum_at:
+        may_change |= {q.l4_csum_at, q.l4_csum_at + 1}
+    changed = {i for i in range(len(frame)) if frame[i] != out[i]}
+    assert changed <= may_change, f"bytes {sorted(changed - may_change)} changed beyond the rewritten fields"
+    same = lambda a, b: ones_sum(a) % 0xFFFF == ones_sum(b) % 0xFFFF  # noqa: E731
+    assert same(frame[ETH_HLEN:ETH_HLEN + p_hlen], out[ETH_HLEN:ETH_HLEN + p_hlen]), "outer IP checksum"
+    qhlen = q.l4_off - q.ip_off
+    assert same(frame[q.ip_off:q.ip_off + qhlen], out[q.ip_off:q.ip_off + qhlen]), "quoted IP checksum"
+    assert same(frame[q.icmp_off:q.end], out[q.icmp_off:q.end]), "ICMP checksum"
+    if q.l4_csum_at:  # the fields the quoted L4 checksum covers that changed: addresses, ports
+        covered = lambda f: f[q.ip_off + 12:q.ip_off + 20] + f[q.l4_off:q.l4_off + 4] + \
+            f[q.l4_csum_at:q.l4_csum_at + 2]  # noqa: E731
+        assert same(covered(frame), covered(out)), "quoted L4 checksum"
+        if q.proto == UDP:
+            assert out[q.l4_csum_at:q.l4_csum_at + 2] != b"\0\0", "a UDP checksum must not become 0"
+    elif q.proto == UDP:
+        csum_at = q.l4_off + 6
+        assert out[csum_at:csum_at + 2] == frame[csum_at:csum_at + 2], "UDP without a checksum must stay so"
+
+
+def judge_icmp(world: World, prog: str, frame: bytes, out: bytes, reason: R) -> None:
+    p_hlen = (frame[ETH_HLEN] & 15) * 4
+    q = classify_icmp(frame, p_hlen)
+    if q == ICMP_NOT_ERROR:
+        assert reason == R.PASS_NOT_L4, f"ICMP that is no error got {reason.name}"
+    elif q == ICMP_MALFORMED:
+        assert reason == R.PASS_ICMP_MALFORMED, f"error with a damaged quote got {reason.name}"
+    elif q == ICMP_OTHER:
+        assert reason == R.PASS_ICMP_NO_CT, f"error quoting a fragment or another protocol got {reason.name}"
+    else:
+        side, targets = icmp_targets(world, q, prog)
+        assert reason == (R.ICMP_RELATED if targets else R.PASS_ICMP_NO_CT), \
+            f"error quoting {q.src}:{q.sport} -> {q.dst}:{q.dport} got {reason.name}, translations: {targets}"
+        if targets:
+            check_icmp_translation(frame, out, p_hlen, q, side, targets)
+            return
+    assert out == frame, f"{reason.name} modified the frame"
+
+
 def judge(world: World, prog: str, frame: bytes, verdict: int, out: bytes, counted: dict[R, int]) -> None:
     """Raise AssertionError unless (verdict, output, counters) is an outcome the frame allows."""
     kind = classify(frame)
@@ -357,6 +478,9 @@ def judge(world: World, prog: str, frame: bytes, verdict: int, out: bytes, count
             f"{kind} frame got {reason.name}"
         return
     assert reason not in (R.DROP_MALFORMED_IP, R.DROP_MALFORMED_L4), f"well-formed frame ({kind}) dropped as malformed"
+    if kind == NOT_L4 and frame[ETH_HLEN + 9] == socket.IPPROTO_ICMP:
+        judge_icmp(world, prog, frame, out, reason)
+        return
     if not isinstance(kind, Parsed):
         assert reason in (R.PASS_NOT_IPV4, R.PASS_NOT_L4, R.ARP_MASQ), f"{kind} frame got {reason.name}"
         if reason != R.ARP_MASQ:
@@ -444,6 +568,40 @@ def specs(draw, world: World) -> Spec:
                 udp_no_csum=proto == UDP and draw(st.booleans()))
 
 
+@st.composite
+def icmp_frames(draw, world: World) -> bytes:
+    """An ICMP error (mostly) quoting a packet of a set-up connection as it travels (the reverse
+    of a leg: the packet an error answers is a reply to the quote) or any generated packet, cut
+    at a random length or as Linux and RFC 792 cut it, the quote's first bytes sometimes damaged."""
+    if pick(draw, ["leg", "leg", "any"]) == "leg":
+        (dst, dport), (src, sport), proto = pick(draw, legs(world))
+        quoted = Spec(src, sport, dst, dport, proto, options=draw(OPTIONS), payload=draw(st.binary(max_size=64)),
+                      tcp_flags=0x18, udp_no_csum=proto == UDP and draw(st.booleans())).frame()[ETH_HLEN:]
+    else:
+        quoted = draw(specs(world)).frame()[ETH_HLEN:]
+    hlen = (quoted[0] & 15) * 4
+    cut = pick(draw, ["all", "rfc792", "any"])
+    if cut == "rfc792":
+        quoted = quoted[:hlen + 8]
+    elif cut == "any":
+        quoted = quoted[:draw(st.integers(0, len(quoted)))]
+    if quoted and draw(st.integers(0, 5)) == 0:  # version / IHL / protocol / fragment offset damaged
+        at = pick(draw, [0, 6, 9])
+        quoted = patch(quoted, at, bytes([draw(st.integers(0, 255))]))
+    icmp_type = pick(draw, [3, 3, 3, 11, 12, 4, 5, 0, 8, None])
+    icmp_type = draw(st.integers(0, 255)) if icmp_type is None else icmp_type
+    body = struct.pack("!BBHI", icmp_type, draw(st.integers(0, 15)), 0, draw(st.integers(0, 2 ** 32 - 1))) + quoted
+    body = body[:2] + struct.pack("!H", checksum(body)) + body[4:]
+    src, dst = addr(draw), addr(draw)
+    options = draw(OPTIONS) if draw(st.integers(0, 4)) == 0 else b""
+    hlen = 20 + len(options)
+    flags = pick(draw, [0, 0, 0, 0x4000, 0x2000, 1])  # DF; rarely a fragment
+    hdr = struct.pack("!BBHHHBBH4s4s", 0x40 | hlen // 4, 0xC0, hlen + len(body), 7, flags, 64, socket.IPPROTO_ICMP, 0,
+                      ip4(src), ip4(dst)) + options
+    hdr = hdr[:10] + struct.pack("!H", checksum(hdr)) + hdr[12:]
+    return eth(0x0800) + hdr + body
+
+
 def ipv6_frame(draw) -> bytes:
     payload = struct.pack("!HHIIBBHHH", port(draw), 80, 1, 0, 0x50, 0x02, 1024, 0, 0)
     hdr = struct.pack("!IHBB16s16s", 6 << 28, len(payload), TCP, 64, socket.inet_pton(socket.AF_INET6, "fd00::1"),
@@ -456,7 +614,9 @@ def frames(draw, world: World) -> bytes:
     """A frame: well-formed, then (mostly) mutated one way."""
     how = pick(draw, [
         "clean", "clean", "clean", "truncate", "truncate_l4", "ihl", "version", "tot_len", "ip_csum", "l4_csum",
-        "ethertype", "vlan", "ipv6", "flip", "random", "pad"])
+        "ethertype", "vlan", "ipv6", "flip", "random", "pad", "icmp", "icmp", "icmp"])
+    if how == "icmp":
+        return draw(icmp_frames(world))
     if how == "random":
         return draw(st.binary(min_size=0, max_size=128))
     if how == "ipv6":
@@ -528,6 +688,8 @@ MUST_SEE = [
     *[("tc_egress", r, shape) for r in (R.SNAT, R.REV_DNAT) for shape in ("whole", "first", "later")],
     ("xdp_lb", None, "whole"), ("xdp_lb", None, NOT_IPV4), ("xdp_lb", R.DROP_MALFORMED_IP, MALFORMED_IP),
     ("xdp_lb", R.DROP_MALFORMED_L4, MALFORMED_L4), ("xdp_lb", R.DROP_NO_LOCAL_EXTERNAL, "whole"),
+    *[(prog, r, NOT_L4) for prog in ("tc_ingress", "tc_egress")
+      for r in (R.ICMP_RELATED, R.PASS_ICMP_NO_CT, R.PASS_ICMP_MALFORMED)],
 ]
 
 
@@ -618,6 +780,51 @@ def test_the_oracle_accepts_real_outcomes_and_catches_corrupted_ones(datapath, m
         judge(world, "tc_ingress", frame, TC_ACT_SHOT, frame, {R.DROP_MALFORMED_IP: 1})
     with pytest.raises(AssertionError, match="XDP passed a modified frame"):
         judge(world, "xdp_lb", frame, XDP_PASS, out, {})
+
+
+def test_the_oracle_catches_mistranslated_icmp_errors(datapath, maps):
+    """A real translated error (frag needed about the pod's TCP packet, on its way back through
+    tc_egress) passes `judge`; hand-corrupted copies (a stale checksum of each of the four, the
+    wrong frontend, the outer address left alone, the payload touched), a translation that did
+    not happen or should not have, do not."""
+    w.install(maps, *SERVICES)
+    world = set_up(datapath, maps)
+    conn = world.conns[0]  # the pod to the clusterIP, TCP, not masqueraded
+    quoted = Spec(*conn.client, *conn.backend, TCP, payload=b"q" * 40, tcp_flags=0x18).frame()[ETH_HLEN:]
+    body = struct.pack("!BBHHH", 3, 4, 0, 0, 1200) + quoted
+    body = body[:2] + struct.pack("!H", checksum(body)) + body[4:]
+    hdr = struct.pack("!BBHHHBBH4s4s", 0x45, 0xC0, 20 + len(body), 7, 0, 64, 1, 0, ip4("192.168.77.1"),
+                      ip4(conn.client[0]))
+    frame = eth(0x0800) + hdr[:10] + struct.pack("!H", checksum(hdr)) + hdr[12:] + body
+    before = maps.stats()
+    result = _run(datapath, "tc_egress", frame)
+    counted = {r: maps.stats()[r][0] - before[r][0] for r in before if maps.stats()[r][0] != before[r][0]}
+    assert counted == {R.ICMP_RELATED: 1}
+    out = result.packet
+    judge(world, "tc_egress", frame, result.retval, out, counted)  # the real thing passes
+
+    icmp, q = ETH_HLEN + 20, ETH_HLEN + 28
+    bad = {
+        "stale outer IP checksum": corrupt(out, ETH_HLEN + 10, frame[ETH_HLEN + 10:ETH_HLEN + 12]),
+        "stale ICMP checksum": corrupt(out, icmp + 2, frame[icmp + 2:icmp + 4]),
+        "stale quoted IP checksum": corrupt(out, q + 10, frame[q + 10:q + 12]),
+        "stale quoted TCP checksum": corrupt(out, q + 20 + 16, frame[q + 36:q + 38]),
+        "wrong frontend": corrupt(out, q + 16, ip4(w.EXTERNAL_IP)),
+        "outer source left alone": corrupt(out, ETH_HLEN + 12, frame[ETH_HLEN + 12:ETH_HLEN + 16]),
+        "quoted payload touched": corrupt(out, len(out) - 1, b"X"),
+    }
+    for name, frame_out in bad.items():
+        with pytest.raises(AssertionError):
+            judge(world, "tc_egress", frame, result.retval, frame_out, counted)
+            pytest.fail(f"judge accepted: {name}")
+    with pytest.raises(AssertionError, match="got PASS_ICMP_NO_CT"):
+        judge(world, "tc_egress", frame, TC_ACT_OK, frame, {R.PASS_ICMP_NO_CT: 1})
+    stranger = frame.replace(ip4(conn.backend[0]), ip4("10.244.9.9"))
+    with pytest.raises(AssertionError, match="got ICMP_RELATED"):
+        judge(world, "tc_egress", stranger, TC_ACT_OK, stranger, {R.ICMP_RELATED: 1})
+    cut = corrupt(frame, ETH_HLEN + 2, struct.pack("!H", 20 + 8 + 24))  # the quote cut after 4 L4 bytes
+    with pytest.raises(AssertionError, match="damaged quote got PASS_ICMP_NO_CT"):
+        judge(world, "tc_egress", cut, TC_ACT_OK, cut, {R.PASS_ICMP_NO_CT: 1})
 
 
 def test_the_classifier_agrees_with_hand_made_frames():

@@ -33,7 +33,7 @@ VERDICTS = ("drop", "reject", "pass", "translate", "event", "none")
 # follow from their name's prefix, see verdict().
 _TRANSLATE = frozenset({
     s.Reason.FWD_NEW, s.Reason.FWD_ESTABLISHED, s.Reason.SNAT, s.Reason.REV_SNAT, s.Reason.REV_DNAT,
-    s.Reason.SOCK_FWD, s.Reason.SOCK_REV, s.Reason.ARP_MASQ,
+    s.Reason.SOCK_FWD, s.Reason.SOCK_REV, s.Reason.ARP_MASQ, s.Reason.ICMP_RELATED,
 })
 
 # The maps whose fill level matters when debugging (capacity, leaks), with what one entry is.

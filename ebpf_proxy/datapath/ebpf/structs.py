@@ -48,6 +48,9 @@ class Reason(enum.IntEnum):
     PASS_SOCK_EXTERNAL = 26
     DROP_CT_FULL = 27
     EV_CT_EARLY_DROP = 28  # an event (one eviction), not a packet verdict
+    ICMP_RELATED = 29
+    PASS_ICMP_NO_CT = 30
+    PASS_ICMP_MALFORMED = 31
 
     @property
     def is_drop(self) -> bool:
@@ -92,9 +95,12 @@ REASON_DESCRIPTIONS: dict[Reason, str] = {
     Reason.PASS_SOCK_EXTERNAL: "socket LB: the node's own call to an externalIP/LB IP of a service without endpoints, left alone (kube-proxy rejects it only in INPUT/FORWARD)",
     Reason.DROP_CT_FULL: 'new connection, connection table full and no connection to early-drop (nf_conntrack: "table full, dropping packet")',
     Reason.EV_CT_EARLY_DROP: "not a verdict: a connection dropped to make room for a new one (ct4_early_drop), counted once per eviction",
+    Reason.ICMP_RELATED: "ICMP error about a tracked connection: quoted and outer headers translated, as conntrack NAT does",
+    Reason.PASS_ICMP_NO_CT: "ICMP error quoting no connection this hook translates: untouched",
+    Reason.PASS_ICMP_MALFORMED: "ICMP error whose quoted header is truncated or invalid: untouched, never translated",
 }
 
-REASON_MAX = 29
+REASON_MAX = 32
 
 # Origins (EPX_ORIGIN_*)
 ORIGIN_POD, ORIGIN_NODE, ORIGIN_EXTERNAL, ORIGIN_LOCALHOST = 0, 1, 2, 3
