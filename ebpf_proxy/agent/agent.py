@@ -258,6 +258,7 @@ class Agent:
         self.datapath = self._datapath_factory(self.mode, self.node_config, cgroup_path=self.config.cgroup_path or None,
                                                bpffs=self.config.bpffs or None,
                                                backend=self.config.iptables_backend or None)
+        self.datapath.progress = self.metrics.sync_progress.set
         self.metrics.set_datapath(self.mode)
         self.metrics.read_counters_from(self.datapath)
         hosts = self.node_config.node_ips if self.node_config.nodeport_addresses else ("0.0.0.0",)
@@ -274,6 +275,7 @@ class Agent:
             state, changes = self.tracker.take(full=full)
             self._syncing = True
         started = time.monotonic()
+        self.metrics.sync_started(changes.full)
         try:
             with self._datapath_lock:
                 result = self.datapath.sync(state, changes)
@@ -283,6 +285,8 @@ class Agent:
                 self._syncing = False
             self.metrics.sync_errors.inc()
             raise
+        finally:
+            self.metrics.sync_ended(changes.full)
         elapsed = time.monotonic() - started
         triggers = self.tracker.commit()
         with self._sync_lock:
