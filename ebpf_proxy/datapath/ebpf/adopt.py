@@ -193,3 +193,20 @@ def remove_strays(programs: ServicePrograms, found: Strays) -> int:
     for svc_id, cidr in found.ranges:
         writes += maps.delete_source_range(svc_id, cidr)
     return writes
+
+
+def broken_chains(maps: Maps) -> list[str]:
+    """Every frontend whose chain the programs would find broken: a slot below its record's count
+    (in its bank) or that slot's backend missing. Empty for any state services.py's write order
+    leaves, a kill -9 included; the lab and the tests read it right after killing an agent."""
+    out = []
+    for fe, rec in maps.services():
+        bank = slot_bank(rec.flags)
+        for scope, count in ((s.LB4_SCOPE_CLUSTER, rec.count), (s.LB4_SCOPE_LOCAL, rec.local_count)):
+            for slot in range(count):
+                bid = maps.slot(rec.id, scope, slot, bank=bank)
+                if bid is None:
+                    out.append(f"{fe}: service id {rec.id} bank {bank} scope {scope} slot {slot} is missing")
+                elif maps.backend(bid) is None:
+                    out.append(f"{fe}: backend {bid} (service id {rec.id} slot {slot}) is missing")
+    return out
