@@ -12,9 +12,9 @@ above every id still found anywhere in the maps, connections included.
 
 An agent killed in the middle of a sync (kill -9, OOM) leaves each service port in one of the
 states services.py's write order allows: every frontend leads to a complete slot array, but its
-frontends may disagree (some already switched to the other slot bank or to a longer or shorter
-count, some not). Adoption settles such a port first: every frontend is given the record most of
-them hold (its bank, its counts, which that bank's slots fill), one write each; only then are the
+frontends may disagree (some already switched to the new version's record, with another slot
+bank or count, or other service-wide flags, some not). Adoption settles such a port first: every
+frontend is given the version most of them hold (entries_of), one write each; only then are the
 slots no frontend reads any more deleted as strays. A port the kill did not catch is not written.
 """
 
@@ -83,31 +83,43 @@ def _contiguous(snap: Snapshot, svc_id: int, bank: int, scope: int, most: int) -
     return tuple(out)
 
 
+# The LB4_F_* bits every frontend of one version of a service shares (the others say which kind of
+# frontend it is: EXTERNAL, SOURCE_RANGES).
+SERVICE_WIDE = s.LB4_F_ETP_LOCAL | s.LB4_F_ITP_LOCAL | s.LB4_F_HAS_ENDPOINTS
+
+
 def entries_of(snap: Snapshot, svc_id: int) -> ServiceEntries:
-    """What service `svc_id` holds in the maps, as ServiceEntries: the bank most of its frontends
-    read (the lower on a tie), that bank's slots 0..n-1 without holes and no more than a frontend
-    counts. Frontends whose record says otherwise are marked UNSETTLED."""
+    """What service `svc_id` holds in the maps, as ServiceEntries.
+
+    Its frontends normally hold one record (bank, counts, affinity, service-wide flags). A sync
+    stopped halfway can leave two, each a complete version of the service; the one most of its
+    frontends hold (on a tie, the one with more slots) is taken as the service's, with that bank's
+    slots 0..n-1 (no holes, no more than the record counts). Frontends that hold another record
+    are marked UNSETTLED, with the flags they should have in the version taken (their own kind
+    bits, the service-wide bits of that version)."""
     fronts = snap.frontends.get(svc_id) or {}
-    records = [snap.records[fe] for fe in fronts]
-    banks = Counter(slot_bank(r.flags) for r in records)
-    bank = min(banks, key=lambda b: (-banks[b], b)) if banks else 0
-    ours = [r for r in records if slot_bank(r.flags) == bank]
-    cluster = _contiguous(snap, svc_id, bank, s.LB4_SCOPE_CLUSTER, max((r.count for r in ours), default=1 << 16))
-    local = _contiguous(snap, svc_id, bank, s.LB4_SCOPE_LOCAL, max((r.local_count for r in ours), default=1 << 16))
-    affinity = Counter(r.affinity_timeout for r in ours).most_common(1)
+    versions = Counter((r.count, r.local_count, r.affinity_timeout, r.flags & (SERVICE_WIDE | s.LB4_F_SLOT_BANK))
+                       for r in (snap.records[fe] for fe in fronts))
+    if versions:
+        count, local_count, affinity, flags = max(versions, key=lambda v: (versions[v], v))
+    else:  # slots without a frontend: take them all
+        count, local_count, affinity, flags = 1 << 16, 1 << 16, 0, 0
+    bank = slot_bank(flags)
+    cluster = _contiguous(snap, svc_id, bank, s.LB4_SCOPE_CLUSTER, count)
+    local = _contiguous(snap, svc_id, bank, s.LB4_SCOPE_LOCAL, local_count)
     entries = ServiceEntries(
         svc_id=svc_id,
-        frontends=dict(fronts),
-        affinity_timeout=affinity[0][0] if affinity else 0,
+        frontends={fe: (own & ~SERVICE_WIDE) | (flags & SERVICE_WIDE) for fe, own in fronts.items()},
+        affinity_timeout=affinity,
         backends={bid: snap.backends[bid] for bid in (*cluster, *local) if bid in snap.backends},
         cluster_slots=cluster,
         local_slots=local,
         source_ranges=frozenset(snap.ranges.get(svc_id, ())),
         bank=bank,
     )
-    for fe, flags in fronts.items():
-        if snap.records[fe] != entries.service(flags):
-            entries.frontends[fe] = flags | UNSETTLED
+    for fe, own in entries.frontends.items():
+        if snap.records[fe] != entries.service(own):
+            entries.frontends[fe] = own | UNSETTLED
     return entries
 
 
