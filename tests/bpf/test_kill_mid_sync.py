@@ -20,14 +20,13 @@ maps then hold exactly what a kill -9 after N writes leaves. For each N:
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import replace
 
 import pytest
 
 from ebpf_proxy.datapath.ebpf import libbpf
 from ebpf_proxy.datapath.ebpf import structs as s
 from ebpf_proxy.datapath.ebpf.adopt import adopt
-from ebpf_proxy.datapath.ebpf.maps import Frontend, Maps, slot_bank
+from ebpf_proxy.datapath.ebpf.maps import Frontend, Maps, ip_str, port_int, slot_bank
 from ebpf_proxy.datapath.ebpf.services import ServiceEntries, ServicePrograms, node_settings, program_node
 from ebpf_proxy.model import NodeConfig, ProxyState
 from ebpf_proxy.model.types import Endpoint, Protocol, ServicePort, ServicePortName
@@ -182,12 +181,10 @@ class WriteLog:
 
 
 def _ip(raw) -> str:
-    from ebpf_proxy.datapath.ebpf.maps import ip_str
-    return ip_str(getattr(raw, "value", raw))
+    return ip_str(getattr(raw, "value", raw))  # be32 fields are structs with a value
 
 
 def _port(raw) -> int:
-    from ebpf_proxy.datapath.ebpf.maps import port_int
     return port_int(getattr(raw, "value", raw))
 
 

@@ -51,7 +51,7 @@ def test_kill_options_are_checked_before_anything_is_done():
 
 
 @pytest.mark.parametrize("at", [-0.1, 1.5])
-def test_kill_refuses_a_moment_outside_the_sync(at, tmp_path):
+def test_kill_refuses_a_moment_outside_the_sync(at):
     from ebpf_proxy.lab import agent_fault
     from ebpf_proxy.lab.cluster import LabError
 
