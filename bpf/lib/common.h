@@ -108,6 +108,7 @@ struct lb4_key {
 #define LB4_F_ITP_LOCAL 0x04     /* internalTrafficPolicy=Local */
 #define LB4_F_SOURCE_RANGES 0x08 /* LB frontend with loadBalancerSourceRanges: consult src_ranges */
 #define LB4_F_HAS_ENDPOINTS 0x10 /* a usable endpoint exists anywhere (else REJECT) */
+#define LB4_F_SLOT_BANK 0x20     /* the slots are bank 1's (see lb4_slot_key.bank) */
 
 struct lb4_service {
 	__u32 id;               /* service-port id: keys slots, affinity and source ranges */
@@ -125,7 +126,9 @@ struct lb4_slot_key {
 	__u32 svc_id;
 	__u16 slot;
 	__u8 scope; /* LB4_SCOPE_*: cluster and local slots are separate ranges */
-	__u8 pad;
+	__u8 bank;  /* 0 or 1: a service's slots are rewritten in the bank its frontends do not use, then
+		     * each frontend is switched with one write (LB4_F_SLOT_BANK), so a frontend only
+		     * ever sees a complete backend set, even if the writer dies halfway */
 };
 
 /* lb4_backend.flags: which endpoint sets of its service the backend belongs to */

@@ -143,7 +143,7 @@ static __always_inline __u32 lb4_select_backend(const struct lb4_service *svc, _
 	struct lb4_affinity_key akey = { .svc_id = svc->id, .client = client };
 	__u8 member = scope == LB4_SCOPE_LOCAL ? LB4_BE_IN_LOCAL : LB4_BE_IN_CLUSTER;
 	__u16 count = scope == LB4_SCOPE_LOCAL ? svc->local_count : svc->count;
-	struct lb4_slot_key skey = { .svc_id = svc->id, .scope = scope };
+	struct lb4_slot_key skey = { .svc_id = svc->id, .scope = scope, .bank = !!(svc->flags & LB4_F_SLOT_BANK) };
 	struct lb4_backend *found = NULL;
 	__u32 *id;
 

@@ -259,6 +259,7 @@ class Agent:
                                                bpffs=self.config.bpffs or None,
                                                bpf_cache_dir=self.config.bpf_cache_dir or None,
                                                backend=self.config.iptables_backend or None)
+        self.datapath.progress = self.metrics.sync_progress.set
         self.metrics.set_datapath(self.mode)
         self.metrics.read_counters_from(self.datapath)
         hosts = self.node_config.node_ips if self.node_config.nodeport_addresses else ("0.0.0.0",)
@@ -275,6 +276,7 @@ class Agent:
             state, changes = self.tracker.take(full=full)
             self._syncing = True
         started = time.monotonic()
+        self.metrics.sync_started(changes.full)
         try:
             with self._datapath_lock:
                 result = self.datapath.sync(state, changes)
@@ -284,6 +286,8 @@ class Agent:
                 self._syncing = False
             self.metrics.sync_errors.inc()
             raise
+        finally:
+            self.metrics.sync_ended(changes.full)
         elapsed = time.monotonic() - started
         triggers = self.tracker.commit()
         with self._sync_lock:

@@ -133,6 +133,12 @@ class Metrics:
             "ebpf_proxy_invalid_objects_total", "API objects (or parts of them) skipped as invalid",
             ["kind", "reason"], registry=r)
         self.sync_errors = Counter("ebpf_proxy_sync_errors_total", "Datapath syncs that failed", registry=r)
+        self.sync_in_progress = Gauge(
+            "ebpf_proxy_sync_in_progress", "1 while a sync of this kind (full, partial) is being written", ["kind"],
+            registry=r)
+        self.sync_progress = Gauge(
+            "ebpf_proxy_sync_progress", "How far the running sync is, 0..1 (ebpf: service ports written; "
+            "iptables: 0.5 once rendered, while iptables-restore runs); 0 when none runs", registry=r)
         self.datapath_info = Gauge("ebpf_proxy_datapath_info", "The datapath in use (value 1)", ["mode"],
                                    registry=r)
         self.drift_entries = Gauge(
@@ -149,6 +155,14 @@ class Metrics:
             "conntrack max x 2); full, new connections early-drop unanswered ones, then are dropped", registry=r)
         self.datapath_counters = DatapathCounters()
         r.register(self.datapath_counters)
+
+    def sync_started(self, full: bool) -> None:
+        self.sync_progress.set(0)
+        self.sync_in_progress.labels("full" if full else "partial").set(1)
+
+    def sync_ended(self, full: bool) -> None:
+        self.sync_in_progress.labels("full" if full else "partial").set(0)
+        self.sync_progress.set(0)
 
     def observe_sync(self, seconds: float, full: bool, now_wall: float) -> None:
         self.sync_duration.observe(seconds)

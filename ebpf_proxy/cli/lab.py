@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from ebpf_proxy.lab import state
+from ebpf_proxy.lab import agent_fault, state
 from ebpf_proxy.lab.cluster import MODES, Lab, LabError, destroy, destroy_all
 
 LAB_EPILOG = """\b
@@ -296,14 +296,31 @@ def mode(name: str, mode: str) -> None:
     click.echo(f"lab {name}: mode {mode}")
 
 
-@lab.command(epilog="\b\nExamples:\n  ebpf-proxy lab agent worker1 restart")
+@lab.command(epilog="\b\nExamples:\n  ebpf-proxy lab agent worker1 restart\n"
+                    "  ebpf-proxy lab agent worker1 kill --during full-sync --at 0.5   # SIGKILL halfway\n"
+                    "  ebpf-proxy lab agent worker1 start")
 @name_option
 @click.argument("node")
-@click.argument("action", type=click.Choice(["start", "stop", "restart"]))
-def agent(name: str, node: str, action: str) -> None:
-    """Start, stop or restart the agent of one node."""
+@click.argument("action", type=click.Choice(["start", "stop", "restart", "kill"]))
+@click.option("--during", type=click.Choice(list(agent_fault.DURING)), default=None,
+              help="kill: wait for a sync of this kind (its /metrics progress) instead of killing at once.")
+@click.option("--at", "at", type=float, default=0.5, show_default=True,
+              help="kill --during: the fraction of the sync written when the kill comes.")
+@click.option("--timeout", type=float, default=120.0, show_default=True,
+              help="kill --during: seconds to wait for that moment (the agent is left running if it never comes).")
+def agent(name: str, node: str, action: str, during: str | None, at: float, timeout: float) -> None:
+    """Start, stop, restart or kill -9 the agent of one node.
+
+    kill sends SIGKILL: no handler runs, the kernel keeps what the agent had written so far;
+    `start` runs a new agent over it."""
     try:
-        _load(name).agent_action(node, action)
+        lab_ = _load(name)
+        if action == "kill":
+            done = agent_fault.kill(lab_, node, during=during, at=at, timeout=timeout)
+            where = (f" with its {during} {done.progress.fraction:.0%} written" if done.progress else "")
+            click.echo(f"{node}: agent pid {done.pid} killed (SIGKILL){where}")
+            return
+        lab_.agent_action(node, action)
     except (LabError, KeyError) as exc:
         raise _fail(exc) from None
     click.echo(f"{node}: agent {action} done")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ebpf_proxy.model import ChangeSet, NodeConfig, ProxyState
@@ -19,9 +20,17 @@ class Datapath(abc.ABC):
     """Programs the kernel so that packets follow `ProxyState` (see shared SEMANTICS.md)."""
 
     mode: str = ""
+    progress: Callable[[float], None] | None = None  # see report_progress
 
     def __init__(self, node: NodeConfig) -> None:
         self.node = node
+
+    def report_progress(self, fraction: float) -> None:
+        """How far the running sync is, 0..1, for whoever set `progress` (the agent: the gauge
+        ebpf_proxy_sync_progress, which `lab agent NODE kill --during full-sync` watches to kill
+        an agent halfway through a long sync)."""
+        if self.progress is not None:
+            self.progress(fraction)
 
     @abc.abstractmethod
     def sync(self, state: ProxyState, changes: ChangeSet) -> SyncResult:

@@ -59,7 +59,7 @@ def service_drift(name: ServicePortName, want: ServiceEntries, snap: adopt.Snaps
         out.append(Drift(EXTRA, "service frontend", frontend_key(fe), f"leads to {label}, which does not have it"))
     for scope, slots in ((s.LB4_SCOPE_CLUSTER, want.cluster_slots), (s.LB4_SCOPE_LOCAL, want.local_slots)):
         for slot, bid in enumerate(slots):
-            held = snap.slots.get((svc_id, scope, slot))
+            held = snap.slots.get((svc_id, want.bank, scope, slot))
             key = f"{label} {_SCOPE[scope]} slot {slot}"
             if held is None:
                 out.append(Drift(MISSING, "slot", key, f"should hold backend {bid}"))
@@ -86,9 +86,9 @@ def stray_drift(strays: adopt.Strays) -> list[Drift]:
         for fe in sorted(entries.frontends, key=frontend_key):
             out.append(Drift(EXTRA, "service frontend", frontend_key(fe),
                              f"leads to service id {entries.svc_id}, which no service port has"))
-    for svc_id, scope, slot in strays.slots:
-        out.append(Drift(EXTRA, "slot", f"id {svc_id} {_SCOPE.get(scope, scope)} slot {slot}",
-                         "beyond its service's slots, or of no service"))
+    for svc_id, bank, scope, slot in strays.slots:
+        out.append(Drift(EXTRA, "slot", f"id {svc_id} bank {bank} {_SCOPE.get(scope, scope)} slot {slot}",
+                         "beyond its service's slots, in the bank it does not use, or of no service"))
     for bid in strays.backends:
         out.append(Drift(EXTRA, "backend", f"{bid}", "no service port uses it"))
     for svc_id, cidr in strays.ranges:

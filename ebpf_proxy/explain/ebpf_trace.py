@@ -40,7 +40,7 @@ from pathlib import Path
 from ebpf_proxy.datapath.ebpf import inspect, libbpf, pins, testrun
 from ebpf_proxy.datapath.ebpf.loader import PROGS_SUBDIR
 from ebpf_proxy.datapath.ebpf import structs as s
-from ebpf_proxy.datapath.ebpf.maps import Maps, ip_str, port_int
+from ebpf_proxy.datapath.ebpf.maps import Maps, ip_str, port_int, slot_bank
 from ebpf_proxy.explain.packet import FlowSpec
 from ebpf_proxy.explain.result import Step, Trace
 from ebpf_proxy.model import Protocol
@@ -405,7 +405,7 @@ def _backends(dp: _Datapath, rec: s.EpxTraceRec) -> list[str]:
     count = rec.svc_local_count if rec.scope == s.LB4_SCOPE_LOCAL else rec.svc_count
     out = []
     for slot in range(count):
-        backend_id = dp.maps.slot(rec.svc_id, rec.scope, slot)
+        backend_id = dp.maps.slot(rec.svc_id, rec.scope, slot, bank=slot_bank(rec.svc_flags))
         backend = dp.maps.backend(backend_id) if backend_id is not None else None
         if backend is not None:
             out.append(f"{backend.addr}:{backend.port}")

@@ -47,6 +47,7 @@ from ebpf_proxy.datapath.ebpf.services import (
 from ebpf_proxy.model import ChangeSet, NodeConfig, ProxyState, ServicePortName
 
 log = logging.getLogger(__name__)
+PROGRESS_EVERY = 64  # service ports between two progress reports (a gauge set: ~1 µs)
 
 DEFAULT_BPFFS = "/sys/fs/bpf"
 CT_GC_PERIOD = 10.0  # seconds between two passes of the connection table's garbage collector
@@ -133,10 +134,13 @@ class EbpfDatapath(Datapath):
             # among the changes again (the tracker re-dirties an aborted take), and full syncs
             # (start, hourly, after an error) reconcile everything else.
             names = set(changes.services)
-        for name in sorted(names):
+        ordered = sorted(names)
+        for done, name in enumerate(ordered):
             svc = state.services.get(name)
             entries = self._programs.entries(svc, state.endpoints_of(name), state.topology) if svc else None
             counts["map_writes"] += self._programs.apply(name, entries)
+            if done % PROGRESS_EVERY == 0:
+                self.report_progress(done / len(ordered))
         if not self._attached:
             self._attach()
         elif changes.full:

@@ -395,10 +395,10 @@ class Maps:
             for k, v in self._items("epx_backend")
         }
 
-    def slots(self) -> Iterator[tuple[int, int, int, int]]:
-        """Every epx_slot entry as (service id, scope, slot, backend id)."""
+    def slots(self) -> Iterator[tuple[int, int, int, int, int]]:
+        """Every epx_slot entry as (service id, bank, scope, slot, backend id)."""
         for k, v in self._items("epx_slot"):
-            yield k.svc_id, k.scope, k.slot, v.value
+            yield k.svc_id, k.bank, k.scope, k.slot, v.value
 
     def source_ranges(self) -> Iterator[tuple[int, str]]:
         """Every epx_src_range entry as (service id, CIDR)."""
@@ -437,15 +437,15 @@ class Maps:
     def delete_backend(self, backend_id: int) -> bool:
         return libbpf.map_delete(self._fd("epx_backend"), s.u32(backend_id))
 
-    def set_slot(self, svc_id: int, scope: int, slot: int, backend_id: int) -> None:
-        self._put("epx_slot", s.LB4SlotKey(svc_id=svc_id, slot=slot, scope=scope), s.u32(backend_id))
+    def set_slot(self, svc_id: int, scope: int, slot: int, backend_id: int, bank: int = 0) -> None:
+        self._put("epx_slot", s.LB4SlotKey(svc_id=svc_id, slot=slot, scope=scope, bank=bank), s.u32(backend_id))
 
-    def slot(self, svc_id: int, scope: int, slot: int) -> int | None:
-        value = self._get("epx_slot", s.LB4SlotKey(svc_id=svc_id, slot=slot, scope=scope))
+    def slot(self, svc_id: int, scope: int, slot: int, bank: int = 0) -> int | None:
+        value = self._get("epx_slot", s.LB4SlotKey(svc_id=svc_id, slot=slot, scope=scope, bank=bank))
         return None if value is None else value.value
 
-    def delete_slot(self, svc_id: int, scope: int, slot: int) -> bool:
-        return libbpf.map_delete(self._fd("epx_slot"), s.LB4SlotKey(svc_id=svc_id, slot=slot, scope=scope))
+    def delete_slot(self, svc_id: int, scope: int, slot: int, bank: int = 0) -> bool:
+        return libbpf.map_delete(self._fd("epx_slot"), s.LB4SlotKey(svc_id=svc_id, slot=slot, scope=scope, bank=bank))
 
     def set_slots(self, svc_id: int, scope: int, backend_ids: Sequence[int], previous: int = 0) -> None:
         """Slots 0..n-1 of (svc_id, scope) -> backend_ids; slots n..previous-1 are deleted.
@@ -624,6 +624,11 @@ class Maps:
         self.reset_stats()
 
 
+def slot_bank(flags: int) -> int:
+    """The epx_slot bank a frontend with epx_svc flags `flags` reads (services.py: the bank swap)."""
+    return 1 if flags & s.LB4_F_SLOT_BANK else 0
+
+
 # ---- read-only queries of a running datapath (the bench, debugging): pins only, no compile ----
 
 PIN_SUBDIR = "ebpf-proxy"  # pins.PIN_SUBDIR (pins imports this module, so it is not imported here)
@@ -691,7 +696,7 @@ def frontend_backends(bpffs_dir: str | Path, addr: str | None, port: int,
         out: set[tuple[str, int]] = set()
         backend_id, backend = s.u32(), s.LB4Backend()
         for slot in range(svc.count):
-            key = s.LB4SlotKey(svc_id=svc.id, slot=slot, scope=s.LB4_SCOPE_CLUSTER)
+            key = s.LB4SlotKey(svc_id=svc.id, slot=slot, scope=s.LB4_SCOPE_CLUSTER, bank=slot_bank(svc.flags))
             if libbpf.map_lookup(fds["epx_slot"], key, backend_id) and \
                     libbpf.map_lookup(fds["epx_backend"], backend_id, backend):
                 out.add((ip_str(backend.addr), port_int(backend.port)))

@@ -12,15 +12,28 @@ ids live in it), about 1 KiB each; nothing is kept for what was deleted, so endp
 churn never accumulate (10,000 service ports: ~9 MiB).
 
 Slots are kept stable: a backend keeps its slot while it stays, a leaving backend's slot is
-taken by a newcomer or by the last slot's backend, so one endpoint change costs a few writes,
-not a rewrite of the service. Writes are ordered so that a packet never picks an empty slot:
-slots are written before the count that exposes them grows, and deleted after it shrank.
+taken by a newcomer or by the last slot's backend. Writes are ordered so that a packet never
+picks an empty slot: slots are written before the count that exposes them grows, and deleted
+after it shrank.
+
+No frontend ever sees a partial backend set, wherever the writer stops (a kill -9 halfway through
+a full sync): at every write, each frontend's slots hold exactly the old backend set or the new
+one, and every backend id in them exists. A change whose in-place writes keep that true (see
+in_place(): appending, truncating, a leaving backend's hole filled by the last one) is written in
+place: appended slots before the counts grow, dropped ones after they shrank. Any other change (a
+backend replaced while others change) writes the service's whole new slot array in its other
+bank (epx_slot keys carry a bank, 0 or 1), then switches each frontend to that bank with one
+atomic epx_svc write (LB4_F_SLOT_BANK), then deletes the old bank. Backends are written before
+the slots that name them and deleted after the last frontend stopped reaching them; a new
+service's frontends are written last, a deleted service's first. tests/bpf/test_kill_mid_sync.py
+stops the writer after every possible number of writes of a full sync and checks exactly this.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import itertools
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -54,9 +67,47 @@ class ServiceEntries:
     cluster_slots: tuple[int, ...]  # backend ids by slot
     local_slots: tuple[int, ...]
     source_ranges: frozenset[str]
+    bank: int = 0  # which epx_slot bank holds the slots (the module docstring: the bank swap)
 
     def service(self, flags: int) -> Service:
+        """The epx_svc record of a frontend with LB4_F_* `flags` (without LB4_F_SLOT_BANK: the bank is ours)."""
+        flags = (flags & ~s.LB4_F_SLOT_BANK) | (s.LB4_F_SLOT_BANK if self.bank else 0)
         return Service(self.svc_id, len(self.cluster_slots), len(self.local_slots), self.affinity_timeout, flags)
+
+
+def in_place(before: tuple[int, ...], after: tuple[int, ...]) -> bool:
+    """Whether slots `before` can become `after` in place with every frontend seeing, at every
+    step, exactly the old backend set or the new one.
+
+    In place, _write overwrites the changed slots below both lengths in slot order, appends the
+    new tail (unseen: the counts are still old), switches the counts, then deletes the old tail
+    (unseen: the counts are new). Only a frontend still at the old count can see a mixture: after
+    each overwrite, the backends its `len(before)` slots hold must be the old set or the new one.
+    A backend moved into a leaving one's hole passes ([a, X, c, d] -> [a, d, c]: d is briefly
+    counted twice, X is gone at once), as do appending and truncating; a replaced backend next to
+    another change does not ([a, b] -> [c, d] would show {c, b}): that takes the other bank.
+    """
+    old_set, new_set = set(before), set(after)
+    seen = Counter(before)
+    for i in range(min(len(before), len(after))):
+        if before[i] == after[i]:
+            continue
+        seen[before[i]] -= 1
+        if not seen[before[i]]:
+            del seen[before[i]]
+        seen[after[i]] += 1
+        if seen.keys() != old_set and seen.keys() != new_set:
+            return False
+    return True
+
+
+def next_bank(old: ServiceEntries | None, cluster: tuple[int, ...], local: tuple[int, ...]) -> int:
+    """The bank the new slots go to: the current one when the change is in place, else the other."""
+    if old is None:
+        return 0
+    if in_place(old.cluster_slots, cluster) and in_place(old.local_slots, local):
+        return old.bank
+    return 1 - old.bank
 
 
 def stable_slots(previous: tuple[int, ...], wanted: Iterable[int]) -> tuple[int, ...]:
@@ -206,14 +257,17 @@ class ServicePrograms:
             if ipaddress.ip_address(ip).version == 4:
                 frontends[Frontend(ip, svc.port, proto)] = external | (s.LB4_F_SOURCE_RANGES if ranges else 0)
 
+        cluster_slots = stable_slots(old.cluster_slots if old else (), (ids[ep] for ep in sets.cluster))
+        local_slots = stable_slots(old.local_slots if old else (), (ids[ep] for ep in sets.local))
         return ServiceEntries(
             svc_id=old.svc_id if old else next(self._next_svc),
             frontends=frontends,
             affinity_timeout=svc.affinity_timeout_seconds,
             backends=backends,
-            cluster_slots=stable_slots(old.cluster_slots if old else (), (ids[ep] for ep in sets.cluster)),
-            local_slots=stable_slots(old.local_slots if old else (), (ids[ep] for ep in sets.local)),
+            cluster_slots=cluster_slots,
+            local_slots=local_slots,
             source_ranges=_normalized(ranges) if svc.load_balancer_ips else _NO_RANGES,
+            bank=next_bank(old, cluster_slots, local_slots),
         )
 
     def apply(self, name: ServicePortName, new: ServiceEntries | None) -> int:
@@ -241,18 +295,21 @@ class ServicePrograms:
         old_backends = old.backends if old else {}
         svc_id = new.svc_id if new else old.svc_id  # type: ignore[union-attr]
 
+        # a bank swap: the new slots go to the other bank whole, the old bank goes after the flip
+        swapped = old is not None and new is not None and old.bank != new.bank
         if new:
             for bid, be in new.backends.items():
                 if old_backends.get(bid) != be:
                     m.set_backend(bid, be)
                     writes += 1
+            same_bank = old is not None and not swapped
             for scope, slots, before in (
-                (s.LB4_SCOPE_CLUSTER, new.cluster_slots, old.cluster_slots if old else ()),
-                (s.LB4_SCOPE_LOCAL, new.local_slots, old.local_slots if old else ()),
+                (s.LB4_SCOPE_CLUSTER, new.cluster_slots, old.cluster_slots if same_bank else ()),
+                (s.LB4_SCOPE_LOCAL, new.local_slots, old.local_slots if same_bank else ()),
             ):
                 for slot, bid in enumerate(slots):
                     if slot >= len(before) or before[slot] != bid:
-                        m.set_slot(svc_id, scope, slot, bid)
+                        m.set_slot(svc_id, scope, slot, bid, bank=new.bank)
                         writes += 1
             for cidr in new.source_ranges - (old.source_ranges if old else frozenset()):
                 m.add_source_range(svc_id, cidr)
@@ -272,12 +329,13 @@ class ServicePrograms:
                 if held is not None and held.id == svc_id:
                     m.delete_service(fe)
                     writes += 1
+        kept = new is not None and not swapped  # the old bank stays: only its tail goes
         for scope, before, now in (
-            (s.LB4_SCOPE_CLUSTER, old.cluster_slots if old else (), new.cluster_slots if new else ()),
-            (s.LB4_SCOPE_LOCAL, old.local_slots if old else (), new.local_slots if new else ()),
+            (s.LB4_SCOPE_CLUSTER, old.cluster_slots if old else (), new.cluster_slots if kept else ()),
+            (s.LB4_SCOPE_LOCAL, old.local_slots if old else (), new.local_slots if kept else ()),
         ):
             for slot in range(len(now), len(before)):
-                m.delete_slot(svc_id, scope, slot)
+                m.delete_slot(svc_id, scope, slot, bank=old.bank)  # type: ignore[union-attr]
                 writes += 1
         for cidr in (old.source_ranges if old else frozenset()) - (new.source_ranges if new else frozenset()):
             m.delete_source_range(svc_id, cidr)

@@ -111,6 +111,7 @@ LB4_F_ETP_LOCAL = 0x02
 LB4_F_ITP_LOCAL = 0x04
 LB4_F_SOURCE_RANGES = 0x08
 LB4_F_HAS_ENDPOINTS = 0x10
+LB4_F_SLOT_BANK = 0x20  # the service's slots are in bank 1 (services.py: the bank swap)
 
 # slot scopes and backend membership
 LB4_SCOPE_CLUSTER, LB4_SCOPE_LOCAL = 0, 1
@@ -164,7 +165,7 @@ class LB4Service(_Struct):
 
 
 class LB4SlotKey(_Struct):
-    _fields_ = [("svc_id", u32), ("slot", u16), ("scope", u8), ("pad", u8)]
+    _fields_ = [("svc_id", u32), ("slot", u16), ("scope", u8), ("bank", u8)]
 
 
 class LB4Backend(_Struct):

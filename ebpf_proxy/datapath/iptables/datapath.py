@@ -126,7 +126,9 @@ class IptablesDatapath(Datapath):
                 assert self._applied is not None
                 plan = partial_plan(self._applied, ruleset)
             if not plan.empty:
-                self._cmd.restore(plan.text(ruleset))
+                text = plan.text(ruleset)
+                self.report_progress(0.5)  # rendered; one iptables-restore, atomic per table, to go
+                self._cmd.restore(text)
         except Exception:
             self._forget()
             raise
