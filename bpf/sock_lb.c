@@ -72,6 +72,14 @@ static __always_inline int sock4_decide(struct bpf_sock_addr *ctx, __u8 hook, in
 		return 1;
 	}
 	trace_service(tr, svc);
+	if (cfg->flags & CFG_F_HANDOVER_OUT) { /* a switch to the iptables mode: its OUTPUT rules decide */
+		if (tr) {
+			tr->reason = EPX_PASS_HANDOVER;
+			return 0;
+		}
+		stats_count(EPX_PASS_HANDOVER, 0);
+		return 1;
+	}
 	/* the source kube-proxy's rules would see: the socket's own if it is bound, else the one the
 	 * kernel will pick for the backend's route, the node's masquerade address */
 	src = sock4_bound_source(ctx, hook == EPX_HOOK_SOCK_SENDMSG4) ?: cfg->snat_addr;

@@ -75,7 +75,8 @@ enum epx_reason {
 	EPX_ICMP_RELATED = 29,           /* ICMP error about a tracked connection: quoted and outer headers translated, as conntrack NAT does */
 	EPX_PASS_ICMP_NO_CT = 30,        /* ICMP error quoting no connection this hook translates: untouched */
 	EPX_PASS_ICMP_MALFORMED = 31,    /* ICMP error whose quoted header is truncated or invalid: untouched, never translated */
-	EPX_REASON_MAX = 32,
+	EPX_PASS_HANDOVER = 32,          /* mode switch: no connection here, left to netfilter's conntrack, which holds the other mode's connections (CFG_F_HANDOVER_*) */
+	EPX_REASON_MAX = 33,
 };
 #define EPX_DROP_FIRST EPX_DROP_MALFORMED_IP
 #define EPX_DROP_LAST EPX_DROP_REJECT_FAILED /* and EPX_DROP_CT_FULL, appended later (epx_is_drop) */
@@ -278,6 +279,17 @@ struct sock4_rev {
  * "pod traffic to an eTP=Local external destination goes to every endpoint" rule. */
 #define CFG_F_DETECT_NONE 0x04
 #define CFG_F_DETECT_IFACE 0x08
+/* A mode switch in progress (agent/handover.py). Taking over from the iptables mode: the kernel's
+ * conntrack still translates that mode's connections until each is moved into epx_ct4, so a
+ * packet without an entry here that does not open a TCP connection is left to it; a SYN is a new
+ * connection, ours. Handing over to the iptables mode: its rules are in place and each of our
+ * connections is moved into the kernel's conntrack, so nothing without an entry here is ours. */
+#define CFG_F_HANDOVER_IN 0x10
+#define CFG_F_HANDOVER_OUT 0x20
+/* Connections taken over from the kernel's conntrack were masqueraded by it outside
+ * [snat_port_min, snat_port_max]: a reply to any port of snat_addr may be theirs (nat4_is_masq_dest).
+ * Cleared by the agent once none of them is left. */
+#define CFG_F_ADOPTED_MASQ 0x40
 
 /* ---- devices: ifindex -> EPX_IF_* (epx_iface), written by the agent as devices come and go ---- */
 #define EPX_IF_POD 0x01   /* a pod's veth (its packets may be CHECKSUM_PARTIAL, see icmp4.h) */

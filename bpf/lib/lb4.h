@@ -200,6 +200,17 @@ static __always_inline void lb4_trace_established(struct epx_trace_rec *tr, cons
 	}
 }
 
+/* A mode switch in progress (CFG_F_HANDOVER_*): is a packet without a connection entry the
+ * kernel conntrack's, the other mode's, to translate? */
+static __always_inline int lb4_left_to_netfilter(const struct pkt4 *p, __u32 cfg_flags)
+{
+	if (cfg_flags & CFG_F_HANDOVER_OUT)
+		return 1;
+	if (cfg_flags & CFG_F_HANDOVER_IN)
+		return !(p->proto == IPPROTO_TCP && (p->tcp_flags & (EPX_TCP_SYN | EPX_TCP_ACK)) == EPX_TCP_SYN);
+	return 0;
+}
+
 static __always_inline __u32 lb4_forward(struct __sk_buff *skb, struct pkt4 *p, const struct lb4_config *cfg, __u64 now,
 					 struct epx_trace_rec *tr)
 {
@@ -234,6 +245,8 @@ static __always_inline __u32 lb4_forward(struct __sk_buff *skb, struct pkt4 *p, 
 	trace_service(tr, svc);
 	if (p->frag == EPX_FRAG_LATER)
 		return EPX_PASS_FRAG_UNKNOWN; /* its first fragment made no connection */
+	if (lb4_left_to_netfilter(p, cfg->flags))
+		return EPX_PASS_HANDOVER;
 	origin = lb4_origin(p->saddr, skb->ifindex, cfg->flags);
 	reason = lb4_policy(svc, p->saddr, origin, cfg->flags, &c);
 	trace_policy(tr, origin, c.scope, c.masq);

@@ -69,7 +69,8 @@ static __always_inline int nat4_is_masq_dest(const struct lb4_config *cfg, __be3
 {
 	__u16 port = epx_ntohs(dport);
 
-	return cfg->snat_addr && daddr == cfg->snat_addr && port >= cfg->snat_port_min && port <= cfg->snat_port_max;
+	return cfg->snat_addr && daddr == cfg->snat_addr &&
+	       ((port >= cfg->snat_port_min && port <= cfg->snat_port_max) || (cfg->flags & CFG_F_ADOPTED_MASQ));
 }
 
 /* Whether `owner` still owns the CT4_REV_SNAT half at `key` (backend -> masquerade addr:port). */

@@ -41,6 +41,15 @@ class Datapath(abc.ABC):
     def cleanup(self) -> None:
         """Remove everything this datapath ever installed on this node (idempotent)."""
 
+    def installed(self) -> bool:
+        """Whether this mode's kernel state is on the node, whoever put it there (a mode switch
+        asks it of the mode it replaces, agent/handover.py)."""
+        return False
+
+    def expect_handover(self) -> None:
+        """Called before the first sync when the other mode's datapath is still in place and its
+        connections will be moved over once this one is programmed (agent/handover.py)."""
+
     def stats(self) -> dict[str, int]:
         """Kernel state size (rules, map entries) for metrics and the bench."""
         return {}

@@ -24,6 +24,7 @@ own); call `cleanup()` from that namespace too.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import logging
 import threading
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ebpf_proxy.datapath.base import Datapath, SyncResult
-from ebpf_proxy.datapath.ebpf import adopt, devices, loader, pins
+from ebpf_proxy.datapath.ebpf import adopt, devices, handover, loader, pins
 from ebpf_proxy.datapath.ebpf import structs as s
 from ebpf_proxy.datapath.ebpf.maps import ConntrackUsage, Maps, NodeSettings
 from ebpf_proxy.datapath.ebpf.services import (
@@ -44,6 +45,7 @@ from ebpf_proxy.datapath.ebpf.services import (
     node_settings,
     program_node,
 )
+from ebpf_proxy.datapath.kernel_nat import NatConnection
 from ebpf_proxy.model import ChangeSet, NodeConfig, ProxyState, ServicePortName
 
 log = logging.getLogger(__name__)
@@ -115,6 +117,9 @@ class EbpfDatapath(Datapath):
         self._ct_gc_lock = threading.Lock()  # one pass at a time
         self._ct_gc_stop: threading.Event | None = None  # the GC thread's, while it runs
         self._settings: NodeSettings | None = None  # epx_config as the first sync wrote it
+        # taking over from the iptables mode (expect_handover): programs attach with
+        # CFG_F_HANDOVER_IN until adopt_connections has moved the kernel's connections in
+        self._handover_in = False
 
     # -- sync -----------------------------------------------------------------------------
 
@@ -173,6 +178,8 @@ class EbpfDatapath(Datapath):
             )
             settings = node_settings(self.node, host_netns_cookie=pins.netns_cookie(),
                                      snat_addr=self._devices.primary_address())
+            if self._handover_in:
+                settings = dataclasses.replace(settings, handover=s.CFG_F_HANDOVER_IN)
             writes += program_node(maps, self.node, settings)
             self._settings = settings
             log.info("ebpf datapath loaded", extra={
@@ -200,6 +207,78 @@ class EbpfDatapath(Datapath):
 
     def _reconcile_devices(self) -> int:
         return self._devices.reconcile() if self._devices is not None else 0
+
+    # -- a mode switch (agent/handover.py) --------------------------------------------------
+
+    def installed(self) -> bool:
+        """Whether a datapath's maps are pinned for this node (at `bpffs`, or found through this
+        netns' cookie)."""
+        return self.serving_pin_dir() is not None
+
+    def serving_pin_dir(self) -> Path | None:
+        if (self.pin_dir / "epx_config").exists():
+            return self.pin_dir
+        found = [d for d in pins.find_pin_dirs(pins.netns_cookie()) if (d / "epx_config").exists()]
+        return found[0] if found else None
+
+    def expect_handover(self) -> None:
+        """The iptables mode's datapath is still in place: attach in CFG_F_HANDOVER_IN."""
+        if self._programs is not None:
+            raise RuntimeError("expect_handover after the first sync: the programs are attached already")
+        self._handover_in = True
+
+    def adopt_connections(self, connections: Iterable[NatConnection],
+                          adopted: Callable[[NatConnection], None]) -> dict[str, int]:
+        """Write each connection the kernel translates into epx_ct4 (ebpf/handover.py), calling
+        `adopted` right after each (the caller deletes the kernel's entry: until then both would
+        translate it, and the kernel would drop the packets as a clash). Left with the kernel,
+        whose conntrack stops tracking once the iptables rules are gone (nothing then holds its
+        hooks in this netns), so they break: the node's own connections (the socket LB balances at
+        connect(), a connected socket is nobody's to translate), those masqueraded to another
+        address than ours, and those of Services no longer here. Returns a count of each.
+        """
+        assert self._maps is not None and self._settings is not None, "adopt_connections before the first sync"
+        counts = {"adopted": 0, "node": 0, "other_masquerade_address": 0, "unknown": 0}
+        local = set(node_addresses(self.node))
+        backends = handover.backend_ids(self._maps)
+        for conn in connections:
+            if conn.client in local:
+                counts["node"] += 1
+                continue
+            if conn.masqueraded and conn.source != self._settings.snat_addr:
+                counts["other_masquerade_address"] += 1
+                continue
+            if conn.masqueraded and not self._settings.adopted_masq and not (
+                    self._settings.snat_port_min <= conn.source_port <= self._settings.snat_port_max):
+                # the kernel's masquerade port is outside ours: the programs must look for its
+                # replies on every port (nat4_is_masq_dest) before the kernel's entry goes
+                self._set_adopted_masq(True)
+            why = handover.adopt(self._maps, conn, backends, local, time.monotonic_ns())
+            if why is None:
+                adopted(conn)
+                counts["adopted"] += 1
+            else:
+                log.info("connection %s left to the kernel: %s", conn.describe(), why)
+                counts["unknown"] += 1
+        return counts
+
+    def _set_adopted_masq(self, on: bool) -> None:
+        assert self._maps is not None and self._settings is not None
+        self._settings = dataclasses.replace(self._settings, adopted_masq=on)
+        self._maps.set_settings(self._settings)
+
+    def _adopted_masq_left(self) -> bool:
+        """Whether a connection masqueraded outside our port range (adopted) is still in epx_ct4."""
+        assert self._maps is not None and self._settings is not None
+        low, high = self._settings.snat_port_min, self._settings.snat_port_max
+        return any(not low <= c.dport <= high for c in self._maps.connections(kind=s.CT4_REV_SNAT))
+
+    def end_handover(self) -> None:
+        """Every connection is moved in: from now on a packet without an entry is ours again."""
+        self._handover_in = False
+        if self._settings is not None and self._maps is not None and self._settings.handover:
+            self._settings = dataclasses.replace(self._settings, handover=0)
+            self._maps.set_settings(self._settings)
 
     # -- drift audit ----------------------------------------------------------------------
 
@@ -277,6 +356,8 @@ class EbpfDatapath(Datapath):
         try:
             usage = maps.collect_connections(time.monotonic_ns())  # bpf_ktime_get_ns()'s clock
             self._ct_usage = (now, usage)
+            if self._settings is not None and self._settings.adopted_masq and not self._adopted_masq_left():
+                self._set_adopted_masq(False)  # the last adopted one is gone: replies to our range only
         finally:
             self._ct_gc_lock.release()
         if usage.collected:

@@ -106,6 +106,8 @@ class NodeSettings:
     udp_stream_timeout: int = 120
     tcp_close_wait_timeout: int = 3600
     host_netns_cookie: int = 0
+    handover: int = 0  # structs.CFG_F_HANDOVER_* while a mode switch moves connections (ebpf/handover.py)
+    adopted_masq: bool = False  # structs.CFG_F_ADOPTED_MASQ: such connections are in epx_ct4
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,7 +305,7 @@ class Maps:
         """The epx_config struct that holds `cfg`."""
         flags = (s.CFG_F_MASQ_ALL if cfg.masquerade_all else 0) | (
             s.CFG_F_LOCALHOST_NODEPORTS if cfg.localhost_nodeports else 0
-        ) | _DETECT_FLAGS[cfg.local_detect]
+        ) | _DETECT_FLAGS[cfg.local_detect] | cfg.handover | (s.CFG_F_ADOPTED_MASQ if cfg.adopted_masq else 0)
         return s.LB4Config(
             snat_addr=be32(cfg.snat_addr) if cfg.snat_addr else 0,
             snat_port_min=cfg.snat_port_min,
@@ -321,6 +323,10 @@ class Maps:
     def config(self) -> s.LB4Config:
         """epx_config as it is (the raw struct: flags and addresses as the programs read them)."""
         return self._get("epx_config", s.u32(0)) or s.LB4Config()
+
+    def set_config(self, value: s.LB4Config) -> None:
+        """Write epx_config as given (ebpf/handover.py: one flag changed on a node whose agent is gone)."""
+        self._put("epx_config", s.u32(0), value)
 
     def set_node_addrs(self, addrs: Iterable[str]) -> int:
         """Make epx_node_addr exactly `addrs`, touching only what differs. Returns the writes."""
@@ -569,6 +575,13 @@ class Maps:
             saddr=be32(c.saddr), daddr=be32(c.daddr), sport=be16(c.sport), dport=be16(c.dport),
             proto=c.proto, kind=c.kind,
         )
+        return libbpf.map_delete(self._fd("epx_ct4"), key)
+
+    def put_connection_entry(self, key: s.CT4Key, entry: s.CT4Entry) -> None:
+        """Write one epx_ct4 entry (ebpf/handover.py: a connection the kernel translated until now)."""
+        self._put("epx_ct4", key, entry)
+
+    def delete_connection_entry(self, key: s.CT4Key) -> bool:
         return libbpf.map_delete(self._fd("epx_ct4"), key)
 
     def set_connection_expiry(self, c: Connection, expires_ns: int) -> None:

@@ -51,6 +51,7 @@ class Reason(enum.IntEnum):
     ICMP_RELATED = 29
     PASS_ICMP_NO_CT = 30
     PASS_ICMP_MALFORMED = 31
+    PASS_HANDOVER = 32
 
     @property
     def is_drop(self) -> bool:
@@ -98,9 +99,10 @@ REASON_DESCRIPTIONS: dict[Reason, str] = {
     Reason.ICMP_RELATED: "ICMP error about a tracked connection: quoted and outer headers translated, as conntrack NAT does",
     Reason.PASS_ICMP_NO_CT: "ICMP error quoting no connection this hook translates: untouched",
     Reason.PASS_ICMP_MALFORMED: "ICMP error whose quoted header is truncated or invalid: untouched, never translated",
+    Reason.PASS_HANDOVER: "mode switch: no connection here, left to netfilter's conntrack, which holds the other mode's connections (CFG_F_HANDOVER_*)",
 }
 
-REASON_MAX = 32
+REASON_MAX = 33
 
 # Origins (EPX_ORIGIN_*)
 ORIGIN_POD, ORIGIN_NODE, ORIGIN_EXTERNAL, ORIGIN_LOCALHOST = 0, 1, 2, 3
@@ -127,6 +129,9 @@ CFG_F_MASQ_ALL = 0x01
 CFG_F_LOCALHOST_NODEPORTS = 0x02
 CFG_F_DETECT_NONE = 0x04
 CFG_F_DETECT_IFACE = 0x08
+CFG_F_HANDOVER_IN = 0x10  # taking over from the iptables mode (agent/handover.py)
+CFG_F_HANDOVER_OUT = 0x20  # handing over to the iptables mode
+CFG_F_ADOPTED_MASQ = 0x40  # adopted connections masqueraded outside the port range (nat4_is_masq_dest)
 
 # sock4_rev.flags
 SOCK4_F_MASQ = 0x01

@@ -267,6 +267,12 @@ class IptablesDatapath(Datapath):
         self._forget()
         self._state = None
 
+    def installed(self) -> bool:
+        """Whether a chain this mode installs is there (ours, or kube-proxy's: the same names)."""
+        existing = self._existing()
+        return any(c in ch.TOP_LEVEL_CHAINS[table] or ch.is_service_chain(c)
+                   for table in TABLE_ORDER for c in existing.get(table, {}))
+
     def stats(self) -> dict[str, int]:
         """Rules in the last applied ruleset (what kube-proxy's sync_proxy_rules_iptables_total counts)."""
         applied = self._applied

@@ -1,0 +1,153 @@
+"""Connections in and out of epx_ct4 for a mode switch (agent/handover.py drives it).
+
+Taking over from the iptables mode, each connection the kernel's conntrack translates gets the
+epx_ct4 entries bpf/lib/ct4.h's ct4_create would have written for it (the reply halves first, the
+connection last, as ct4_create does), so the programs translate its next packet exactly as the
+kernel did. Handing over, each of our connections is read back as the kernel's NatConnection and,
+once the kernel holds it, forgotten here. While either runs, epx_config carries CFG_F_HANDOVER_IN
+or _OUT (bpf/lib/lb4.h: lb4_left_to_netfilter) so that a packet of a connection not moved yet is
+left to the kernel rather than balanced afresh.
+"""
+
+from __future__ import annotations
+
+import socket
+
+from ebpf_proxy.datapath.ebpf import structs as s
+from ebpf_proxy.datapath.ebpf.maps import Connection, Frontend, Maps, be16, be32
+from ebpf_proxy.datapath.kernel_nat import (
+    TCP_CLOSE,
+    TCP_CLOSE_WAIT,
+    TCP_ESTABLISHED,
+    TCP_FIN_WAIT,
+    TCP_LAST_ACK,
+    TCP_SYN_SENT,
+    TCP_TIME_WAIT,
+    NatConnection,
+)
+
+NSEC = 1_000_000_000
+HANDOVER_FLAGS = s.CFG_F_HANDOVER_IN | s.CFG_F_HANDOVER_OUT
+
+
+def set_handover(maps: Maps, flag: int) -> None:
+    """Put epx_config in a mode-switch state (CFG_F_HANDOVER_IN or _OUT), or out of it (0)."""
+    if flag & ~HANDOVER_FLAGS:
+        raise ValueError(f"handover flag {flag:#x} is not CFG_F_HANDOVER_IN, _OUT or 0")
+    cfg = maps.config()
+    cfg.flags = (cfg.flags & ~HANDOVER_FLAGS) | flag
+    maps.set_config(cfg)
+
+
+def handover_flag(maps: Maps) -> int:
+    return maps.config().flags & HANDOVER_FLAGS
+
+
+def _key(saddr: str, daddr: str, sport: int, dport: int, proto: int, kind: int) -> s.CT4Key:
+    return s.CT4Key(saddr=be32(saddr), daddr=be32(daddr), sport=be16(sport), dport=be16(dport), proto=proto, kind=kind)
+
+
+def outgoing(maps: Maps, now_ns: int) -> list[NatConnection]:
+    """Our live connections as the kernel would hold them. A node socket's own connections are
+    not among them: the socket LB connected those to the backend directly, nothing translates
+    their packets (CT4_F_SOCK_MASQ ones aside, see README "Failure behaviour")."""
+    out = []
+    for c in maps.connections(kind=s.CT4_SVC):
+        if c.expires_ns <= now_ns or c.flags & s.CT4_F_SOCK_MASQ:
+            continue
+        masq = bool(c.flags & s.CT4_F_MASQ)
+        out.append(NatConnection(
+            proto=c.proto, client=c.saddr, client_port=c.sport, frontend=c.daddr, frontend_port=c.dport,
+            backend=c.nat_addr, backend_port=c.nat_port,
+            source=c.snat_addr if masq else c.saddr, source_port=c.snat_port if masq else c.sport,
+            timeout=max(1, (c.expires_ns - now_ns) // NSEC),
+            tcp_state=_tcp_state(c), seen_reply=bool(c.flags & s.CT4_F_SEEN_REPLY)))
+    return out
+
+
+def _tcp_state(c: Connection) -> int:
+    """nf_conntrack's state for one of our TCP connections: what the kernel must believe for the
+    packets still to come to pass its state machine (a SYN-ACK is invalid in ESTABLISHED)."""
+    if c.proto != socket.IPPROTO_TCP:
+        return TCP_ESTABLISHED
+    if not c.flags & s.CT4_F_CLOSING:
+        return TCP_ESTABLISHED if c.flags & s.CT4_F_SEEN_REPLY else TCP_SYN_SENT
+    if c.flags & s.CT4_F_DONE:
+        return TCP_CLOSE
+    if c.flags & s.CT4_F_FIN_ORIG and c.flags & s.CT4_F_FIN_REPLY:
+        return TCP_TIME_WAIT
+    return TCP_CLOSE_WAIT if c.flags & s.CT4_F_FIN_ORIG else TCP_FIN_WAIT
+
+
+def _closing_flags(conn: NatConnection) -> int:
+    """The CT4_F_* close tracking of a connection the kernel has in `conn.tcp_state` (the
+    direction of a lone FIN is nf_conntrack's to know, not ours: the client's is assumed)."""
+    if not conn.closing:
+        return 0
+    if conn.tcp_state == TCP_CLOSE:
+        return s.CT4_F_CLOSING | s.CT4_F_DONE
+    if conn.tcp_state in (TCP_TIME_WAIT, TCP_LAST_ACK):
+        return s.CT4_F_CLOSING | s.CT4_F_FIN_ORIG | s.CT4_F_FIN_REPLY
+    return s.CT4_F_CLOSING | s.CT4_F_FIN_ORIG
+
+
+def forget(maps: Maps, conn: NatConnection) -> None:
+    """Delete our entries of `conn`: the connection first, so that no packet finds a half
+    without its owner (they would be ignored anyway, see maps._half_is_live)."""
+    keys = [_key(conn.client, conn.frontend, conn.client_port, conn.frontend_port, conn.proto, s.CT4_SVC),
+            _key(conn.backend, conn.client, conn.backend_port, conn.client_port, conn.proto, s.CT4_REV_DNAT)]
+    if conn.masqueraded:
+        keys += [_key(conn.client, conn.backend, conn.client_port, conn.backend_port, conn.proto, s.CT4_SNAT),
+                 _key(conn.backend, conn.source, conn.backend_port, conn.source_port, conn.proto, s.CT4_REV_SNAT)]
+    for key in keys:
+        maps.delete_connection_entry(key)
+
+
+def _frontend_of(maps: Maps, conn: NatConnection, node_addrs: set[str]) -> Frontend | None:
+    exact = Frontend(conn.frontend, conn.frontend_port, conn.proto)
+    if maps.service(exact) is not None:
+        return exact
+    nodeport = Frontend(None, conn.frontend_port, conn.proto)
+    if conn.frontend in node_addrs and maps.service(nodeport) is not None:
+        return nodeport
+    return None
+
+
+def backend_ids(maps: Maps) -> dict[tuple[str, int], int]:
+    """(address, port) -> backend id, for `adopt` (one read of epx_backend for a whole takeover)."""
+    return {(be.addr, be.port): backend_id for backend_id, be in maps.backends().items()}
+
+
+def adopt(maps: Maps, conn: NatConnection, backends: dict[tuple[str, int], int], node_addrs: set[str],
+          now_ns: int) -> str | None:
+    """Write the epx_ct4 entries of a connection the kernel translated; returns why it cannot be
+    (None: adopted). It cannot when its frontend or backend is not programmed here (a Service
+    deleted meanwhile: the kernel keeps translating it, as the iptables mode would)."""
+    if _frontend_of(maps, conn, node_addrs) is None:
+        return f"frontend {conn.frontend}:{conn.frontend_port} is not a service here"
+    backend_id = backends.get((conn.backend, conn.backend_port))
+    if backend_id is None:
+        return f"backend {conn.backend}:{conn.backend_port} is not programmed here"
+    flags = (s.CT4_F_SEEN_REPLY if conn.seen_reply else 0) | _closing_flags(conn)
+    entry = s.CT4Entry(expires=now_ns + conn.timeout * NSEC, nat_addr=be32(conn.backend),
+                       nat_port=be16(conn.backend_port), svc_addr=be32(conn.frontend),
+                       svc_port=be16(conn.frontend_port), backend_id=backend_id,
+                       state=s.CT4_S_ASSURED if conn.seen_reply else 0)
+    half = dict(svc_addr=be32(conn.frontend), svc_port=be16(conn.frontend_port))
+    if conn.masqueraded:
+        entry.flags = flags | s.CT4_F_MASQ
+        entry.snat_addr, entry.snat_port = be32(conn.source), be16(conn.source_port)
+        maps.put_connection_entry(_key(conn.backend, conn.source, conn.backend_port, conn.source_port, conn.proto,
+                                  s.CT4_REV_SNAT),
+                  s.CT4Entry(nat_addr=be32(conn.client), nat_port=be16(conn.client_port), **half))
+        maps.put_connection_entry(_key(conn.client, conn.backend, conn.client_port, conn.backend_port, conn.proto,
+                                  s.CT4_SNAT),
+                  s.CT4Entry(nat_addr=be32(conn.source), nat_port=be16(conn.source_port), **half))
+    else:
+        entry.flags = flags
+    maps.put_connection_entry(_key(conn.backend, conn.client, conn.backend_port, conn.client_port, conn.proto,
+                              s.CT4_REV_DNAT),
+              s.CT4Entry(nat_addr=be32(conn.frontend), nat_port=be16(conn.frontend_port), **half))
+    maps.put_connection_entry(_key(conn.client, conn.frontend, conn.client_port, conn.frontend_port, conn.proto,
+                              s.CT4_SVC), entry)
+    return None

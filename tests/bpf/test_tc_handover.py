@@ -1,0 +1,153 @@
+"""A mode switch as the programs see it (agent/handover.py): CFG_F_HANDOVER_IN / _OUT leave what
+has no connection entry to netfilter, and a connection moved in with ebpf/handover.adopt is
+translated exactly as one the programs made themselves; moved out, it leaves nothing behind."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import pytest
+
+from ebpf_proxy.datapath.ebpf import handover
+from ebpf_proxy.datapath.ebpf import structs as s
+from tests.bpf import world as w
+from tests.bpf.packets import TC_ACT_OK, counted, endpoints, run, tcp, udp
+
+pytestmark = [pytest.mark.bpf, pytest.mark.root]
+
+R = s.Reason
+
+
+def step(datapath, maps, prog, pkt, reason):
+    maps.reset_stats()
+    out = run(datapath, prog, pkt)
+    assert out.verdict == TC_ACT_OK
+    assert counted(maps) == {reason: 1}, f"{prog}: {pkt.summary()}"
+    return out.pkt
+
+
+def reply_to(pkt, flags="A"):
+    (src, sport), (dst, dport) = endpoints(pkt)
+    return tcp(dst, dport, src, sport, flags=flags)
+
+
+def with_flag(maps, flag):
+    w.install_node(maps, replace(w.SETTINGS, handover=flag))
+
+
+def test_taking_over_a_syn_is_ours_anything_else_netfilters(datapath, maps):
+    """CFG_F_HANDOVER_IN: the kernel's conntrack still translates the iptables mode's connections,
+    so a mid-connection packet without an entry passes untouched; a SYN opens one of ours."""
+    w.install(maps, w.web(), w.web(id=2, proto=w.UDP))
+    with_flag(maps, s.CFG_F_HANDOVER_IN)
+    ack = tcp(w.POD_CLIENT, 40001, w.VIP, 80, flags="A")
+    out = step(datapath, maps, "tc_ingress", ack, R.PASS_HANDOVER)
+    assert endpoints(out) == endpoints(ack)
+    dns = udp(w.POD_CLIENT, 40002, w.VIP, 80)
+    assert endpoints(step(datapath, maps, "tc_ingress", dns, R.PASS_HANDOVER)) == endpoints(dns)
+    syn = tcp(w.POD_CLIENT, 40003, w.VIP, 80)
+    assert endpoints(step(datapath, maps, "tc_ingress", syn, R.FWD_NEW))[1] != (w.VIP, 80)
+    # its next packet has an entry: translated, the flag notwithstanding
+    step(datapath, maps, "tc_ingress", tcp(w.POD_CLIENT, 40003, w.VIP, 80, flags="A"), R.FWD_ESTABLISHED)
+    with_flag(maps, 0)
+    step(datapath, maps, "tc_ingress", ack, R.FWD_NEW)  # the flag cleared: a mid-stream pickup is ours again
+
+
+def test_handing_over_only_known_connections_are_translated(datapath, maps):
+    """CFG_F_HANDOVER_OUT: the iptables rules are in place, so nothing new is ours, not even a SYN."""
+    w.install(maps, w.web())
+    known = step(datapath, maps, "tc_ingress", tcp(w.POD_CLIENT, 40010, w.VIP, 80), R.FWD_NEW)
+    with_flag(maps, s.CFG_F_HANDOVER_OUT)
+    again = step(datapath, maps, "tc_ingress", tcp(w.POD_CLIENT, 40010, w.VIP, 80, flags="A"), R.FWD_ESTABLISHED)
+    assert endpoints(again)[1] == endpoints(known)[1]
+    syn = tcp(w.OUTSIDE, 40011, w.NODE_IP, w.NODE_PORT)
+    assert endpoints(step(datapath, maps, "tc_ingress", syn, R.PASS_HANDOVER)) == endpoints(syn)
+
+
+def test_xdp_leaves_a_switch_to_tc(datapath, maps):
+    """XDP's early drops (eTP=Local without a local endpoint) wait for TC's decision during a
+    switch: the packet may belong to a connection netfilter still translates."""
+    w.install(maps, w.web(local=(), flags=s.LB4_F_HAS_ENDPOINTS | s.LB4_F_ETP_LOCAL))
+    syn = tcp(w.OUTSIDE, 40020, w.NODE_IP, w.NODE_PORT)
+    maps.reset_stats()
+    run(datapath, "xdp_lb", syn)
+    assert counted(maps) == {R.DROP_NO_LOCAL_EXTERNAL: 1}
+    for flag in (s.CFG_F_HANDOVER_IN, s.CFG_F_HANDOVER_OUT):
+        with_flag(maps, flag)
+        maps.reset_stats()
+        run(datapath, "xdp_lb", syn)
+        assert counted(maps) == {}, f"flag {flag:#x}"
+
+
+def _established(datapath, maps, client, frontend, masq: bool):
+    """A connection the programs made and saw answered; returns its forward packet at the backend."""
+    syn = tcp(*client, *frontend)
+    fwd = step(datapath, maps, "tc_ingress", syn, R.FWD_NEW)
+    fwd = step(datapath, maps, "tc_egress", fwd, R.SNAT if masq else R.PASS_NO_SERVICE)
+    back = step(datapath, maps, "tc_ingress", reply_to(fwd, "SA"), R.REV_SNAT if masq else R.PASS_NO_SERVICE)
+    step(datapath, maps, "tc_egress", back, R.REV_DNAT)
+    step(datapath, maps, "tc_ingress", tcp(*client, *frontend, flags="A"), R.FWD_ESTABLISHED)
+    return fwd
+
+
+def _table(maps):
+    """epx_ct4 without the deadlines (adopt sets its own from the kernel's timeout)."""
+    return sorted((replace(c, expires_ns=0) for c in maps.connections()), key=repr)
+
+
+@pytest.mark.parametrize("client, frontend, masq", [
+    ((w.POD_CLIENT, 40030), (w.VIP, 80), False),
+    ((w.OUTSIDE, 40031), (w.NODE_IP, w.NODE_PORT), True),
+], ids=["pod->clusterIP", "outside->nodePort (masqueraded)"])
+def test_a_connection_moved_out_and_back_in_is_the_same_connection(datapath, maps, client, frontend, masq):
+    """outgoing() reads the connection as the kernel must hold it; forget() leaves no entry; adopt()
+    writes back exactly what ct4_create and the packets wrote, and the next packets are
+    translated to the same backend, masquerade address and port, both ways."""
+    svc = w.web()
+    w.install(maps, svc)
+    fwd = _established(datapath, maps, client, frontend, masq)
+    before = _table(maps)
+    now = time.monotonic_ns()
+    [conn] = handover.outgoing(maps, now)
+    assert (conn.client, conn.client_port, conn.frontend, conn.frontend_port) == (*client, *frontend)
+    assert (conn.source, conn.source_port) == endpoints(fwd)[0]
+    assert (conn.backend, conn.backend_port) == endpoints(fwd)[1]
+    assert conn.masqueraded == masq and conn.seen_reply and not conn.half_open
+    assert 86000 < conn.timeout <= 86400  # established: kube-proxy's tcpEstablishedTimeout
+
+    handover.forget(maps, conn)
+    assert maps.connections() == [], "forget left entries behind"
+    assert handover.adopt(maps, conn, handover.backend_ids(maps), {w.NODE_IP, w.NODE_IP2}, now) is None
+    assert _table(maps) == before
+
+    data = step(datapath, maps, "tc_ingress", tcp(*client, *frontend, flags="PA", payload=b"x"), R.FWD_ESTABLISHED)
+    data = step(datapath, maps, "tc_egress", data, R.SNAT if masq else R.PASS_NO_SERVICE)
+    assert endpoints(data) == endpoints(fwd)
+    back = step(datapath, maps, "tc_ingress", reply_to(data), R.REV_SNAT if masq else R.PASS_NO_SERVICE)
+    back = step(datapath, maps, "tc_egress", back, R.REV_DNAT)
+    assert endpoints(back) == (frontend, client)
+
+
+def test_adopt_refuses_what_is_not_programmed_here(datapath, maps):
+    w.install(maps, w.web())
+    fwd = _established(datapath, maps, (w.POD_CLIENT, 40040), (w.VIP, 80), False)
+    [conn] = handover.outgoing(maps, time.monotonic_ns())
+    handover.forget(maps, conn)
+    backends = handover.backend_ids(maps)
+    gone = replace(conn, frontend="10.96.0.99")
+    assert "not a service here" in handover.adopt(maps, gone, backends, set(), time.monotonic_ns())
+    moved = replace(conn, backend="10.244.9.9")
+    assert "not programmed here" in handover.adopt(maps, moved, backends, set(), time.monotonic_ns())
+    assert maps.connections() == [] and endpoints(fwd)
+
+
+def test_a_handshake_under_way_is_handed_over_as_one(datapath, maps):
+    """Only the SYN went through: the kernel must expect a SYN-ACK (SYN_SENT), not see it as
+    invalid in ESTABLISHED."""
+    from ebpf_proxy.datapath.kernel_nat import TCP_SYN_SENT
+
+    w.install(maps, w.web())
+    step(datapath, maps, "tc_ingress", tcp(w.POD_CLIENT, 40050, w.VIP, 80), R.FWD_NEW)
+    [conn] = handover.outgoing(maps, time.monotonic_ns())
+    assert conn.half_open and conn.tcp_state == TCP_SYN_SENT and not conn.seen_reply
