@@ -23,6 +23,7 @@ import threading
 import time
 from typing import Any, Callable, Collection, Mapping
 
+from ebpf_proxy.agent import handover
 from ebpf_proxy.agent.audit import DriftAuditor
 from ebpf_proxy.agent.config import AgentConfig
 from ebpf_proxy.agent.health import ProxierHealth, ServiceHealthServers, healthz_server
@@ -153,6 +154,8 @@ class Agent:
         self._runner_thread: threading.Thread | None = None
         self._sync_lock = threading.Lock()  # guards _syncing/_synced_rv against the /healthz reader
         self._datapath_lock = threading.Lock()  # one of sync or drift audit at a time
+        self._handover_from: str | None = None  # the other mode, still in place until the first sync
+        self.handover: handover.HandoverResult | None = None  # what that first sync moved over
         self.auditor = DriftAuditor(lambda: self.datapath, self._datapath_lock, self.metrics,
                                     period=config.audit_period, repair=config.audit_repair)
         self._syncing = False
@@ -255,10 +258,16 @@ class Agent:
             "masquerade_all": self.node_config.masquerade_all,
             "detect_local": str(self.node_config.detector),
             "localhost_nodeports": self.node_config.localhost_nodeports})
-        self.datapath = self._datapath_factory(self.mode, self.node_config, cgroup_path=self.config.cgroup_path or None,
-                                               bpffs=self.config.bpffs or None,
+        where = {"cgroup_path": self.config.cgroup_path or None, "bpffs": self.config.bpffs or None}
+        self.datapath = self._datapath_factory(self.mode, self.node_config, **where,
                                                bpf_cache_dir=self.config.bpf_cache_dir or None,
                                                backend=self.config.iptables_backend or None)
+        if self.datapath.mode in handover.OTHER_MODE:  # a kernel datapath: is the other mode's still here?
+            self._handover_from = handover.previous_mode(self.mode, self.node_config, self._datapath_factory, **where)
+            if self._handover_from:
+                log.info("the %s datapath is in place: its connections move over after the first sync",
+                         self._handover_from, extra={"from_mode": self._handover_from})
+                self.datapath.expect_handover()
         self.datapath.progress = self.metrics.sync_progress.set
         self.metrics.set_datapath(self.mode)
         self.metrics.read_counters_from(self.datapath)
@@ -280,6 +289,11 @@ class Agent:
         try:
             with self._datapath_lock:
                 result = self.datapath.sync(state, changes)
+                if self._handover_from:  # the first sync is done: make before break
+                    previous, self._handover_from = self._handover_from, None
+                    self.handover = handover.hand_over(
+                        self.mode, previous, self.datapath, self.node_config, self._datapath_factory,
+                        cgroup_path=self.config.cgroup_path or None, bpffs=self.config.bpffs or None)
         except Exception:
             self.tracker.abort()
             with self._sync_lock:

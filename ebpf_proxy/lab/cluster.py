@@ -542,15 +542,16 @@ class Lab:
             raise LabError(f"agent action {action!r} is not one of start, stop, restart")
 
     def set_mode(self, mode: str, timeout: float = AGENT_READY_TIMEOUT) -> None:
-        """Switch every node's agent in place. Switching cleans the previous mode's state.
+        """Switch every node's agent in place, make before break: the old agents stop (their
+        datapath keeps serving), the new ones program theirs beside it, move its connections over
+        and remove it (agent/handover.py). `none` cleans every mode's state.
 
         `timeout` bounds each agent's first sync (10,000 services take far longer than 1)."""
         if mode not in MODES:
             raise LabError(f"mode: {mode!r} is not one of {', '.join(MODES)}")
-        previous = {n: a.get("mode") for n, a in self.data["agents"].items()}
         for node in self.topology.nodes:
             self.stop_agent(node.name)
-        if mode == "none" or any(m and m != mode for m in previous.values()):
+        if mode == "none":
             for node in self.topology.nodes:
                 self.exec(node.name, _python_cli() + ["cleanup"], check=False, capture_output=True)
         self.data["mode"] = mode

@@ -1,0 +1,179 @@
+"""Switching proxy modes on a node without breaking connections: make before break.
+
+An agent that starts in one mode while the other mode's datapath is still in place (its agent
+was stopped: a DaemonSet rolled to another mode, `lab mode`, or kube-proxy's rules left behind)
+does not clean up first. It programs its own datapath beside the old one, moves the old one's
+established connections into its own connection tracking, and only then removes the old one:
+
+- iptables -> ebpf. The eBPF programs attach with CFG_F_HANDOVER_IN: a SYN is a new connection,
+  theirs; any other packet without an epx_ct4 entry is left to netfilter, whose conntrack still
+  translates the iptables connections (bpf/lib/lb4.h). Then each connection the kernel translates
+  is written into epx_ct4 and its kernel entry deleted, the flag is cleared, and the iptables
+  rules are removed. Once they are, nothing holds conntrack's hooks in the node's netns and the
+  kernel stops translating: what was not moved breaks (EbpfDatapath.adopt_connections says
+  what cannot be: above all the node's own connections to a Service, see README).
+- ebpf -> iptables. The iptables rules go in first (inert: TC translates before netfilter
+  looks). epx_config gets CFG_F_HANDOVER_OUT: from then on the programs translate only the
+  connections in epx_ct4, anything else reaches the new rules. Each connection is written into
+  the kernel's conntrack with its NAT (datapath/kernel_nat.py) and forgotten in epx_ct4; then
+  the programs are detached and the pins removed.
+
+A connection is moved in two steps (one write on each side, microseconds apart): a packet in
+between is dropped by the kernel as a conntrack clash and retransmitted, never sent elsewhere.
+New connections never wait: the old datapath serves until the new one is programmed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ebpf_proxy.agent.cleanup import CleanupResult, cleanup_all
+from ebpf_proxy.datapath import Datapath, DatapathUnavailable, create_datapath
+from ebpf_proxy.model import NodeConfig
+
+log = logging.getLogger(__name__)
+
+OTHER_MODE = {"ebpf": "iptables", "iptables": "ebpf"}
+HALF_OPEN_SETTLE = 2.0  # seconds a handshake under way may take to finish before it is adopted anyway
+HALF_OPEN_POLL = 0.05
+
+
+@dataclass
+class HandoverResult:
+    """What one mode switch moved (logged once, exposed for tests and the lab)."""
+
+    from_mode: str
+    to_mode: str
+    counts: dict[str, int] = field(default_factory=dict)
+    cleanup: list[CleanupResult] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.counts.get("failed")) or any(r.failed for r in self.cleanup)
+
+
+def _variant_installed(mode: str, node: NodeConfig, factory: Callable[..., Datapath], **opts: Any) -> bool:
+    backends = ("legacy", "nft") if mode == "iptables" else (None,)
+    for backend in backends:
+        extra = {"backend": backend} if backend else {}
+        try:
+            other = factory(mode, node, **opts, **extra)
+        except (DatapathUnavailable, FileNotFoundError):
+            continue  # not installable here: it cannot have installed anything either
+        try:
+            if other.installed():
+                return True
+        except Exception:  # noqa: BLE001 - a check that cannot run must not stop the agent
+            log.warning("cannot tell whether the %s datapath is installed", mode, exc_info=True)
+        finally:
+            other.close()
+    return False
+
+
+def previous_mode(mode: str, node: NodeConfig, factory: Callable[..., Datapath] = create_datapath,
+                  **opts: Any) -> str | None:
+    """The other kernel mode, when its datapath is on this node; else None."""
+    other = OTHER_MODE.get(mode)
+    if other and _variant_installed(other, node, factory, **opts):
+        return other
+    return None
+
+
+def _key(conn) -> tuple:
+    return conn.proto, conn.client, conn.client_port, conn.frontend, conn.frontend_port
+
+
+def _into_ebpf(datapath: Any, kernel_conntrack: Callable[[], Any] | None = None,
+               settle: float = HALF_OPEN_SETTLE, poll: float = HALF_OPEN_POLL) -> dict[str, int]:
+    """Adopt the kernel's connections; a handshake under way is left to finish first (up to
+    `settle` seconds): once adopted its kernel entry goes, and the SYN-ACK would then reach a
+    netfilter that has no entry for it and calls it INVALID (kube-proxy's KUBE-FORWARD drops those)."""
+    if kernel_conntrack is None:
+        from ebpf_proxy.datapath.kernel_nat import KernelConntrack as kernel_conntrack
+
+    counts: dict[str, int] = {}
+    deadline = time.monotonic() + settle
+    try:
+        _adopt_settled(datapath, kernel_conntrack, deadline, settle, poll, counts)
+    finally:  # whatever happened, packets without an entry are the programs' own again
+        datapath.end_handover()
+    return counts
+
+
+def _adopt_settled(datapath: Any, kernel_conntrack: Callable[[], Any], deadline: float, settle: float, poll: float,
+                   counts: dict[str, int]) -> None:
+    with kernel_conntrack() as kernel:
+        done: set[tuple] = set()
+        while True:
+            connections = [c for c in kernel.dump() if _key(c) not in done]
+            last = time.monotonic() >= deadline
+            ready = connections if last else [c for c in connections if not c.half_open]
+            if last and any(c.half_open for c in connections):
+                log.warning("handshakes still under way after %.1f s, adopted as they are: %s", settle,
+                            "; ".join(f"{c.describe()} (state {c.tcp_state})" for c in connections if c.half_open))
+            for key, n in datapath.adopt_connections(ready, adopted=kernel.remove).items():
+                counts[key] = counts.get(key, 0) + n
+            done.update(_key(c) for c in ready)
+            if last or len(ready) == len(connections):
+                break
+            time.sleep(poll)
+
+
+def _out_of_ebpf(pin_dir) -> dict[str, int]:
+    from ebpf_proxy.datapath.ebpf import handover as ebpf_handover
+    from ebpf_proxy.datapath.ebpf import structs
+    from ebpf_proxy.datapath.ebpf.maps import Maps
+    from ebpf_proxy.datapath.kernel_nat import KernelConntrack
+
+    counts = {"moved": 0, "failed": 0}
+    maps = Maps.open_pinned(pin_dir)
+    try:
+        ebpf_handover.set_handover(maps, structs.CFG_F_HANDOVER_OUT)
+        outgoing = ebpf_handover.outgoing(maps, time.monotonic_ns())
+        log.info("handing over %d connections to the kernel's conntrack", len(outgoing))
+        with KernelConntrack() as kernel:
+            for conn in outgoing:
+                try:
+                    kernel.install(conn)
+                except OSError as exc:
+                    log.warning("connection %s not handed over: %s", conn.describe(), exc)
+                    counts["failed"] += 1
+                    continue
+                ebpf_handover.forget(maps, conn)
+                counts["moved"] += 1
+    finally:
+        maps.close()
+    return counts
+
+
+def hand_over(mode: str, previous: str, datapath: Datapath, node: NodeConfig,
+              factory: Callable[..., Datapath] = create_datapath, **opts: Any) -> HandoverResult:
+    """Move `previous`'s connections to `datapath` (programmed: its first sync is done), then
+    remove `previous`'s datapath. Never raises: a connection that cannot be moved is counted
+    and logged, and the old datapath is removed all the same (left in place, it would keep
+    translating with what it held when its agent stopped)."""
+    started = time.monotonic()
+    result = HandoverResult(from_mode=previous, to_mode=mode)
+    try:
+        if mode == "ebpf":
+            result.counts = _into_ebpf(datapath)
+        else:
+            old = factory(previous, node, **opts)
+            try:
+                pin_dir = old.serving_pin_dir()  # type: ignore[attr-defined]
+            finally:
+                old.close()
+            result.counts = _out_of_ebpf(pin_dir) if pin_dir is not None else {}
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        log.error("handing connections over from %s failed: %s", previous, exc, exc_info=True)
+        result.counts["failed"] = result.counts.get("failed", 0) + 1
+    result.cleanup = cleanup_all(node.node_name, modes=(previous,), factory=factory, **opts)
+    result.seconds = time.monotonic() - started
+    log.info("mode switch: %s -> %s done", previous, mode, extra={
+        "from_mode": previous, "to_mode": mode, "seconds": round(result.seconds, 3), **result.counts,
+        "cleanup": "; ".join(r.line() for r in result.cleanup)})
+    return result
