@@ -72,7 +72,7 @@ static __always_inline int sock4_decide(struct bpf_sock_addr *ctx, __u8 hook, in
 		return 1;
 	}
 	trace_service(tr, svc);
-	if (cfg->flags & CFG_F_HANDOVER_OUT) { /* a switch to the iptables mode: its OUTPUT rules decide */
+	if (cfg->flags & CFG_F_NETFILTER_FIRST) { /* a switch to the iptables mode: its OUTPUT rules decide */
 		if (tr) {
 			tr->reason = EPX_PASS_HANDOVER;
 			return 0;

@@ -59,7 +59,7 @@ static __always_inline int xdp_lb_run(struct xdp_md *ctx, struct epx_trace_rec *
 	}
 	svc = lb4_lookup_packet_service(p.daddr, p.dport, p.proto);
 	cfg = epx_lookup(epx_config, &zero);
-	if (!svc || !cfg || (cfg->flags & (CFG_F_HANDOVER_IN | CFG_F_HANDOVER_OUT)))
+	if (!svc || !cfg || (cfg->flags & (CFG_F_NETFILTER_MIDSTREAM | CFG_F_NETFILTER_FIRST)))
 		return xdp_done(EPX_CONTINUE, 0, tr); /* a mode switch: the TC program decides (lb4_left_to_netfilter) */
 	trace_service(tr, svc);
 	origin = lb4_origin(p.saddr, ctx->ingress_ifindex, cfg->flags);

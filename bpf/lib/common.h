@@ -75,11 +75,12 @@ enum epx_reason {
 	EPX_ICMP_RELATED = 29,           /* ICMP error about a tracked connection: quoted and outer headers translated, as conntrack NAT does */
 	EPX_PASS_ICMP_NO_CT = 30,        /* ICMP error quoting no connection this hook translates: untouched */
 	EPX_PASS_ICMP_MALFORMED = 31,    /* ICMP error whose quoted header is truncated or invalid: untouched, never translated */
-	EPX_PASS_HANDOVER = 32,          /* mode switch: no connection here, left to netfilter's conntrack, which holds the other mode's connections (CFG_F_HANDOVER_*) */
-	EPX_REASON_MAX = 33,
+	EPX_PASS_HANDOVER = 32,          /* mode switch: no connection here, left to netfilter's conntrack, which holds the other mode's connections (CFG_F_NETFILTER_*) */
+	EPX_DROP_HANDOVER_HELD = 33,     /* mode switch: the connection is being moved between epx_ct4 and the kernel's conntrack (CT4_S_HELD), for microseconds; TCP retransmits */
+	EPX_REASON_MAX = 34,
 };
 #define EPX_DROP_FIRST EPX_DROP_MALFORMED_IP
-#define EPX_DROP_LAST EPX_DROP_REJECT_FAILED /* and EPX_DROP_CT_FULL, appended later (epx_is_drop) */
+#define EPX_DROP_LAST EPX_DROP_REJECT_FAILED /* and EPX_DROP_CT_FULL, _HANDOVER_HELD, appended later (epx_is_drop) */
 
 /* ---- packet facts ---- */
 #define EPX_MAX_IP_HLEN 60
@@ -221,6 +222,10 @@ struct ct4_entry {
 #define CT4_S_ASSURED 0x01 /* nf_conntrack's ASSURED: the client spoke again after the first reply
 			    * (TCP: the handshake's last ACK; UDP: a stream, not a one-shot query such
 			    * as DNS). Only such a connection is never early-dropped for a new one. */
+#define CT4_S_HELD 0x02    /* a mode switch moves it (agent/handover.py): its packets are dropped until
+			    * the kernel's conntrack entry for it is gone or made; with both in place,
+			    * netfilter would track our translated packets as a new connection and its
+			    * NAT would give them another source port */
 
 /* ---- connection table pressure: the connections each CPU created, oldest first ----
  * A queue (per CPU: no atomics) of CT4_SVC keys in creation order. When epx_ct4 is full,
@@ -279,13 +284,14 @@ struct sock4_rev {
  * "pod traffic to an eTP=Local external destination goes to every endpoint" rule. */
 #define CFG_F_DETECT_NONE 0x04
 #define CFG_F_DETECT_IFACE 0x08
-/* A mode switch in progress (agent/handover.py). Taking over from the iptables mode: the kernel's
- * conntrack still translates that mode's connections until each is moved into epx_ct4, so a
- * packet without an entry here that does not open a TCP connection is left to it; a SYN is a new
- * connection, ours. Handing over to the iptables mode: its rules are in place and each of our
- * connections is moved into the kernel's conntrack, so nothing without an entry here is ours. */
-#define CFG_F_HANDOVER_IN 0x10
-#define CFG_F_HANDOVER_OUT 0x20
+/* A mode switch in progress (agent/handover.py): the other mode's rules are in place and the
+ * kernel's conntrack translates its connections until each is moved (into epx_ct4, or out of it).
+ * NETFILTER_FIRST: a packet without an entry here is netfilter's, even a SYN (handing over to the
+ * iptables mode; and taking over from it, until the connections it had are moved).
+ * NETFILTER_MIDSTREAM: a SYN without an entry is a new connection, ours; any other packet without
+ * one is netfilter's (taking over: the connections its rules made last are still being moved). */
+#define CFG_F_NETFILTER_MIDSTREAM 0x10
+#define CFG_F_NETFILTER_FIRST 0x20
 /* Connections taken over from the kernel's conntrack were masqueraded by it outside
  * [snat_port_min, snat_port_max]: a reply to any port of snat_addr may be theirs (nat4_is_masq_dest).
  * Cleared by the agent once none of them is left. */

@@ -200,13 +200,13 @@ static __always_inline void lb4_trace_established(struct epx_trace_rec *tr, cons
 	}
 }
 
-/* A mode switch in progress (CFG_F_HANDOVER_*): is a packet without a connection entry the
+/* A mode switch in progress (CFG_F_NETFILTER_*): is a packet without a connection entry the
  * kernel conntrack's, the other mode's, to translate? */
 static __always_inline int lb4_left_to_netfilter(const struct pkt4 *p, __u32 cfg_flags)
 {
-	if (cfg_flags & CFG_F_HANDOVER_OUT)
+	if (cfg_flags & CFG_F_NETFILTER_FIRST)
 		return 1;
-	if (cfg_flags & CFG_F_HANDOVER_IN)
+	if (cfg_flags & CFG_F_NETFILTER_MIDSTREAM)
 		return !(p->proto == IPPROTO_TCP && (p->tcp_flags & (EPX_TCP_SYN | EPX_TCP_ACK)) == EPX_TCP_SYN);
 	return 0;
 }
@@ -231,6 +231,8 @@ static __always_inline __u32 lb4_forward(struct __sk_buff *skb, struct pkt4 *p, 
 		e = NULL;
 	}
 	if (e) {
+		if (e->state & CT4_S_HELD)
+			return EPX_DROP_HANDOVER_HELD;
 		if (tr)
 			lb4_trace_established(tr, e);
 		else

@@ -5,21 +5,27 @@ was stopped: a DaemonSet rolled to another mode, `lab mode`, or kube-proxy's rul
 does not clean up first. It programs its own datapath beside the old one, moves the old one's
 established connections into its own connection tracking, and only then removes the old one:
 
-- iptables -> ebpf. The eBPF programs attach with CFG_F_HANDOVER_IN: a SYN is a new connection,
-  theirs; any other packet without an epx_ct4 entry is left to netfilter, whose conntrack still
-  translates the iptables connections (bpf/lib/lb4.h). Then each connection the kernel translates
-  is written into epx_ct4 and its kernel entry deleted, the flag is cleared, and the iptables
-  rules are removed. Once they are, nothing holds conntrack's hooks in the node's netns and the
-  kernel stops translating: what was not moved breaks (EbpfDatapath.adopt_connections says
-  what cannot be: above all the node's own connections to a Service, see README).
+- iptables -> ebpf. The eBPF programs attach with CFG_F_NETFILTER_FIRST: any packet without
+  an epx_ct4 entry, even a SYN, is left to netfilter, whose rules and conntrack keep serving
+  (bpf/lib/lb4.h). Each connection the kernel translated is written into epx_ct4 and its kernel
+  entry deleted; a handshake under way is left to finish first (its SYN-ACK would be INVALID to
+  a netfilter without the entry). Once those the kernel had at the start are moved, and at a
+  moment when no handshake is under way, CFG_F_NETFILTER_MIDSTREAM makes new connections (a SYN)
+  the programs' own; what the rules made meanwhile is moved too, then the flag is cleared and
+  the iptables rules are removed. (With SYNs ours from the start, a SYN the client retransmits
+  for a handshake its first SYN began through the rules would open a second connection beside
+  the kernel's: the two clash in conntrack and the handshake stalls.)
 - ebpf -> iptables. The iptables rules go in first (inert: TC translates before netfilter
-  looks). epx_config gets CFG_F_HANDOVER_OUT: from then on the programs translate only the
+  looks). epx_config gets CFG_F_NETFILTER_FIRST: from then on the programs translate only the
   connections in epx_ct4, anything else reaches the new rules. Each connection is written into
   the kernel's conntrack with its NAT (datapath/kernel_nat.py) and forgotten in epx_ct4; then
   the programs are detached and the pins removed.
 
-A connection is moved in two steps (one write on each side, microseconds apart): a packet in
-between is dropped by the kernel as a conntrack clash and retransmitted, never sent elsewhere.
+A connection is moved in three steps, microseconds apart: its epx_ct4 entry is held
+(CT4_S_HELD: its packets are dropped), the kernel's entry is deleted or made, the epx_ct4 entry
+is released or forgotten. With both in place a packet would be tracked by netfilter as a new
+connection, and its NAT would give it another source port: the backend would answer with a
+reset. A dropped packet is retransmitted.
 New connections never wait: the old datapath serves until the new one is programmed.
 """
 
@@ -89,38 +95,57 @@ def _key(conn) -> tuple:
 
 def _into_ebpf(datapath: Any, kernel_conntrack: Callable[[], Any] | None = None,
                settle: float = HALF_OPEN_SETTLE, poll: float = HALF_OPEN_POLL) -> dict[str, int]:
-    """Adopt the kernel's connections; a handshake under way is left to finish first (up to
-    `settle` seconds): once adopted its kernel entry goes, and the SYN-ACK would then reach a
-    netfilter that has no entry for it and calls it INVALID (kube-proxy's KUBE-FORWARD drops those)."""
+    """Adopt the kernel's connections in the two phases of the module docstring."""
     if kernel_conntrack is None:
         from ebpf_proxy.datapath.kernel_nat import KernelConntrack as kernel_conntrack
 
     counts: dict[str, int] = {}
-    deadline = time.monotonic() + settle
     try:
-        _adopt_settled(datapath, kernel_conntrack, deadline, settle, poll, counts)
+        with kernel_conntrack() as kernel:
+            mover = _Mover(datapath, kernel, counts, poll)
+            at_start = list(kernel.dump())
+            first = {_key(c) for c in at_start}
+            mover.adopt_until(lambda pending: not any(_key(c) in first for c in pending), settle, at_start)
+            mover.wait_for(lambda pending: not any(c.half_open for c in pending), settle)
+            datapath.take_new_connections()
+            mover.adopt_until(lambda pending: not pending, settle)
     finally:  # whatever happened, packets without an entry are the programs' own again
         datapath.end_handover()
     return counts
 
 
-def _adopt_settled(datapath: Any, kernel_conntrack: Callable[[], Any], deadline: float, settle: float, poll: float,
-                   counts: dict[str, int]) -> None:
-    with kernel_conntrack() as kernel:
-        done: set[tuple] = set()
+class _Mover:
+    """Adopts what the kernel translates, a handshake only once it is done (or time is up)."""
+
+    def __init__(self, datapath: Any, kernel: Any, counts: dict[str, int], poll: float) -> None:
+        self.datapath, self.kernel, self.counts, self.poll = datapath, kernel, counts, poll
+        self.done: set[tuple] = set()
+
+    def pending(self) -> list:
+        return [c for c in self.kernel.dump() if _key(c) not in self.done]
+
+    def wait_for(self, condition: Callable[[list], bool], settle: float) -> None:
+        deadline = time.monotonic() + settle
+        while not condition(self.pending()) and time.monotonic() < deadline:
+            time.sleep(self.poll)
+
+    def adopt_until(self, finished: Callable[[list], bool], settle: float, dumped: list | None = None) -> None:
+        """Adopt settled connections until `finished(what is left)`; after `settle` seconds,
+        adopt whatever is left as it is. `dumped`: the kernel's table, if just read."""
+        deadline = time.monotonic() + settle
         while True:
-            connections = [c for c in kernel.dump() if _key(c) not in done]
+            pending, dumped = (self.pending() if dumped is None else dumped), None
             last = time.monotonic() >= deadline
-            ready = connections if last else [c for c in connections if not c.half_open]
-            if last and any(c.half_open for c in connections):
+            ready = pending if last else [c for c in pending if not c.half_open]
+            if last and any(c.half_open for c in pending):
                 log.warning("handshakes still under way after %.1f s, adopted as they are: %s", settle,
-                            "; ".join(f"{c.describe()} (state {c.tcp_state})" for c in connections if c.half_open))
-            for key, n in datapath.adopt_connections(ready, adopted=kernel.remove).items():
-                counts[key] = counts.get(key, 0) + n
-            done.update(_key(c) for c in ready)
-            if last or len(ready) == len(connections):
-                break
-            time.sleep(poll)
+                            "; ".join(f"{c.describe()} (state {c.tcp_state})" for c in pending if c.half_open))
+            for key, n in self.datapath.adopt_connections(ready, adopted=self.kernel.remove).items():
+                self.counts[key] = self.counts.get(key, 0) + n
+            self.done.update(_key(c) for c in ready)
+            if last or finished([c for c in pending if _key(c) not in self.done]):
+                return
+            time.sleep(self.poll)
 
 
 def _out_of_ebpf(pin_dir) -> dict[str, int]:
@@ -132,14 +157,17 @@ def _out_of_ebpf(pin_dir) -> dict[str, int]:
     counts = {"moved": 0, "failed": 0}
     maps = Maps.open_pinned(pin_dir)
     try:
-        ebpf_handover.set_handover(maps, structs.CFG_F_HANDOVER_OUT)
+        ebpf_handover.set_handover(maps, structs.CFG_F_NETFILTER_FIRST)
         outgoing = ebpf_handover.outgoing(maps, time.monotonic_ns())
         log.info("handing over %d connections to the kernel's conntrack", len(outgoing))
         with KernelConntrack() as kernel:
             for conn in outgoing:
+                # held (its packets dropped) while both know it: see common.h, CT4_S_HELD
+                ebpf_handover.hold(maps, conn)
                 try:
                     kernel.install(conn)
                 except OSError as exc:
+                    ebpf_handover.hold(maps, conn, held=False)
                     log.warning("connection %s not handed over: %s", conn.describe(), exc)
                     counts["failed"] += 1
                     continue

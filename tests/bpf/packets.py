@@ -76,3 +76,21 @@ def endpoints(pkt: Packet) -> tuple[tuple[str, int], tuple[str, int]]:
     ip = pkt[IP]
     l4 = ip[TCP] if TCP in ip else ip[UDP]
     return (ip.src, l4.sport), (ip.dst, l4.dport)
+
+
+def step(datapath, maps, prog, pkt, reason):
+    """Run one hop; it must pass, count `reason` once and keep checksums valid."""
+    maps.reset_stats()
+    out = run(datapath, prog, pkt)
+    assert out.verdict == TC_ACT_OK
+    assert counted(maps) == {reason: 1}
+    assert_checksums_valid(out.pkt)
+    return out.pkt
+
+
+def reply_to(pkt, flags="SA", payload=b""):
+    """The peer's answer to `pkt` (addresses and ports swapped)."""
+    (src, sport), (dst, dport) = endpoints(pkt)
+    if pkt.haslayer("TCP"):
+        return tcp(dst, dport, src, sport, flags=flags, payload=payload)
+    return udp(dst, dport, src, sport, payload=payload or b"pong")

@@ -17,7 +17,9 @@ from tests.bpf.packets import (
     assert_checksums_valid,
     counted,
     endpoints,
+    reply_to,
     run,
+    step,
     tcp,
     udp,
 )
@@ -25,24 +27,6 @@ from tests.bpf.packets import (
 pytestmark = [pytest.mark.bpf, pytest.mark.root]
 
 R = s.Reason
-
-
-def step(datapath, maps, prog, pkt, reason):
-    """Run one hop; it must pass, count `reason` once and keep checksums valid."""
-    maps.reset_stats()
-    out = run(datapath, prog, pkt)
-    assert out.verdict == TC_ACT_OK
-    assert counted(maps) == {reason: 1}
-    assert_checksums_valid(out.pkt)
-    return out.pkt
-
-
-def reply_to(pkt, flags="SA", payload=b""):
-    """The peer's answer to `pkt` (addresses and ports swapped)."""
-    (src, sport), (dst, dport) = endpoints(pkt)
-    if pkt.haslayer("TCP"):
-        return tcp(dst, dport, src, sport, flags=flags, payload=payload)
-    return udp(dst, dport, src, sport, payload=payload or b"pong")
 
 
 def test_pod_to_clusterip_round_trip(datapath, maps):

@@ -1,4 +1,4 @@
-"""A mode switch as the programs see it (agent/handover.py): CFG_F_HANDOVER_IN / _OUT leave what
+"""A mode switch as the programs see it (agent/handover.py): CFG_F_NETFILTER_MIDSTREAM / _OUT leave what
 has no connection entry to netfilter, and a connection moved in with ebpf/handover.adopt is
 translated exactly as one the programs made themselves; moved out, it leaves nothing behind."""
 
@@ -12,24 +12,11 @@ import pytest
 from ebpf_proxy.datapath.ebpf import handover
 from ebpf_proxy.datapath.ebpf import structs as s
 from tests.bpf import world as w
-from tests.bpf.packets import TC_ACT_OK, counted, endpoints, run, tcp, udp
+from tests.bpf.packets import TC_ACT_SHOT, counted, endpoints, reply_to, run, step, tcp, udp
 
 pytestmark = [pytest.mark.bpf, pytest.mark.root]
 
 R = s.Reason
-
-
-def step(datapath, maps, prog, pkt, reason):
-    maps.reset_stats()
-    out = run(datapath, prog, pkt)
-    assert out.verdict == TC_ACT_OK
-    assert counted(maps) == {reason: 1}, f"{prog}: {pkt.summary()}"
-    return out.pkt
-
-
-def reply_to(pkt, flags="A"):
-    (src, sport), (dst, dport) = endpoints(pkt)
-    return tcp(dst, dport, src, sport, flags=flags)
 
 
 def with_flag(maps, flag):
@@ -37,10 +24,10 @@ def with_flag(maps, flag):
 
 
 def test_taking_over_a_syn_is_ours_anything_else_netfilters(datapath, maps):
-    """CFG_F_HANDOVER_IN: the kernel's conntrack still translates the iptables mode's connections,
+    """CFG_F_NETFILTER_MIDSTREAM: the kernel's conntrack still translates the iptables mode's connections,
     so a mid-connection packet without an entry passes untouched; a SYN opens one of ours."""
     w.install(maps, w.web(), w.web(id=2, proto=w.UDP))
-    with_flag(maps, s.CFG_F_HANDOVER_IN)
+    with_flag(maps, s.CFG_F_NETFILTER_MIDSTREAM)
     ack = tcp(w.POD_CLIENT, 40001, w.VIP, 80, flags="A")
     out = step(datapath, maps, "tc_ingress", ack, R.PASS_HANDOVER)
     assert endpoints(out) == endpoints(ack)
@@ -55,10 +42,10 @@ def test_taking_over_a_syn_is_ours_anything_else_netfilters(datapath, maps):
 
 
 def test_handing_over_only_known_connections_are_translated(datapath, maps):
-    """CFG_F_HANDOVER_OUT: the iptables rules are in place, so nothing new is ours, not even a SYN."""
+    """CFG_F_NETFILTER_FIRST: the iptables rules are in place, so nothing new is ours, not even a SYN."""
     w.install(maps, w.web())
     known = step(datapath, maps, "tc_ingress", tcp(w.POD_CLIENT, 40010, w.VIP, 80), R.FWD_NEW)
-    with_flag(maps, s.CFG_F_HANDOVER_OUT)
+    with_flag(maps, s.CFG_F_NETFILTER_FIRST)
     again = step(datapath, maps, "tc_ingress", tcp(w.POD_CLIENT, 40010, w.VIP, 80, flags="A"), R.FWD_ESTABLISHED)
     assert endpoints(again)[1] == endpoints(known)[1]
     syn = tcp(w.OUTSIDE, 40011, w.NODE_IP, w.NODE_PORT)
@@ -73,7 +60,7 @@ def test_xdp_leaves_a_switch_to_tc(datapath, maps):
     maps.reset_stats()
     run(datapath, "xdp_lb", syn)
     assert counted(maps) == {R.DROP_NO_LOCAL_EXTERNAL: 1}
-    for flag in (s.CFG_F_HANDOVER_IN, s.CFG_F_HANDOVER_OUT):
+    for flag in (s.CFG_F_NETFILTER_MIDSTREAM, s.CFG_F_NETFILTER_FIRST):
         with_flag(maps, flag)
         maps.reset_stats()
         run(datapath, "xdp_lb", syn)
@@ -118,13 +105,18 @@ def test_a_connection_moved_out_and_back_in_is_the_same_connection(datapath, map
 
     handover.forget(maps, conn)
     assert maps.connections() == [], "forget left entries behind"
-    assert handover.adopt(maps, conn, handover.backend_ids(maps), {w.NODE_IP, w.NODE_IP2}, now) is None
+    assert handover.adopt(maps, conn, handover.backend_ids(maps), {w.NODE_IP, w.NODE_IP2}, now, held=True) is None
+    # held while the kernel's entry goes: dropped, counted, then released
+    maps.reset_stats()
+    step_drop = run(datapath, "tc_ingress", tcp(*client, *frontend, flags="A"))
+    assert step_drop.verdict == TC_ACT_SHOT and counted(maps) == {R.DROP_HANDOVER_HELD: 1}
+    assert handover.hold(maps, conn, held=False)
     assert _table(maps) == before
 
     data = step(datapath, maps, "tc_ingress", tcp(*client, *frontend, flags="PA", payload=b"x"), R.FWD_ESTABLISHED)
     data = step(datapath, maps, "tc_egress", data, R.SNAT if masq else R.PASS_NO_SERVICE)
     assert endpoints(data) == endpoints(fwd)
-    back = step(datapath, maps, "tc_ingress", reply_to(data), R.REV_SNAT if masq else R.PASS_NO_SERVICE)
+    back = step(datapath, maps, "tc_ingress", reply_to(data, "A"), R.REV_SNAT if masq else R.PASS_NO_SERVICE)
     back = step(datapath, maps, "tc_egress", back, R.REV_DNAT)
     assert endpoints(back) == (frontend, client)
 
@@ -151,3 +143,21 @@ def test_a_handshake_under_way_is_handed_over_as_one(datapath, maps):
     step(datapath, maps, "tc_ingress", tcp(w.POD_CLIENT, 40050, w.VIP, 80), R.FWD_NEW)
     [conn] = handover.outgoing(maps, time.monotonic_ns())
     assert conn.half_open and conn.tcp_state == TCP_SYN_SENT and not conn.seen_reply
+
+
+def test_a_masquerade_port_reused_while_the_old_connection_closes_goes_to_the_new_one(datapath, maps):
+    """The programs hand a port whose old connection is closing (or over) to a new one toward the
+    same backend; the kernel can hold one entry per tuple the backend sees: the live one's."""
+    from ebpf_proxy.datapath.kernel_nat import TCP_CLOSE, TCP_TIME_WAIT
+
+    w.install(maps, w.web())
+    fwd = _established(datapath, maps, (w.OUTSIDE, 40060), (w.NODE_IP, w.NODE_PORT), True)
+    now = time.monotonic_ns()
+    [old] = handover.outgoing(maps, now)
+    handover.forget(maps, old)
+    ids, nodes = handover.backend_ids(maps), {w.NODE_IP, w.NODE_IP2}
+    for state in (TCP_TIME_WAIT, TCP_CLOSE):
+        assert handover.adopt(maps, replace(old, tcp_state=state), ids, nodes, now) is None
+        assert handover.adopt(maps, replace(old, client_port=40061), ids, nodes, now) is None
+        [kept] = handover.outgoing(maps, now)
+        assert kept.client_port == 40061 and (kept.source, kept.source_port) == endpoints(fwd)[0], state

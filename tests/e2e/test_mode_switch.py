@@ -47,6 +47,10 @@ spec:
 """
 ECHO_EVERY = 0.02
 PAYLOAD = 3000  # two segments and more: a wrong translation of any of them shows
+# A fresh connection fails when it is not answered within this: time for a SYN or ACK
+# retransmitted once (after 1 s), as around the moment programs are attached or detached on a
+# loaded 2-core machine; an application's connect timeout is longer still.
+PROBE_TIMEOUT = 3.0
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +145,8 @@ def test_established_connections_survive_both_switches_and_new_ones_never_fail(l
     try:
         for name, conn in open_conns(lab, "A").items():
             pump.add(name, conn)
-        with Prober(lab, [("client-1", f"{VIP}:80"), ("outside", f"{GATEWAY}:{NODE_PORT}")]) as prober:
+        with Prober(lab, [("client-1", f"{VIP}:80"), ("outside", f"{GATEWAY}:{NODE_PORT}")],
+                    timeout=PROBE_TIMEOUT) as prober:
             for mode in ("ebpf", "iptables"):
                 started = time.monotonic()
                 lab.set_mode(mode)

@@ -26,6 +26,7 @@ class Installed(FakeDatapath):
         super().__init__(node)
         self.mode, self._installed, self.fail, self.opts = mode, installed, fail, opts
         self.batches: list[list[NatConnection]] = []
+        self.steps: list[str] = []
         self.ended = False
 
     def installed(self) -> bool:
@@ -34,10 +35,16 @@ class Installed(FakeDatapath):
     def adopt_connections(self, connections, adopted):
         if self.fail:
             raise OSError("maps gone")
-        self.batches.append(list(connections))
+        connections = list(connections)
+        if connections:
+            self.batches.append(connections)
+            self.steps.append("adopt " + ",".join(str(c.client_port) for c in connections))
         for conn in connections:
             adopted(conn)
-        return {"adopted": len(self.batches[-1])}
+        return {"adopted": len(connections)}
+
+    def take_new_connections(self) -> None:
+        self.steps.append("SYNs ours")
 
     def end_handover(self) -> None:
         self.ended = True
@@ -84,19 +91,34 @@ def test_the_other_mode_is_taken_over_when_any_of_its_backends_holds_it():
     assert all(dp.cleanups == 0 for dp in created), "asking must not remove anything"
 
 
-def test_a_handshake_is_adopted_once_it_is_established():
+def test_a_handshake_is_adopted_once_it_is_established_and_only_then_are_syns_ours():
     dp = Installed(NODE, "ebpf")
     kernel = Kernel([EST, SYN], [EST, replace(SYN, tcp_state=TCP_ESTABLISHED, seen_reply=True)])
     counts = handover._into_ebpf(dp, kernel, settle=5.0, poll=0.001)
-    assert [[c.client_port for c in batch] for batch in dp.batches] == [[40000], [40001]]
+    assert dp.steps == ["adopt 40000", "adopt 40001", "SYNs ours"]
     assert counts == {"adopted": 2} and dp.ended and len(kernel.removed) == 2
+
+
+def test_what_the_rules_made_meanwhile_is_moved_after_syns_are_ours():
+    late = replace(EST, client_port=40002, source_port=40002)
+    dp = Installed(NODE, "ebpf")
+    handover._into_ebpf(dp, Kernel([EST], [late]), settle=5.0, poll=0.001)
+    assert dp.steps == ["adopt 40000", "SYNs ours", "adopt 40002"]
 
 
 def test_a_handshake_that_never_finishes_is_adopted_as_it_is_after_the_settle_time():
     dp = Installed(NODE, "ebpf")
     handover._into_ebpf(dp, Kernel([EST, SYN]), settle=0.05, poll=0.001)
-    assert [c.client_port for c in dp.batches[0]] == [40000]
-    assert [c.client_port for c in dp.batches[-1]] == [40001] and dp.ended
+    assert dp.steps == ["adopt 40000", "adopt 40001", "SYNs ours"] and dp.ended
+
+
+def test_the_flag_is_cleared_even_when_adopting_fails():
+    dp = Installed(NODE, "ebpf", fail=True)
+    try:
+        handover._into_ebpf(dp, Kernel([EST]), settle=0.05, poll=0.001)
+    except OSError:
+        pass
+    assert dp.ended
 
 
 def test_the_old_mode_is_removed_even_when_moving_its_connections_fails(monkeypatch):

@@ -118,7 +118,7 @@ class EbpfDatapath(Datapath):
         self._ct_gc_stop: threading.Event | None = None  # the GC thread's, while it runs
         self._settings: NodeSettings | None = None  # epx_config as the first sync wrote it
         # taking over from the iptables mode (expect_handover): programs attach with
-        # CFG_F_HANDOVER_IN until adopt_connections has moved the kernel's connections in
+        # CFG_F_NETFILTER_FIRST, then take_new_connections, then end_handover
         self._handover_in = False
 
     # -- sync -----------------------------------------------------------------------------
@@ -179,7 +179,7 @@ class EbpfDatapath(Datapath):
             settings = node_settings(self.node, host_netns_cookie=pins.netns_cookie(),
                                      snat_addr=self._devices.primary_address())
             if self._handover_in:
-                settings = dataclasses.replace(settings, handover=s.CFG_F_HANDOVER_IN)
+                settings = dataclasses.replace(settings, handover=s.CFG_F_NETFILTER_FIRST)
             writes += program_node(maps, self.node, settings)
             self._settings = settings
             log.info("ebpf datapath loaded", extra={
@@ -222,16 +222,18 @@ class EbpfDatapath(Datapath):
         return found[0] if found else None
 
     def expect_handover(self) -> None:
-        """The iptables mode's datapath is still in place: attach in CFG_F_HANDOVER_IN."""
+        """The iptables mode's datapath is still in place: attach in CFG_F_NETFILTER_FIRST, its
+        rules keep making the new connections until the ones the kernel had are moved in."""
         if self._programs is not None:
             raise RuntimeError("expect_handover after the first sync: the programs are attached already")
         self._handover_in = True
 
     def adopt_connections(self, connections: Iterable[NatConnection],
                           adopted: Callable[[NatConnection], None]) -> dict[str, int]:
-        """Write each connection the kernel translates into epx_ct4 (ebpf/handover.py), calling
-        `adopted` right after each (the caller deletes the kernel's entry: until then both would
-        translate it, and the kernel would drop the packets as a clash). Left with the kernel,
+        """Write each connection the kernel translates into epx_ct4 (ebpf/handover.py), held,
+        call `adopted` (the caller deletes the kernel's entry), then release it: with both in
+        place, netfilter would take our translated packets for a new connection and its NAT
+        would give them another source port. Left with the kernel,
         whose conntrack stops tracking once the iptables rules are gone (nothing then holds its
         hooks in this netns), so they break: the node's own connections (the socket LB balances at
         connect(), a connected socket is nobody's to translate), those masqueraded to another
@@ -253,9 +255,13 @@ class EbpfDatapath(Datapath):
                 # the kernel's masquerade port is outside ours: the programs must look for its
                 # replies on every port (nat4_is_masq_dest) before the kernel's entry goes
                 self._set_adopted_masq(True)
-            why = handover.adopt(self._maps, conn, backends, local, time.monotonic_ns())
+            # held while both the kernel and epx_ct4 know it (common.h: CT4_S_HELD)
+            why = handover.adopt(self._maps, conn, backends, local, time.monotonic_ns(), held=True)
             if why is None:
-                adopted(conn)
+                try:
+                    adopted(conn)
+                finally:
+                    handover.hold(self._maps, conn, held=False)
                 counts["adopted"] += 1
             else:
                 log.info("connection %s left to the kernel: %s", conn.describe(), why)
@@ -273,12 +279,21 @@ class EbpfDatapath(Datapath):
         low, high = self._settings.snat_port_min, self._settings.snat_port_max
         return any(not low <= c.dport <= high for c in self._maps.connections(kind=s.CT4_REV_SNAT))
 
+    def take_new_connections(self) -> None:
+        """The kernel's connections are moved in: new connections (a SYN) are ours from now on;
+        any other packet without an entry stays netfilter's until end_handover, since the
+        connections its rules made meanwhile are still being moved (CFG_F_NETFILTER_MIDSTREAM)."""
+        self._set_handover(s.CFG_F_NETFILTER_MIDSTREAM)
+
+    def _set_handover(self, flag: int) -> None:
+        if self._settings is not None and self._maps is not None and self._settings.handover != flag:
+            self._settings = dataclasses.replace(self._settings, handover=flag)
+            self._maps.set_settings(self._settings)
+
     def end_handover(self) -> None:
         """Every connection is moved in: from now on a packet without an entry is ours again."""
         self._handover_in = False
-        if self._settings is not None and self._maps is not None and self._settings.handover:
-            self._settings = dataclasses.replace(self._settings, handover=0)
-            self._maps.set_settings(self._settings)
+        self._set_handover(0)
 
     # -- drift audit ----------------------------------------------------------------------
 

@@ -4,9 +4,9 @@ Taking over from the iptables mode, each connection the kernel's conntrack trans
 epx_ct4 entries bpf/lib/ct4.h's ct4_create would have written for it (the reply halves first, the
 connection last, as ct4_create does), so the programs translate its next packet exactly as the
 kernel did. Handing over, each of our connections is read back as the kernel's NatConnection and,
-once the kernel holds it, forgotten here. While either runs, epx_config carries CFG_F_HANDOVER_IN
-or _OUT (bpf/lib/lb4.h: lb4_left_to_netfilter) so that a packet of a connection not moved yet is
-left to the kernel rather than balanced afresh.
+once the kernel holds it, forgotten here. While either runs, epx_config carries
+CFG_F_NETFILTER_FIRST or _MIDSTREAM (bpf/lib/lb4.h: lb4_left_to_netfilter) so that a packet of a
+connection not moved yet is left to the kernel rather than balanced afresh.
 """
 
 from __future__ import annotations
@@ -27,20 +27,16 @@ from ebpf_proxy.datapath.kernel_nat import (
 )
 
 NSEC = 1_000_000_000
-HANDOVER_FLAGS = s.CFG_F_HANDOVER_IN | s.CFG_F_HANDOVER_OUT
+HANDOVER_FLAGS = s.CFG_F_NETFILTER_MIDSTREAM | s.CFG_F_NETFILTER_FIRST
 
 
 def set_handover(maps: Maps, flag: int) -> None:
-    """Put epx_config in a mode-switch state (CFG_F_HANDOVER_IN or _OUT), or out of it (0)."""
+    """Put epx_config in a mode-switch state (CFG_F_NETFILTER_FIRST or _MIDSTREAM), or out of it (0)."""
     if flag & ~HANDOVER_FLAGS:
-        raise ValueError(f"handover flag {flag:#x} is not CFG_F_HANDOVER_IN, _OUT or 0")
+        raise ValueError(f"handover flag {flag:#x} is not CFG_F_NETFILTER_FIRST, _MIDSTREAM or 0")
     cfg = maps.config()
     cfg.flags = (cfg.flags & ~HANDOVER_FLAGS) | flag
     maps.set_config(cfg)
-
-
-def handover_flag(maps: Maps) -> int:
-    return maps.config().flags & HANDOVER_FLAGS
 
 
 def _key(saddr: str, daddr: str, sport: int, dport: int, proto: int, kind: int) -> s.CT4Key:
@@ -48,21 +44,35 @@ def _key(saddr: str, daddr: str, sport: int, dport: int, proto: int, kind: int) 
 
 
 def outgoing(maps: Maps, now_ns: int) -> list[NatConnection]:
-    """Our live connections as the kernel would hold them. A node socket's own connections are
-    not among them: the socket LB connected those to the backend directly, nothing translates
-    their packets (CT4_F_SOCK_MASQ ones aside, see README "Failure behaviour")."""
-    out = []
+    """Our live connections as the kernel would hold them. Not among them: a node socket's own
+    connections (the socket LB connected those to the backend directly, nothing translates their
+    packets; CT4_F_SOCK_MASQ ones aside, see README "Switching modes"), and a connection that is
+    over (CT4_F_DONE: its masquerade port may serve a new one already). Where two still share
+    the tuple the backend sees (a port handed to a new connection while the old one closes),
+    the kernel can hold only one: the one not closing."""
+    best: dict[tuple, tuple[Connection, NatConnection]] = {}
     for c in maps.connections(kind=s.CT4_SVC):
-        if c.expires_ns <= now_ns or c.flags & s.CT4_F_SOCK_MASQ:
+        if c.expires_ns <= now_ns or c.flags & (s.CT4_F_SOCK_MASQ | s.CT4_F_DONE):
             continue
         masq = bool(c.flags & s.CT4_F_MASQ)
-        out.append(NatConnection(
+        conn = NatConnection(
             proto=c.proto, client=c.saddr, client_port=c.sport, frontend=c.daddr, frontend_port=c.dport,
             backend=c.nat_addr, backend_port=c.nat_port,
             source=c.snat_addr if masq else c.saddr, source_port=c.snat_port if masq else c.sport,
             timeout=max(1, (c.expires_ns - now_ns) // NSEC),
-            tcp_state=_tcp_state(c), seen_reply=bool(c.flags & s.CT4_F_SEEN_REPLY)))
-    return out
+            tcp_state=_tcp_state(c), seen_reply=bool(c.flags & s.CT4_F_SEEN_REPLY))
+        seen_by_backend = (conn.proto, conn.backend, conn.backend_port, conn.source, conn.source_port)
+        other = best.get(seen_by_backend)
+        if other is None or _preferred(c, other[0]):
+            best[seen_by_backend] = (c, conn)
+    return [conn for _, conn in best.values()]
+
+
+def _preferred(a: Connection, b: Connection) -> bool:
+    """Whether connection `a` rather than `b` should keep a tuple both hold: the one not closing,
+    else the one that lives longer."""
+    a_closing, b_closing = bool(a.flags & s.CT4_F_CLOSING), bool(b.flags & s.CT4_F_CLOSING)
+    return (not a_closing, a.expires_ns) > (not b_closing, b.expires_ns)
 
 
 def _tcp_state(c: Connection) -> int:
@@ -118,11 +128,23 @@ def backend_ids(maps: Maps) -> dict[tuple[str, int], int]:
     return {(be.addr, be.port): backend_id for backend_id, be in maps.backends().items()}
 
 
+def hold(maps: Maps, conn: NatConnection, held: bool = True) -> bool:
+    """Set (or clear) CT4_S_HELD on `conn`: while held, its packets are dropped (see common.h),
+    for the moment both the kernel and epx_ct4 know the connection. False when it is not here."""
+    key = _key(conn.client, conn.frontend, conn.client_port, conn.frontend_port, conn.proto, s.CT4_SVC)
+    entry = maps.connection_entry(key)
+    if entry is None:
+        return False
+    entry.state = (entry.state | s.CT4_S_HELD) if held else (entry.state & ~s.CT4_S_HELD)
+    maps.put_connection_entry(key, entry)
+    return True
+
+
 def adopt(maps: Maps, conn: NatConnection, backends: dict[tuple[str, int], int], node_addrs: set[str],
-          now_ns: int) -> str | None:
-    """Write the epx_ct4 entries of a connection the kernel translated; returns why it cannot be
-    (None: adopted). It cannot when its frontend or backend is not programmed here (a Service
-    deleted meanwhile: the kernel keeps translating it, as the iptables mode would)."""
+          now_ns: int, held: bool = False) -> str | None:
+    """Write the epx_ct4 entries of a connection the kernel translated (`held`: CT4_S_HELD, until
+    the caller has deleted the kernel's entry); returns why it cannot be (None: adopted). It
+    cannot when its frontend or backend is not programmed here (a Service deleted meanwhile)."""
     if _frontend_of(maps, conn, node_addrs) is None:
         return f"frontend {conn.frontend}:{conn.frontend_port} is not a service here"
     backend_id = backends.get((conn.backend, conn.backend_port))
@@ -132,7 +154,7 @@ def adopt(maps: Maps, conn: NatConnection, backends: dict[tuple[str, int], int],
     entry = s.CT4Entry(expires=now_ns + conn.timeout * NSEC, nat_addr=be32(conn.backend),
                        nat_port=be16(conn.backend_port), svc_addr=be32(conn.frontend),
                        svc_port=be16(conn.frontend_port), backend_id=backend_id,
-                       state=s.CT4_S_ASSURED if conn.seen_reply else 0)
+                       state=(s.CT4_S_ASSURED if conn.seen_reply else 0) | (s.CT4_S_HELD if held else 0))
     half = dict(svc_addr=be32(conn.frontend), svc_port=be16(conn.frontend_port))
     if conn.masqueraded:
         entry.flags = flags | s.CT4_F_MASQ

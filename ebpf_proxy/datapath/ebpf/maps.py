@@ -581,6 +581,9 @@ class Maps:
         """Write one epx_ct4 entry (ebpf/handover.py: a connection the kernel translated until now)."""
         self._put("epx_ct4", key, entry)
 
+    def connection_entry(self, key: s.CT4Key) -> s.CT4Entry | None:
+        return self._get("epx_ct4", key)
+
     def delete_connection_entry(self, key: s.CT4Key) -> bool:
         return libbpf.map_delete(self._fd("epx_ct4"), key)
 

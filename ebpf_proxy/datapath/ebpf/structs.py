@@ -52,6 +52,7 @@ class Reason(enum.IntEnum):
     PASS_ICMP_NO_CT = 30
     PASS_ICMP_MALFORMED = 31
     PASS_HANDOVER = 32
+    DROP_HANDOVER_HELD = 33
 
     @property
     def is_drop(self) -> bool:
@@ -99,10 +100,11 @@ REASON_DESCRIPTIONS: dict[Reason, str] = {
     Reason.ICMP_RELATED: "ICMP error about a tracked connection: quoted and outer headers translated, as conntrack NAT does",
     Reason.PASS_ICMP_NO_CT: "ICMP error quoting no connection this hook translates: untouched",
     Reason.PASS_ICMP_MALFORMED: "ICMP error whose quoted header is truncated or invalid: untouched, never translated",
-    Reason.PASS_HANDOVER: "mode switch: no connection here, left to netfilter's conntrack, which holds the other mode's connections (CFG_F_HANDOVER_*)",
+    Reason.PASS_HANDOVER: "mode switch: no connection here, left to netfilter's conntrack, which holds the other mode's connections (CFG_F_NETFILTER_*)",
+    Reason.DROP_HANDOVER_HELD: "mode switch: the connection is being moved between epx_ct4 and the kernel's conntrack (CT4_S_HELD), for microseconds; TCP retransmits",
 }
 
-REASON_MAX = 33
+REASON_MAX = 34
 
 # Origins (EPX_ORIGIN_*)
 ORIGIN_POD, ORIGIN_NODE, ORIGIN_EXTERNAL, ORIGIN_LOCALHOST = 0, 1, 2, 3
@@ -129,8 +131,8 @@ CFG_F_MASQ_ALL = 0x01
 CFG_F_LOCALHOST_NODEPORTS = 0x02
 CFG_F_DETECT_NONE = 0x04
 CFG_F_DETECT_IFACE = 0x08
-CFG_F_HANDOVER_IN = 0x10  # taking over from the iptables mode (agent/handover.py)
-CFG_F_HANDOVER_OUT = 0x20  # handing over to the iptables mode
+CFG_F_NETFILTER_MIDSTREAM = 0x10  # a mode switch: only a SYN without an entry is ours (agent/handover.py)
+CFG_F_NETFILTER_FIRST = 0x20  # a mode switch: nothing without an entry is ours
 CFG_F_ADOPTED_MASQ = 0x40  # adopted connections masqueraded outside the port range (nat4_is_masq_dest)
 
 # sock4_rev.flags
@@ -221,6 +223,7 @@ class CT4Entry(_Struct):
 
 
 CT4_S_ASSURED = 0x01  # ct4_entry.state
+CT4_S_HELD = 0x02  # ct4_entry.state: being moved by a mode switch (ebpf/handover.py)
 
 # connection table pressure (struct ct4_ring)
 CT4_RING_SLOTS = 512
