@@ -153,23 +153,22 @@ def adopt(maps: Maps, conn: NatConnection, backends: dict[tuple[str, int], int],
     flags = (s.CT4_F_SEEN_REPLY if conn.seen_reply else 0) | _closing_flags(conn)
     entry = s.CT4Entry(expires=now_ns + conn.timeout * NSEC, nat_addr=be32(conn.backend),
                        nat_port=be16(conn.backend_port), svc_addr=be32(conn.frontend),
-                       svc_port=be16(conn.frontend_port), backend_id=backend_id,
+                       svc_port=be16(conn.frontend_port), backend_id=backend_id, flags=flags,
                        state=(s.CT4_S_ASSURED if conn.seen_reply else 0) | (s.CT4_S_HELD if held else 0))
-    half = dict(svc_addr=be32(conn.frontend), svc_port=be16(conn.frontend_port))
+
+    def half(nat_addr: str, nat_port: int) -> s.CT4Entry:
+        return s.CT4Entry(nat_addr=be32(nat_addr), nat_port=be16(nat_port), svc_addr=be32(conn.frontend),
+                          svc_port=be16(conn.frontend_port))
+
+    p, client, backend, source = conn.proto, conn.client, conn.backend, conn.source
+    cport, bport, sport = conn.client_port, conn.backend_port, conn.source_port
     if conn.masqueraded:
-        entry.flags = flags | s.CT4_F_MASQ
-        entry.snat_addr, entry.snat_port = be32(conn.source), be16(conn.source_port)
-        maps.put_connection_entry(_key(conn.backend, conn.source, conn.backend_port, conn.source_port, conn.proto,
-                                  s.CT4_REV_SNAT),
-                  s.CT4Entry(nat_addr=be32(conn.client), nat_port=be16(conn.client_port), **half))
-        maps.put_connection_entry(_key(conn.client, conn.backend, conn.client_port, conn.backend_port, conn.proto,
-                                  s.CT4_SNAT),
-                  s.CT4Entry(nat_addr=be32(conn.source), nat_port=be16(conn.source_port), **half))
-    else:
-        entry.flags = flags
-    maps.put_connection_entry(_key(conn.backend, conn.client, conn.backend_port, conn.client_port, conn.proto,
-                              s.CT4_REV_DNAT),
-              s.CT4Entry(nat_addr=be32(conn.frontend), nat_port=be16(conn.frontend_port), **half))
-    maps.put_connection_entry(_key(conn.client, conn.frontend, conn.client_port, conn.frontend_port, conn.proto,
-                              s.CT4_SVC), entry)
+        entry.flags |= s.CT4_F_MASQ
+        entry.snat_addr, entry.snat_port = be32(source), be16(sport)
+        maps.put_connection_entry(_key(backend, source, bport, sport, p, s.CT4_REV_SNAT), half(client, cport))
+        maps.put_connection_entry(_key(client, backend, cport, bport, p, s.CT4_SNAT), half(source, sport))
+    maps.put_connection_entry(_key(backend, client, bport, cport, p, s.CT4_REV_DNAT),
+                              half(conn.frontend, conn.frontend_port))
+    # the connection last, as ct4_create writes it: no packet finds it before its halves
+    maps.put_connection_entry(_key(client, conn.frontend, cport, conn.frontend_port, p, s.CT4_SVC), entry)
     return None
