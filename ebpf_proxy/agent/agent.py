@@ -294,6 +294,7 @@ class Agent:
                     self.handover = handover.hand_over(
                         self.mode, previous, self.datapath, self.node_config, self._datapath_factory,
                         cgroup_path=self.config.cgroup_path or None, bpffs=self.config.bpffs or None)
+                    self.metrics.observe_handover(previous, self.handover.counts)
         except Exception:
             self.tracker.abort()
             with self._sync_lock:

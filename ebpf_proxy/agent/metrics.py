@@ -153,6 +153,10 @@ class Metrics:
         self.conntrack_capacity = Gauge(
             "ebpf_proxy_conntrack_capacity", "Entries the eBPF connection table holds at most (kube-proxy's "
             "conntrack max x 2); full, new connections early-drop unanswered ones, then are dropped", registry=r)
+        self.handover_connections = Counter(
+            "ebpf_proxy_handover_connections_total", "Connections a mode switch found in the other mode's "
+            "datapath, by that mode and outcome (adopted, moved, failed, and those left: node, "
+            "other_masquerade_address, unknown)", ["from_mode", "outcome"], registry=r)
         self.datapath_counters = DatapathCounters()
         r.register(self.datapath_counters)
 
@@ -194,6 +198,10 @@ class Metrics:
             self.datapath_objects.labels(kind=kind).set(value)
             if kind.startswith(IPTABLES_STAT_PREFIX):
                 self.iptables_rules.labels(table=kind[len(IPTABLES_STAT_PREFIX):]).set(value)
+
+    def observe_handover(self, from_mode: str, counts: Mapping[str, int]) -> None:
+        for outcome, n in counts.items():
+            self.handover_connections.labels(from_mode=from_mode, outcome=outcome).inc(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -544,3 +544,59 @@ def test_zone_label_change_resyncs_fully_and_moves_traffic_to_the_new_zone(agent
     state, changes = dp.syncs[-1]
     assert changes.full and changes.services == frozenset()
     assert state.topology.zone == "zone-b"
+
+
+class KernelModeDatapath(RecordingDatapath):
+    """A recording datapath that passes for a kernel mode (the agent asks those about a switch)."""
+
+    installed_modes: set[str] = set()
+
+    def __init__(self, node, mode: str = "", **opts) -> None:
+        super().__init__(node, mode=mode, **opts)
+        self.mode = mode
+        self.expected_handover = False
+
+    def installed(self) -> bool:
+        return self.mode in self.installed_modes
+
+    def expect_handover(self) -> None:
+        self.expected_handover = True
+
+
+def test_an_agent_finding_the_other_mode_in_place_takes_it_over_after_its_first_sync(agent_parts, monkeypatch):
+    """Make before break (agent/handover.py): asked before the first sync, moved after it, once,
+    counted in ebpf_proxy_handover_connections_total."""
+    from ebpf_proxy.agent import handover
+
+    calls = []
+
+    def hand_over(mode, previous, datapath, node, factory, **opts):
+        calls.append((mode, previous, len(datapath.syncs)))
+        return handover.HandoverResult(previous, mode, counts={"adopted": 3, "node": 1})
+
+    monkeypatch.setattr(handover, "hand_over", hand_over)
+    KernelModeDatapath.installed_modes = {"iptables"}
+    make, _clock, _wall = agent_parts
+    agent = make({"mode": "ebpf"}, datapath_factory=lambda mode, node, **opts: KernelModeDatapath(node, mode, **opts))
+    agent.resolve_mode()
+    listed(agent, services=[web_service()], nodes=[node(NODE)])
+    dp = agent.prepare_datapath()
+    assert dp.mode == "ebpf" and dp.expected_handover and calls == []
+    agent.sync(full=True)
+    agent.sync(full=False)
+    assert calls == [("ebpf", "iptables", 1)], "once, right after the first sync"
+    assert metric(agent, "ebpf_proxy_handover_connections_total", from_mode="iptables", outcome="adopted") == 3
+    assert metric(agent, "ebpf_proxy_handover_connections_total", from_mode="iptables", outcome="node") == 1
+
+
+def test_an_agent_alone_on_its_node_hands_nothing_over(agent_parts, monkeypatch):
+    from ebpf_proxy.agent import handover
+
+    monkeypatch.setattr(handover, "hand_over", lambda *a, **k: pytest.fail("nothing to take over"))
+    KernelModeDatapath.installed_modes = {"ebpf"}  # its own mode only: a restart, not a switch
+    make, _clock, _wall = agent_parts
+    agent = make({"mode": "ebpf"}, datapath_factory=lambda mode, node, **opts: KernelModeDatapath(node, mode, **opts))
+    agent.resolve_mode()
+    listed(agent, services=[web_service()], nodes=[node(NODE)])
+    assert not agent.prepare_datapath().expected_handover
+    agent.sync(full=True)
