@@ -55,6 +55,7 @@ class NatConnection:
     timeout: int  # seconds left
     tcp_state: int = TCP_ESTABLISHED  # nf_conntrack's (TCP only)
     seen_reply: bool = True
+    assured: bool = False  # nf_conntrack's ASSURED (never early-dropped): the client spoke after a reply
 
     @property
     def masqueraded(self) -> bool:
@@ -124,7 +125,8 @@ class KernelConntrack:
                 proto=orig.proto, client=orig.saddr, client_port=orig.sport, frontend=orig.daddr,
                 frontend_port=orig.dport, backend=reply.saddr, backend_port=reply.sport,
                 source=reply.daddr, source_port=reply.dport, timeout=int(entry.timeout or 0),
-                tcp_state=state, seen_reply=bool(entry.status & IPS_SEEN_REPLY))
+                tcp_state=state, seen_reply=bool(entry.status & IPS_SEEN_REPLY),
+                assured=bool(entry.status & IPS_ASSURED))
 
     def _delete(self, **tuples) -> bool:
         from pyroute2.netlink.exceptions import NetlinkError
@@ -153,7 +155,7 @@ class KernelConntrack:
         from pyroute2.netlink.exceptions import NetlinkError
         from pyroute2.netlink.nfnetlink.nfctsocket import IPCTNL_MSG_CT_NEW, nfct_msg
 
-        status = IPS_CONFIRMED | ((IPS_SEEN_REPLY | IPS_ASSURED) if conn.seen_reply else 0)
+        status = IPS_CONFIRMED | (IPS_SEEN_REPLY if conn.seen_reply else 0) | (IPS_ASSURED if conn.assured else 0)
         attrs = {
             "tuple_orig": _tuple(conn.client, conn.frontend, conn.proto, conn.client_port, conn.frontend_port),
             # the untranslated reply: the kernel's nf_nat rewrites it from the NAT attributes below

@@ -161,3 +161,23 @@ def test_a_masquerade_port_reused_while_the_old_connection_closes_goes_to_the_ne
         assert handover.adopt(maps, replace(old, client_port=40061), ids, nodes, now) is None
         [kept] = handover.outgoing(maps, now)
         assert kept.client_port == 40061 and (kept.source, kept.source_port) == endpoints(fwd)[0], state
+
+
+def test_a_udp_flow_moved_out_and_back_in_is_the_same_flow(datapath, maps):
+    """UDP has no handshake: the flow, answered once, is read out as seen_reply and written back
+    exactly; the next datagram goes to the same backend."""
+    w.install(maps, w.web(proto=w.UDP))
+    client, frontend = (w.POD_CLIENT, 40070), (w.VIP, 80)
+    fwd = step(datapath, maps, "tc_ingress", udp(*client, *frontend), R.FWD_NEW)
+    step(datapath, maps, "tc_egress", reply_to(fwd), R.REV_DNAT)
+    before = _table(maps)
+    now = time.monotonic_ns()
+    [conn] = handover.outgoing(maps, now)
+    assert conn.proto == w.UDP and conn.seen_reply and not conn.half_open and not conn.closing
+    assert (conn.backend, conn.backend_port) == endpoints(fwd)[1]
+    handover.forget(maps, conn)
+    assert maps.connections() == []
+    assert handover.adopt(maps, conn, handover.backend_ids(maps), {w.NODE_IP, w.NODE_IP2}, now) is None
+    assert _table(maps) == before
+    again = step(datapath, maps, "tc_ingress", udp(*client, *frontend), R.FWD_ESTABLISHED)
+    assert endpoints(again) == endpoints(fwd)

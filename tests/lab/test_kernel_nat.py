@@ -18,7 +18,8 @@ from tests.netns_util import add_netns, del_netns, nsenter
 pytestmark = [pytest.mark.root]
 
 TCP, UDP = socket.IPPROTO_TCP, socket.IPPROTO_UDP
-PLAIN = NatConnection(TCP, "10.244.1.5", 40000, "10.96.0.10", 80, "10.244.2.7", 8080, "10.244.1.5", 40000, 300)
+PLAIN = NatConnection(TCP, "10.244.1.5", 40000, "10.96.0.10", 80, "10.244.2.7", 8080, "10.244.1.5", 40000, 300,
+                      assured=True)
 MASQ = NatConnection(TCP, "203.0.113.5", 40001, "172.20.20.15", 30080, "10.244.2.7", 8080, "172.20.20.15", 61001, 300)
 DNS = NatConnection(UDP, "10.244.1.5", 40002, "10.96.0.10", 53, "10.244.2.8", 5353, "10.244.1.5", 40002, 30,
                     seen_reply=False)

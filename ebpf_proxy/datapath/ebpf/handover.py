@@ -60,7 +60,8 @@ def outgoing(maps: Maps, now_ns: int) -> list[NatConnection]:
             backend=c.nat_addr, backend_port=c.nat_port,
             source=c.snat_addr if masq else c.saddr, source_port=c.snat_port if masq else c.sport,
             timeout=max(1, (c.expires_ns - now_ns) // NSEC),
-            tcp_state=_tcp_state(c), seen_reply=bool(c.flags & s.CT4_F_SEEN_REPLY))
+            tcp_state=_tcp_state(c), seen_reply=bool(c.flags & s.CT4_F_SEEN_REPLY),
+            assured=bool(c.state & s.CT4_S_ASSURED))
         seen_by_backend = (conn.proto, conn.backend, conn.backend_port, conn.source, conn.source_port)
         other = best.get(seen_by_backend)
         if other is None or _preferred(c, other[0]):
@@ -154,7 +155,7 @@ def adopt(maps: Maps, conn: NatConnection, backends: dict[tuple[str, int], int],
     entry = s.CT4Entry(expires=now_ns + conn.timeout * NSEC, nat_addr=be32(conn.backend),
                        nat_port=be16(conn.backend_port), svc_addr=be32(conn.frontend),
                        svc_port=be16(conn.frontend_port), backend_id=backend_id, flags=flags,
-                       state=(s.CT4_S_ASSURED if conn.seen_reply else 0) | (s.CT4_S_HELD if held else 0))
+                       state=(s.CT4_S_ASSURED if conn.assured else 0) | (s.CT4_S_HELD if held else 0))
 
     def half(nat_addr: str, nat_port: int) -> s.CT4Entry:
         return s.CT4Entry(nat_addr=be32(nat_addr), nat_port=be16(nat_port), svc_addr=be32(conn.frontend),

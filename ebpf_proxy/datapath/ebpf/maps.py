@@ -129,6 +129,7 @@ class Connection:
     snat_port: int
     flags: int
     expires_ns: int
+    state: int = 0  # structs.CT4_S_*
 
 
 PRESSURE_FILL = 0.95  # nf_conntrack's gc worker: above 95 % full, closing TCP connections go too
@@ -193,7 +194,7 @@ def _connection(k: s.CT4Key, v: s.CT4Entry) -> Connection:
         nat_addr=ip_str(v.nat_addr), nat_port=port_int(v.nat_port),
         svc_addr=ip_str(v.svc_addr), svc_port=port_int(v.svc_port), backend_id=v.backend_id,
         snat_addr=ip_str(v.snat_addr), snat_port=port_int(v.snat_port), flags=v.flags,
-        expires_ns=v.expires,
+        expires_ns=v.expires, state=v.state,
     )
 
 
