@@ -248,6 +248,10 @@ class Agent:
             local = []
         return build_node_config(self.config, local, self.tracker.node)
 
+    def _datapath_where(self) -> dict[str, str | None]:
+        """Where a datapath of either mode finds its kernel objects (the cgroup, the bpffs)."""
+        return {"cgroup_path": self.config.cgroup_path or None, "bpffs": self.config.bpffs or None}
+
     def prepare_datapath(self) -> Datapath:
         """NodeConfig, datapath and health-check servers. Raises if the datapath cannot be created."""
         self.node_config = self._build_node_config()
@@ -258,7 +262,7 @@ class Agent:
             "masquerade_all": self.node_config.masquerade_all,
             "detect_local": str(self.node_config.detector),
             "localhost_nodeports": self.node_config.localhost_nodeports})
-        where = {"cgroup_path": self.config.cgroup_path or None, "bpffs": self.config.bpffs or None}
+        where = self._datapath_where()
         self.datapath = self._datapath_factory(self.mode, self.node_config, **where,
                                                bpf_cache_dir=self.config.bpf_cache_dir or None,
                                                backend=self.config.iptables_backend or None)
@@ -293,7 +297,7 @@ class Agent:
                     previous, self._handover_from = self._handover_from, None
                     self.handover = handover.hand_over(
                         self.mode, previous, self.datapath, self.node_config, self._datapath_factory,
-                        cgroup_path=self.config.cgroup_path or None, bpffs=self.config.bpffs or None)
+                        **self._datapath_where())
                     self.metrics.observe_handover(previous, self.handover.counts)
         except Exception:
             self.tracker.abort()

@@ -34,7 +34,7 @@ class CleanupResult:
         return f"{self.mode}: {self.outcome}" + (f" ({self.detail})" if self.detail else "")
 
 
-def _variants(modes: tuple[str, ...]) -> list[tuple[str, str, dict[str, str]]]:
+def mode_variants(modes: tuple[str, ...]) -> list[tuple[str, str, dict[str, str]]]:
     """(mode, label, extra options): the iptables mode once per installed backend, since rules
     left in either one (an earlier run may have picked the other) keep acting on packets."""
     out: list[tuple[str, str, dict[str, str]]] = []
@@ -49,7 +49,7 @@ def cleanup_all(node_name: str, modes: tuple[str, ...] = KERNEL_MODES,
     """Run `cleanup()` of each mode's datapath; one result per mode, never raises."""
     node = NodeConfig(node_name=node_name)
     results = []
-    for mode, label, extra in _variants(modes):
+    for mode, label, extra in mode_variants(modes):
         try:
             datapath = factory(mode, node, **opts, **extra)
         except DatapathUnavailable as exc:

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ebpf_proxy.agent.cleanup import CleanupResult, cleanup_all
+from ebpf_proxy.agent.cleanup import CleanupResult, cleanup_all, mode_variants
 from ebpf_proxy.datapath import Datapath, DatapathUnavailable, create_datapath
 from ebpf_proxy.model import NodeConfig
 
@@ -63,9 +63,7 @@ class HandoverResult:
 
 
 def _variant_installed(mode: str, node: NodeConfig, factory: Callable[..., Datapath], **opts: Any) -> bool:
-    backends = ("legacy", "nft") if mode == "iptables" else (None,)
-    for backend in backends:
-        extra = {"backend": backend} if backend else {}
+    for _mode, _label, extra in mode_variants((mode,)):
         try:
             other = factory(mode, node, **opts, **extra)
         except (DatapathUnavailable, FileNotFoundError):
@@ -140,8 +138,9 @@ class _Mover:
             if last and any(c.half_open for c in pending):
                 log.warning("handshakes still under way after %.1f s, adopted as they are: %s", settle,
                             "; ".join(f"{c.describe()} (state {c.tcp_state})" for c in pending if c.half_open))
-            for key, n in self.datapath.adopt_connections(ready, adopted=self.kernel.remove).items():
-                self.counts[key] = self.counts.get(key, 0) + n
+            if ready:
+                for key, n in self.datapath.adopt_connections(ready, adopted=self.kernel.remove).items():
+                    self.counts[key] = self.counts.get(key, 0) + n
             self.done.update(_key(c) for c in ready)
             if last or finished([c for c in pending if _key(c) not in self.done]):
                 return

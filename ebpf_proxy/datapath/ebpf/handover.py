@@ -14,7 +14,7 @@ from __future__ import annotations
 import socket
 
 from ebpf_proxy.datapath.ebpf import structs as s
-from ebpf_proxy.datapath.ebpf.maps import Connection, Frontend, Maps, be16, be32
+from ebpf_proxy.datapath.ebpf.maps import Connection, Frontend, Maps, be16, be32, ct_key
 from ebpf_proxy.datapath.kernel_nat import (
     TCP_CLOSE,
     TCP_CLOSE_WAIT,
@@ -37,10 +37,6 @@ def set_handover(maps: Maps, flag: int) -> None:
     cfg = maps.config()
     cfg.flags = (cfg.flags & ~HANDOVER_FLAGS) | flag
     maps.set_config(cfg)
-
-
-def _key(saddr: str, daddr: str, sport: int, dport: int, proto: int, kind: int) -> s.CT4Key:
-    return s.CT4Key(saddr=be32(saddr), daddr=be32(daddr), sport=be16(sport), dport=be16(dport), proto=proto, kind=kind)
 
 
 def outgoing(maps: Maps, now_ns: int) -> list[NatConnection]:
@@ -105,11 +101,11 @@ def _closing_flags(conn: NatConnection) -> int:
 def forget(maps: Maps, conn: NatConnection) -> None:
     """Delete our entries of `conn`: the connection first, so that no packet finds a half
     without its owner (they would be ignored anyway, see maps._half_is_live)."""
-    keys = [_key(conn.client, conn.frontend, conn.client_port, conn.frontend_port, conn.proto, s.CT4_SVC),
-            _key(conn.backend, conn.client, conn.backend_port, conn.client_port, conn.proto, s.CT4_REV_DNAT)]
+    keys = [ct_key(conn.client, conn.frontend, conn.client_port, conn.frontend_port, conn.proto, s.CT4_SVC),
+            ct_key(conn.backend, conn.client, conn.backend_port, conn.client_port, conn.proto, s.CT4_REV_DNAT)]
     if conn.masqueraded:
-        keys += [_key(conn.client, conn.backend, conn.client_port, conn.backend_port, conn.proto, s.CT4_SNAT),
-                 _key(conn.backend, conn.source, conn.backend_port, conn.source_port, conn.proto, s.CT4_REV_SNAT)]
+        keys += [ct_key(conn.client, conn.backend, conn.client_port, conn.backend_port, conn.proto, s.CT4_SNAT),
+                 ct_key(conn.backend, conn.source, conn.backend_port, conn.source_port, conn.proto, s.CT4_REV_SNAT)]
     for key in keys:
         maps.delete_connection_entry(key)
 
@@ -132,7 +128,7 @@ def backend_ids(maps: Maps) -> dict[tuple[str, int], int]:
 def hold(maps: Maps, conn: NatConnection, held: bool = True) -> bool:
     """Set (or clear) CT4_S_HELD on `conn`: while held, its packets are dropped (see common.h),
     for the moment both the kernel and epx_ct4 know the connection. False when it is not here."""
-    key = _key(conn.client, conn.frontend, conn.client_port, conn.frontend_port, conn.proto, s.CT4_SVC)
+    key = ct_key(conn.client, conn.frontend, conn.client_port, conn.frontend_port, conn.proto, s.CT4_SVC)
     entry = maps.connection_entry(key)
     if entry is None:
         return False
@@ -166,10 +162,10 @@ def adopt(maps: Maps, conn: NatConnection, backends: dict[tuple[str, int], int],
     if conn.masqueraded:
         entry.flags |= s.CT4_F_MASQ
         entry.snat_addr, entry.snat_port = be32(source), be16(sport)
-        maps.put_connection_entry(_key(backend, source, bport, sport, p, s.CT4_REV_SNAT), half(client, cport))
-        maps.put_connection_entry(_key(client, backend, cport, bport, p, s.CT4_SNAT), half(source, sport))
-    maps.put_connection_entry(_key(backend, client, bport, cport, p, s.CT4_REV_DNAT),
+        maps.put_connection_entry(ct_key(backend, source, bport, sport, p, s.CT4_REV_SNAT), half(client, cport))
+        maps.put_connection_entry(ct_key(client, backend, cport, bport, p, s.CT4_SNAT), half(source, sport))
+    maps.put_connection_entry(ct_key(backend, client, bport, cport, p, s.CT4_REV_DNAT),
                               half(conn.frontend, conn.frontend_port))
     # the connection last, as ct4_create writes it: no packet finds it before its halves
-    maps.put_connection_entry(_key(client, conn.frontend, cport, conn.frontend_port, p, s.CT4_SVC), entry)
+    maps.put_connection_entry(ct_key(client, conn.frontend, cport, conn.frontend_port, p, s.CT4_SVC), entry)
     return None

@@ -106,7 +106,7 @@ class NodeSettings:
     udp_stream_timeout: int = 120
     tcp_close_wait_timeout: int = 3600
     host_netns_cookie: int = 0
-    handover: int = 0  # structs.CFG_F_HANDOVER_* while a mode switch moves connections (ebpf/handover.py)
+    handover: int = 0  # structs.CFG_F_NETFILTER_* while a mode switch moves connections (agent/handover.py)
     adopted_masq: bool = False  # structs.CFG_F_ADOPTED_MASQ: such connections are in epx_ct4
 
 
@@ -185,6 +185,11 @@ def count_entries(fd: int, name: str) -> int:
         if exc.errno not in _NO_BATCH:
             raise
     return sum(1 for _ in _walk(fd, spec.key))
+
+
+def ct_key(saddr: str, daddr: str, sport: int, dport: int, proto: int, kind: int) -> s.CT4Key:
+    """The epx_ct4 key of one entry (addresses and ports as strings and host-order numbers)."""
+    return s.CT4Key(saddr=be32(saddr), daddr=be32(daddr), sport=be16(sport), dport=be16(dport), proto=proto, kind=kind)
 
 
 def _connection(k: s.CT4Key, v: s.CT4Entry) -> Connection:
@@ -572,11 +577,7 @@ class Maps:
                               collected=collected)
 
     def delete_connection(self, c: Connection) -> bool:
-        key = s.CT4Key(
-            saddr=be32(c.saddr), daddr=be32(c.daddr), sport=be16(c.sport), dport=be16(c.dport),
-            proto=c.proto, kind=c.kind,
-        )
-        return libbpf.map_delete(self._fd("epx_ct4"), key)
+        return self.delete_connection_entry(ct_key(c.saddr, c.daddr, c.sport, c.dport, c.proto, c.kind))
 
     def put_connection_entry(self, key: s.CT4Key, entry: s.CT4Entry) -> None:
         """Write one epx_ct4 entry (ebpf/handover.py: a connection the kernel translated until now)."""
@@ -590,10 +591,7 @@ class Maps:
 
     def set_connection_expiry(self, c: Connection, expires_ns: int) -> None:
         """Move a connection's deadline (tests and the conntrack GC use it)."""
-        key = s.CT4Key(
-            saddr=be32(c.saddr), daddr=be32(c.daddr), sport=be16(c.sport), dport=be16(c.dport),
-            proto=c.proto, kind=c.kind,
-        )
+        key = ct_key(c.saddr, c.daddr, c.sport, c.dport, c.proto, c.kind)
         value = self._get("epx_ct4", key)
         if value is None:
             raise KeyError(c)

@@ -250,7 +250,7 @@ class IptablesDatapath(Datapath):
         delete: dict[str, tuple[str, ...]] = {}
         for table in TABLE_ORDER:
             chains = existing.get(table, {})
-            ours = {c for c in chains if c in ch.TOP_LEVEL_CHAINS[table] or ch.is_service_chain(c)}
+            ours = {c for c in chains if _ours(table, c)}
             referenced_by_others = {
                 target
                 for chain, rules in chains.items()
@@ -270,8 +270,7 @@ class IptablesDatapath(Datapath):
     def installed(self) -> bool:
         """Whether a chain this mode installs is there (ours, or kube-proxy's: the same names)."""
         existing = self._existing()
-        return any(c in ch.TOP_LEVEL_CHAINS[table] or ch.is_service_chain(c)
-                   for table in TABLE_ORDER for c in existing.get(table, {}))
+        return any(_ours(table, c) for table in TABLE_ORDER for c in existing.get(table, {}))
 
     def stats(self) -> dict[str, int]:
         """Rules in the last applied ruleset (what kube-proxy's sync_proxy_rules_iptables_total counts)."""
@@ -283,6 +282,11 @@ class IptablesDatapath(Datapath):
 
     def close(self) -> None:
         """Nothing to release: the rules stay, so Services keep working while the agent restarts."""
+
+
+def _ours(table: str, chain: str) -> bool:
+    """Whether `chain` of `table` is one this mode installs (or kube-proxy: the same names)."""
+    return chain in ch.TOP_LEVEL_CHAINS[table] or ch.is_service_chain(chain)
 
 
 def _jump_targets(rule: str) -> list[str]:
