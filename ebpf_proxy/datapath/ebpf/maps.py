@@ -145,21 +145,34 @@ class ConntrackUsage:
     collected: int  # entries this pass removed
 
 
-def _half_is_live(k: s.CT4Key, v: s.CT4Entry, owners: Mapping[tuple, s.CT4Entry], now_ns: int) -> bool:
-    """Whether the datapath would still honour half-entry `k` (bpf/lib/nat4.h's owner checks):
-    its owning connection exists, has not expired, and still points at this half."""
+def _owner_tuple(k: s.CT4Key, v: s.CT4Entry) -> tuple | None:
+    """The CT4_SVC key (saddr, daddr, sport, dport, proto) of the connection owning half `k`."""
     if k.kind == s.CT4_REV_DNAT:  # backend -> client; owner: client -> frontend
-        owner = owners.get((k.daddr, v.svc_addr, k.dport, v.svc_port, k.proto))
-        return bool(owner and owner.expires > now_ns and (owner.nat_addr, owner.nat_port) == (k.saddr, k.sport))
+        return (k.daddr, v.svc_addr, k.dport, v.svc_port, k.proto)
     if k.kind == s.CT4_SNAT:  # client -> backend; owner: client -> frontend
-        owner = owners.get((k.saddr, v.svc_addr, k.sport, v.svc_port, k.proto))
-        return bool(owner and owner.expires > now_ns and owner.flags & s.CT4_F_MASQ
-                    and (owner.nat_addr, owner.nat_port, owner.snat_port) == (k.daddr, k.dport, v.nat_port))
+        return (k.saddr, v.svc_addr, k.sport, v.svc_port, k.proto)
     if k.kind == s.CT4_REV_SNAT:  # backend -> masquerade addr:port; owner: client (nat_*) -> frontend
-        owner = owners.get((v.nat_addr, v.svc_addr, v.nat_port, v.svc_port, k.proto))
-        return bool(owner and owner.expires > now_ns
-                    and (owner.nat_addr, owner.nat_port, owner.snat_port) == (k.saddr, k.sport, k.dport))
-    return False  # an unknown kind: nothing reads it
+        return (v.nat_addr, v.svc_addr, v.nat_port, v.svc_port, k.proto)
+    return None  # an unknown kind: nothing reads it
+
+
+def _half_is_live(k: s.CT4Key, v: s.CT4Entry, owner: s.CT4Entry | None, now_ns: int) -> bool:
+    """Whether the datapath would still honour half-entry `k` of connection `owner` (bpf/lib/nat4.h's
+    owner checks): the connection exists, has not expired, and still points at this half."""
+    if owner is None or owner.expires <= now_ns:
+        return False
+    if k.kind == s.CT4_REV_DNAT:
+        return (owner.nat_addr, owner.nat_port) == (k.saddr, k.sport)
+    if k.kind == s.CT4_SNAT:
+        return bool(owner.flags & s.CT4_F_MASQ) and \
+            (owner.nat_addr, owner.nat_port, owner.snat_port) == (k.daddr, k.dport, v.nat_port)
+    if k.kind == s.CT4_REV_SNAT:
+        return (owner.nat_addr, owner.nat_port, owner.snat_port) == (k.saddr, k.sport, k.dport)
+    return False
+
+
+def _svc_key(t: tuple) -> s.CT4Key:
+    return s.CT4Key(saddr=t[0], daddr=t[1], sport=t[2], dport=t[3], proto=t[4], kind=s.CT4_SVC)
 
 
 _NO_BATCH = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, 524)  # 524: ENOTSUPP (kernel): the map type cannot batch
@@ -242,6 +255,8 @@ class Maps:
             raise KeyError(f"maps missing: {sorted(missing)}")
         self._fds = dict(fds)
         self._owned = owned
+        # halves the last conntrack GC pass found without their connection (collect_connections)
+        self._orphans: dict[bytes, bytes] = {}
 
     @classmethod
     def from_loaded(cls, loaded) -> Maps:
@@ -541,8 +556,15 @@ class Maps:
         expired connection (CT4_SVC entry past its deadline) and every half whose owner is gone,
         expired, or no longer points at it (the datapath honours none of those); and, when the
         table is PRESSURE_FILL full, TCP connections that are closing, as nf_conntrack's gc worker
-        early-drops them above 95 %. Each entry is read again just before its deletion, so one a
-        packet refreshed or re-created meanwhile stays.
+        early-drops them above 95 %.
+
+        The datapath writes a connection's halves first and the connection last (ct4_create), and
+        the table is read while packets create connections: a half read before its connection was
+        written looks orphaned. Deleting it would leave the new connection without its reply
+        translation (at 40,000 new UDP flows/s, ~1 in 200 did, and their replies never arrived).
+        So a half is only removed when it was orphaned already in the previous pass, unchanged, or
+        when this pass removes its connection; and each entry is read again just before its
+        deletion (a half: its connection too), so one a packet refreshed or re-created stays.
         `now_ns` is bpf_ktime_get_ns()'s clock (CLOCK_MONOTONIC)."""
         fd = self._fd("epx_ct4")
         owners: dict[tuple, s.CT4Entry] = {}
@@ -561,20 +583,34 @@ class Maps:
         pressed = entries >= PRESSURE_FILL * capacity
         gone = {t for t, v in owners.items()
                 if v.expires <= now_ns or (pressed and t[4] == socket.IPPROTO_TCP and v.flags & s.CT4_F_CLOSING)}
-        doomed = [(s.CT4Key(saddr=t[0], daddr=t[1], sport=t[2], dport=t[3], proto=t[4], kind=s.CT4_SVC), owners[t])
-                  for t in gone]
-        for t in gone:
-            owners.pop(t)
-        doomed += [(k, v) for k, v in halves if not _half_is_live(k, v, owners, now_ns)]
         collected = 0
-        for key, seen in doomed:
-            current = s.CT4Entry()
-            if not libbpf.map_lookup(fd, key, current) or bytes(current) != bytes(seen):
-                continue  # gone, or written again since the read: not ours to judge any more
-            if libbpf.map_delete(fd, key):
+        for t in gone:
+            if self._delete_if_unchanged(_svc_key(t), owners.pop(t)):
                 collected += 1
+        suspects: dict[bytes, bytes] = {}
+        for k, v in halves:
+            owner_key = _owner_tuple(k, v)
+            if _half_is_live(k, v, owners.get(owner_key) if owner_key else None, now_ns):
+                continue
+            if owner_key not in gone and self._orphans.get(bytes(k)) != bytes(v):
+                suspects[bytes(k)] = bytes(v)  # perhaps a connection being created: next pass
+                continue
+            if owner_key is not None and _half_is_live(k, v, self.connection_entry(_svc_key(owner_key)), now_ns):
+                continue  # its connection was (re-)created since the read
+            if self._delete_if_unchanged(k, v):
+                collected += 1
+        self._orphans = suspects
         return ConntrackUsage(entries=entries - collected, capacity=capacity, connections=len(owners),
                               collected=collected)
+
+    def _delete_if_unchanged(self, key: s.CT4Key, seen: s.CT4Entry) -> bool:
+        """Delete epx_ct4 entry `key` if it still holds `seen`: one written again since the read
+        (a packet refreshed or re-created it) is not ours to judge any more."""
+        fd = self._fd("epx_ct4")
+        current = s.CT4Entry()
+        if not libbpf.map_lookup(fd, key, current) or bytes(current) != bytes(seen):
+            return False
+        return libbpf.map_delete(fd, key)
 
     def delete_connection(self, c: Connection) -> bool:
         return self.delete_connection_entry(ct_key(c.saddr, c.daddr, c.sport, c.dport, c.proto, c.kind))
