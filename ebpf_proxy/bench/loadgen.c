@@ -18,6 +18,12 @@
  * The process bounds itself: it stops at warm-up + duration, and an alarm kills it shortly after
  * whatever happens.
  *
+ * CPU: /proc/stat's totals (every CPU of the machine) read as the measured window opens and as
+ * it closes, so that a figure per operation can be given: the kernel's share (system + irq +
+ * softirq) is what the network stack and the datapath cost. The lab's nodes share this kernel,
+ * so it covers the whole path, the servers' and this program's own system calls included. And this
+ * program's own CPU seconds over the window (getrusage): near one per second, it was the limit.
+ *
  * Output: one JSON object on stdout (parsed by loadgen.py; keys documented there).
  */
 #define _GNU_SOURCE
@@ -33,6 +39,7 @@
 #include <string.h>
 #include <sys/epoll.h>
 #include <sys/resource.h>
+#include <sys/time.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -76,6 +83,33 @@ static uint64_t n_samples, n_seen;
 static uint64_t rng = 88172645463325252ull;
 static struct pod_count pods[MAX_PODS];
 static int n_pods;
+
+/* /proc/stat's first line in clock ticks: user (+ nice), kernel (system + irq + softirq), idle
+ * (+ iowait); all zero when it cannot be read. */
+struct cpu_ticks { unsigned long long user, kernel, idle; int ok; };
+
+static struct cpu_ticks read_cpu(void) {
+    struct cpu_ticks t = {0};
+    unsigned long long user, nice, system, idle, iowait, irq, softirq;
+    FILE *f = fopen("/proc/stat", "r");
+    if (!f) return t;
+    if (fscanf(f, "cpu %llu %llu %llu %llu %llu %llu %llu", &user, &nice, &system, &idle, &iowait, &irq,
+               &softirq) == 7) {
+        t.user = user + nice;
+        t.kernel = system + irq + softirq;
+        t.idle = idle + iowait;
+        t.ok = 1;
+    }
+    fclose(f);
+    return t;
+}
+
+/* This process's CPU seconds (user + system): whether the load generator itself was the limit. */
+static double self_cpu(void) {
+    struct rusage ru;
+    if (getrusage(RUSAGE_SELF, &ru) != 0) return -1;
+    return (double)(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) + (double)(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6;
+}
 
 static uint64_t now_ns(void) {
     struct timespec ts;
@@ -317,13 +351,16 @@ int main(int argc, char **argv) {
 
     struct epoll_event evs[256];
     uint64_t last_scan = t0;
+    struct cpu_ticks cpu_start = {0}, cpu_end = {0};
+    double self_start = -1, self_end = -1;
     for (;;) {
+        if (!measuring && now_ns() >= t_measure) { cpu_start = read_cpu(); self_start = self_cpu(); }
         measuring = now_ns() >= t_measure;
         int n = epoll_wait(ep, evs, 256, 5);
         if (n < 0 && errno != EINTR) { perror("epoll_wait"); return 1; }
         for (int i = 0; i < n; i++) on_event(ep, evs[i].data.ptr, evs[i].events);
         uint64_t now = now_ns();
-        if (now >= t_end) break;
+        if (now >= t_end) { cpu_end = read_cpu(); self_end = self_cpu(); break; }
         int scan = now - last_scan > 2000000ull;
         if (scan) last_scan = now;
         for (int i = 0; i < concurrency; i++) {
@@ -358,6 +395,16 @@ int main(int argc, char **argv) {
            (unsigned long long)err_timeout, (unsigned long long)err_eof, (unsigned long long)bad_reply,
            (unsigned long long)err_other);
     for (int i = 0; i < n_pods; i++) printf("%s\"%s\":%llu", i ? "," : "", pods[i].name, (unsigned long long)pods[i].n);
-    printf("}}\n");
+    printf("},\"cpu_s\":");
+    if (cpu_start.ok && cpu_end.ok) {
+        double tick = (double)sysconf(_SC_CLK_TCK);
+        printf("{\"user\":%.3f,\"kernel\":%.3f,\"idle\":%.3f,\"cpus\":%ld,\"loadgen\":%.3f}",
+               (double)(cpu_end.user - cpu_start.user) / tick, (double)(cpu_end.kernel - cpu_start.kernel) / tick,
+               (double)(cpu_end.idle - cpu_start.idle) / tick, sysconf(_SC_NPROCESSORS_ONLN),
+               self_start >= 0 && self_end >= 0 ? self_end - self_start : 0.0);
+    } else {
+        printf("null");
+    }
+    printf("}\n");
     return 0;
 }

@@ -7,7 +7,9 @@ by its hash, so an edit to the source rebuilds it and nothing stale is ever run.
 
 `LoadResult` is the parsed output. Its rate and percentiles are what the bench reports; the
 error counts and the per-pod answer counts are kept so that a figure can be checked (a point
-whose connections mostly timed out is a broken point, not a slow one).
+whose connections mostly timed out is a broken point, not a slow one). `cpu_s` is the machine's
+CPU time over the measured window (every CPU; the lab's nodes share one kernel), from which the
+kernel's cost per operation is given (`kernel_us_per_op`).
 """
 
 from __future__ import annotations
@@ -108,6 +110,19 @@ class LoadResult:
     errors: dict[str, int]
     backends: dict[str, int]  # answers per pod name
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
+    # the machine's CPU seconds over the measured window: user, kernel (system + irq + softirq),
+    # idle, and the load generator's own ("loadgen"), with "cpus" the machine's CPU count; None
+    # where /proc/stat could not be read
+    cpu_s: dict[str, float] | None = None
+
+    @property
+    def kernel_us_per_op(self) -> float | None:
+        """Kernel CPU (every CPU's system + irq + softirq time) per completed operation, µs: what
+        the network stack and the datapath spent on each connection or request, the servers' and
+        the load generator's own system calls included (the same in every mode)."""
+        if not self.cpu_s or not self.completed:
+            return None
+        return self.cpu_s["kernel"] * 1e6 / self.completed
 
     @property
     def error_count(self) -> int:
@@ -147,9 +162,18 @@ def parse_output(text: str) -> LoadResult:
         return LoadResult(
             proto=str(doc["proto"]), duration=float(doc["duration_s"]), completed=int(doc["completed"]),
             started=int(doc["started"]), rate=float(doc["rate"]), latency_us=latency, errors=errors,
-            backends={str(k): int(v) for k, v in dict(doc["backends"]).items()}, raw=doc)
+            backends={str(k): int(v) for k, v in dict(doc["backends"]).items()}, raw=doc,
+            cpu_s=_cpu(doc["cpu_s"]) if doc.get("cpu_s") else None)
     except (KeyError, TypeError, ValueError) as exc:
         raise LoadgenError(f"loadgen output lacks or mangles {exc}: {lines[-1][:200]!r}") from None
+
+
+def _cpu(doc: dict) -> dict[str, float]:
+    """cpu_s: user, kernel and idle always; the machine's CPU count and the load generator's own
+    CPU seconds when the program reports them."""
+    out = {k: float(doc[k]) for k in ("user", "kernel", "idle")}
+    out.update({k: float(doc[k]) for k in ("cpus", "loadgen") if k in doc})
+    return out
 
 
 def run(netns: str | None, spec: LoadSpec, binary: Path | None = None,

@@ -115,11 +115,49 @@ def _datapath_section(doc: dict, idx: dict) -> list[str]:
             cells.append(f"{_fmt(r['value'])} {_pm(r)} ({_fmt(r['p50'])} / {_fmt(r['p99'])})" if r else "–")
         rows.append(cells)
     lines += _table(["services"] + [f"{m}: req/s (p50 / p99 ms)" for m in modes], rows)
-    return lines
+    lines += ["Kernel CPU per operation, µs: the machine's system + irq + softirq time (every CPU) over "
+              "each run's measured window, divided by the connections (or UDP requests) it completed. "
+              "The lab's nodes share one kernel, so this is the whole path's kernel cost, the servers' "
+              "and the load generator's system calls included (the same in every mode): the differences "
+              "between modes are the proxy's.", ""]
+    rows = []
+    for metric, path, title in ([("cpu_per_conn", p, PATH_TITLES[p]) for p in TCP_PATHS]
+                                + [("cpu_per_req", "clusterip", "UDP, ClusterIP (from a pod)")]):
+        for n in sizes:
+            cells = [title, f"{n:,}"]
+            for mode in modes:
+                r = idx.get((metric, "direct" if mode == "direct" else path, mode, n))
+                cells.append(f"{_fmt(r['value'])} {_pm(r)}" if r else "–")
+            rows.append(cells)
+    lines += _table(["path", "services"] + [f"{m}: µs/operation" for m in modes], rows)
+    return lines + _limits_lines(doc)
+
+
+def _limits_lines(doc: dict) -> list[str]:
+    """The rate points some of whose runs hit a CPU limit (bench/limits.py): their figure is that
+    limit's, not (only) the path's."""
+    hits = []
+    for p in doc.get("points", []):
+        runs = p.get("limits") or []
+        counts: dict[str, int] = defaultdict(int)
+        for run in runs:
+            for limit in run.get("limited_by", []):
+                counts[limit.split(" (")[0]] += 1
+        if counts:
+            what = ", ".join(f"{name} in {n} of {len(runs)} runs" for name, n in sorted(counts.items()))
+            hits.append(f"- {p['metric']} {p['path']} {p['mode']} at {p['services']:,} services: {what}")
+    if not hits:
+        return ["No run hit a CPU limit (the load generator, an echo server, the machine): the rates are "
+                "the paths'.", ""]
+    return ["Runs that hit a CPU limit (a single-threaded load generator or echo server busy ≥ 0.9 of a "
+            "core, or the machine under 5 % idle; per-run figures in results.json, `limits`): there the "
+            "rate is that limit's, and the modes' difference shows in the CPU per operation instead.", ""] \
+        + hits + [""]
 
 
 BPF_PATH_TITLES = {"clusterip_syn": "ClusterIP, first packet (SYN)", "established": "ClusterIP, established",
                    "nodeport": "NodePort, first packet (SYN, masqueraded)"}
+LOAD_PATH_TITLES = {"load_tc_ingress": "tc_ingress", "load_tc_egress": "tc_egress"}
 
 
 def _bpf_cost_section(doc: dict, idx: dict) -> list[str]:
@@ -136,7 +174,21 @@ def _bpf_cost_section(doc: dict, idx: dict) -> list[str]:
             r = idx.get(("bpf_ns_per_packet", path, "ebpf", n))
             cells.append(f"{_fmt(r['value'])} / {_fmt(r['p99'])} {_pm(r)}" if r else "–")
         rows.append(cells)
-    return lines + _table(["packet"] + [f"{n:,} services: ns" for n in sizes], rows)
+    lines += _table(["packet"] + [f"{n:,} services: ns" for n in sizes], rows)
+    load = [r for r in idx.values() if r["metric"] == "bpf_ns_per_packet" and r["path"] in LOAD_PATH_TITLES]
+    if not load:
+        return lines
+    lines += ["Under load, as a cross-check: each program's mean time per run on the node a ClusterIP "
+              "connection load entered (every packet its devices saw: SYNs, ACKs, data, replies, FINs), "
+              "from the kernel's BPF statistics (run_time_ns / run_cnt; bench/livecost.py), ns.", ""]
+    rows = []
+    for path, title in LOAD_PATH_TITLES.items():
+        cells = [title]
+        for n in sizes:
+            r = idx.get(("bpf_ns_per_packet", path, "ebpf", n))
+            cells.append(f"{_fmt(r['value'])} {_pm(r)}" if r else "–")
+        rows.append(cells)
+    return lines + _table(["program"] + [f"{n:,} services: ns/run" for n in sizes], rows)
 
 
 def _control_section(doc: dict, idx: dict) -> list[str]:

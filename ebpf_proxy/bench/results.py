@@ -23,8 +23,12 @@ change; for rss: the highest peak RSS of any agent in any phase, the phases bein
 `spread` is (max - min) / median of the per-repeat values, and p50/p99 are request
 latency in ms (the median over repeats of each run's percentile) for conn_rate/udp_rate, the
 percentiles over every change for update_latency, for bpf_ns_per_packet the program's own run
-time in ns (median over repeats of each repeat's median and p99; bench/bpfcost.py), and null
-for the rest. Rate rows also carry
+time in ns (median over repeats of each repeat's median and p99; bench/bpfcost.py; its
+`load_tc_ingress` / `load_tc_egress` rows are the mean run time of each program on the node a
+ClusterIP load entered, from the kernel's BPF statistics, bench/livecost.py: no percentiles), and
+null for the rest. cpu_per_conn / cpu_per_req (one per conn_rate / udp_rate point) are the machine's
+kernel CPU time (system + irq + softirq of every CPU; the lab's nodes share one kernel) over each
+run's measured window divided by the operations it completed, in µs. Rate rows also carry
 `p90` and `latency_unit`; rss rows carry `by_phase` (MiB) and `cpu_seconds_by_phase`.
 """
 
@@ -46,9 +50,10 @@ from ebpf_proxy.bench.stats import is_figure, median, percentile, spread
 
 SCHEMA = 1
 SUMMARY_KEYS = ("metric", "path", "mode", "services", "value", "unit", "p50", "p99", "repeats", "spread")
-METRICS = ("conn_rate", "udp_rate", "bpf_ns_per_packet", "update_latency", "full_sync", "burst_converge", "rss")
+METRICS = ("conn_rate", "udp_rate", "cpu_per_conn", "cpu_per_req", "bpf_ns_per_packet", "update_latency", "full_sync",
+           "burst_converge", "rss")
 PATHS = ("clusterip", "nodeport-cluster", "nodeport-local", "direct", "clusterip_syn", "established", "nodeport",
-         None)
+         "load_tc_ingress", "load_tc_egress", None)
 MODES = ("direct", "iptables", "ebpf")
 RATE_METRICS = ("conn_rate", "udp_rate")
 HIGHER_IS_BETTER = frozenset(RATE_METRICS)
@@ -79,7 +84,7 @@ def summarize_point(point: dict[str, Any]) -> dict[str, Any]:
         row["value"] = row["p50"] = _round(percentile(pooled, 50))
         row["p99"] = _round(percentile(pooled, 99))
         row["changes"] = len(pooled)
-    elif metric == "bpf_ns_per_packet":
+    elif metric == "bpf_ns_per_packet" and all("p99" in r for r in point["runs"]):  # crafted packets
         row["p50"] = row["value"]
         row["p99"] = _round(median([r["p99"] for r in point["runs"]]))
     elif metric == "rss":

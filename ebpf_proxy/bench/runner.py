@@ -29,13 +29,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from ebpf_proxy.bench import bpfcost, controlplane, kernelstate, loadgen, ports, procstat, report, traffic
+from ebpf_proxy.bench import bpfcost, controlplane, kernelstate, livecost, loadgen, ports, procstat, report, traffic
 from ebpf_proxy.bench.display import Display
 from ebpf_proxy.bench.results import Results, check
 from ebpf_proxy.bench.rest import Rest, RestError
 from ebpf_proxy.bench.services import BenchServices, measured_targets
 from ebpf_proxy.bench.stats import median, percentile
 from ebpf_proxy.datapath import DatapathUnavailable, datapath_class
+from ebpf_proxy.datapath.ebpf.pins import PIN_SUBDIR
 from ebpf_proxy.lab.cluster import Lab, LabError
 from ebpf_proxy.lab.state import BPF_CACHE
 
@@ -45,7 +46,7 @@ OBSERVED_NODE = traffic.ENTRY_NODE  # the node whose agent restarts and whose ke
 MUST_RUN = ("iptables",)
 MEASUREMENT_ERRORS = (controlplane.ControlPlaneError, kernelstate.KernelStateError, loadgen.LoadgenError,
                       LabError, RestError, subprocess.TimeoutExpired, OSError, bpfcost.BpfCostError,
-                      bpfcost.loader.LoadError)
+                      bpfcost.loader.LoadError, livecost.LiveCostError)
 
 
 @dataclass
@@ -208,6 +209,9 @@ class Bench:
             result = traffic.measure(self.lab, point, self.settings, self.binary,
                                      on_run=lambda i, run: self.ui.detail(f"{label} (run {i + 1}: {run.rate:,.0f}/s)"))
             self._point(result.raw(size))
+            cpu = result.cpu_point(size)
+            if cpu is not None:
+                self._point(cpu)
         self.ui.advance()
 
     # ---- a proxy mode -------------------------------------------------------------------------------
@@ -260,6 +264,9 @@ class Bench:
         targets = measured_targets(self.services.measured, self.lab.topology, traffic.ENTRY_NODE)
         for point in traffic.proxy_points(mode, targets):
             self._measure_point(point, size)
+        if mode == "ebpf":
+            with self._guard("bpf_ns_per_packet", mode, size, "load_tc_ingress"):
+                self._live_cost(traffic.proxy_points(mode, targets)[0], size)
         phases["datapath"] = meter.stop()
 
         observer = controlplane.Observer(self.lab, OBSERVED_NODE, mode)
@@ -309,6 +316,35 @@ class Bench:
             self._point({"metric": "bpf_ns_per_packet", "path": path, "mode": "ebpf", "services": size, "unit": "ns",
                          "values": [r["median"] for r in per_repeat], "runs": per_repeat,
                          "endpoints_per_service": cfg.bpf_endpoints, "samples": cfg.bpf_samples})
+
+    def _live_cost(self, point: traffic.Point, size: int) -> None:
+        """The programs' mean run time on the node the load enters, under `point`'s load run again
+        with BPF statistics on (livecost.py): the cross-check of _bpf_cost's crafted packets. A
+        run of its own, so that no rate figure pays for the statistics."""
+        node = traffic.ENTRY_NODE if point.source == traffic.OUTSIDE else self.lab.topology.pod(point.source).node
+        label = f"{size:,} services, ebpf: BPF ns/run under {point.metric} {point.path} load ({node})"
+        self.ui.step(label)
+        live = livecost.LiveCost(kernelstate.bpffs_dir(self.lab, node) / PIN_SUBDIR)
+        try:
+            with livecost.statistics_on():
+                samples = [live.sample()]
+                result = traffic.measure(self.lab, point, self.settings, self.binary,
+                                         on_run=lambda i, run: samples.append(live.sample()))
+        finally:
+            live.close()
+        if result.failed:
+            raise livecost.LiveCostError(f"the load run failed: {'; '.join(result.problems)}")
+        per_run = [livecost.ns_per_run(a, b) for a, b in zip(samples, samples[1:])]
+        for program in livecost.PROGRAMS:
+            values = [r[program] for r in per_run]
+            if any(v is None for v in values):
+                raise livecost.LiveCostError(f"{program} on {node} did not run during a {point.path} load run")
+            self._point({"metric": "bpf_ns_per_packet", "path": f"load_{program}", "mode": "ebpf", "services": size,
+                         "unit": "ns", "values": [round(v, 1) for v in values if v is not None], "node": node,
+                         "load": f"{point.metric} {point.path}",
+                         "runs": [{"run_time_ns": b[program].run_time_ns - a[program].run_time_ns,
+                                   "run_cnt": b[program].run_cnt - a[program].run_cnt}
+                                  for a, b in zip(samples, samples[1:])]})
 
     def _update_latency(self, observer: controlplane.Observer, size: int) -> None:
         mode, cfg = observer.mode, self.config

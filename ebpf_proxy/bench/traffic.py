@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ebpf_proxy.bench import loadgen, ports
+from ebpf_proxy.bench import limits, loadgen, ports
 from ebpf_proxy.bench.loadgen import LoadResult, LoadSpec
 from ebpf_proxy.lab import nsexec
 from ebpf_proxy.lab.cluster import Lab
-from ebpf_proxy.lab.topology import Topology
+from ebpf_proxy.lab.topology import PodSpec, Topology
 
 CLIENT_POD = "client-1"
 OUTSIDE = "outside"
@@ -57,6 +57,7 @@ class PointResult:
     runs: list[LoadResult] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # runs that cannot be trusted: the point failed
     notes: list[str] = field(default_factory=list)
+    cpu_limits: list[dict[str, Any]] = field(default_factory=list)  # per run: limits.run_limits
 
     @property
     def failed(self) -> bool:
@@ -74,6 +75,23 @@ class PointResult:
             "backends": _merge_backends(self.runs),
             "runs": [r.raw for r in self.runs],
             "problems": list(self.problems), "notes": list(self.notes), "failed": self.failed,
+            "limits": list(self.cpu_limits),
+        }
+
+    def cpu_point(self, services: int) -> dict[str, Any] | None:
+        """The kernel CPU each operation cost (LoadResult.kernel_us_per_op), one value per run, as
+        results.json keeps it: `cpu_per_conn` for TCP, `cpu_per_req` for UDP. None when a run has
+        no CPU figure (no /proc/stat) or the point failed."""
+        per_op = [r.kernel_us_per_op for r in self.runs]
+        if self.failed or not per_op or any(v is None for v in per_op):
+            return None
+        p = self.point
+        tcp = p.metric == "conn_rate"
+        return {
+            "metric": "cpu_per_conn" if tcp else "cpu_per_req", "path": p.path, "mode": p.mode,
+            "services": services, "proto": p.proto, "unit": "µs/conn" if tcp else "µs/req",
+            "values": [round(v, 3) for v in per_op if v is not None],
+            "cpu_s": [r.cpu_s for r in self.runs], "completed": [r.completed for r in self.runs],
         }
 
 
@@ -85,8 +103,16 @@ def _merge_backends(runs: list[LoadResult]) -> dict[str, int]:
     return out
 
 
+def _backends(topology: Topology) -> list[PodSpec]:
+    return [p for p in sorted(topology.pods, key=lambda p: p.name) if p.labels.get("app") == "bench-backend"]
+
+
 def backend_addresses(topology: Topology) -> list[str]:
-    return [p.ip for p in sorted(topology.pods, key=lambda p: p.name) if p.labels.get("app") == "bench-backend"]
+    return [p.ip for p in _backends(topology)]
+
+
+def backend_pods(topology: Topology) -> list[str]:
+    return [p.name for p in _backends(topology)]
 
 
 def direct_points(topology: Topology) -> list[Point]:
@@ -134,11 +160,14 @@ def measure(lab: Lab, point: Point, settings: Settings, binary: Path,
     if not flush_conntrack(lab):
         result.notes.append("conntrack not installed: tables not flushed between points")
     netns = lab.netns_of(point.source)
+    servers = limits.server_pids(lab, backend_pods(lab.topology))
     for i in range(settings.repeats):
         spec = LoadSpec(point.proto, point.targets, settings.duration,
                         warmup=settings.warmup if i == 0 else min(settings.warmup, 0.25),
                         concurrency=settings.concurrency, timeout_ms=settings.timeout_ms)
+        meter = limits.ServerMeter(servers)
         run = loadgen.run(netns, spec, binary)
+        result.cpu_limits.append(limits.run_limits(run, meter.stop()))
         result.runs.append(run)
         result.problems.extend(f"run {i + 1}: {p}" for p in run.problems())
         if on_run:

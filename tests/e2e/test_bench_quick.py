@@ -84,23 +84,28 @@ def test_every_point_was_measured(quick_run):
     assert "direct" in running and "iptables" in running, doc["modes"]
     unavailable = {(u["mode"], u["metric"]) for u in doc["unavailable"]}
     for n in (1, 1000):
-        assert ("conn_rate", "direct", "direct", n) in rows
-        assert ("udp_rate", "direct", "direct", n) in rows
+        for metric in ("conn_rate", "udp_rate", "cpu_per_conn", "cpu_per_req"):
+            assert (metric, "direct", "direct", n) in rows
         for mode in (m for m in running if m != "direct"):
             for path in ("clusterip", "nodeport-cluster", "nodeport-local"):
                 assert ("conn_rate", path, mode, n) in rows
+                assert ("cpu_per_conn", path, mode, n) in rows
             assert ("udp_rate", "clusterip", mode, n) in rows
+            assert ("cpu_per_req", "clusterip", mode, n) in rows
             for metric in ("full_sync", "rss"):
                 assert (metric, None, mode, n) in rows
             for metric in ("update_latency", "burst_converge"):
                 assert (metric, None, mode, n) in rows or (mode, metric) in unavailable
         if "ebpf" in running:
-            for path in ("clusterip_syn", "established", "nodeport"):
+            for path in ("clusterip_syn", "established", "nodeport", "load_tc_ingress", "load_tc_egress"):
                 assert ("bpf_ns_per_packet", path, "ebpf", n) in rows
     if "ebpf" in running:
         cost = {(r["path"], r["services"]): r for r in doc["summary"] if r["metric"] == "bpf_ns_per_packet"}
         # a connection-table hit is cheaper than a lookup, a backend choice and a new entry
         assert cost[("established", 1)]["value"] < cost[("clusterip_syn", 1)]["value"], cost
+        load = [p for p in doc["points"] if p["metric"] == "bpf_ns_per_packet" and p["path"].startswith("load_")]
+        for p in load:  # the kernel's statistics: every run of the program under the ClusterIP load
+            assert p["node"] == "worker2" and all(r["run_cnt"] > 1000 for r in p["runs"]), p
     iptables_state = [k for k in doc["kernel_state"] if k["mode"] == "iptables"]
     assert {k["services"] for k in iptables_state} == {1, 1000}
     small = max(k["counts"]["total"] for k in iptables_state if k["services"] == 1)
@@ -115,15 +120,33 @@ def test_traffic_reached_the_expected_backends(quick_run):
             continue
         pods = set(point["backends"])
         where = f"{point['metric']} {point['path']} {point['mode']}"
+        # each run says what each side used: the servers' and the load generator's cores, the idle share
+        assert len(point["limits"]) == len(point["runs"]), where
+        for limit in point["limits"]:
+            assert set(limit["server_cores"]) == {"backend-1", "backend-2"}, where
+            assert limit["client_cores"] > 0 and 0 <= limit["machine_idle"] <= 1, where
         if point["path"] == "nodeport-local":
             assert pods == {"backend-1"}, where  # eTP=Local via worker1: only its own pod
         else:
             assert pods == {"backend-1", "backend-2"}, where
 
 
+def test_cpu_per_operation_is_the_runs_kernel_time_over_their_operations(quick_run):
+    _, _, doc = quick_run
+    rates = {(p["metric"], p["path"], p["mode"], p["services"]): p for p in doc["points"]}
+    cpu_points = [p for p in doc["points"] if p["metric"] in ("cpu_per_conn", "cpu_per_req")]
+    assert cpu_points
+    for p in cpu_points:
+        rate = rates[("conn_rate" if p["metric"] == "cpu_per_conn" else "udp_rate", p["path"], p["mode"], p["services"])]
+        assert p["completed"] == [run["completed"] for run in rate["runs"]]
+        for value, cpu, completed in zip(p["values"], p["cpu_s"], p["completed"]):
+            assert value == pytest.approx(cpu["kernel"] * 1e6 / completed, rel=1e-3)
+
+
 def test_report_and_plots(quick_run):
     out, modes, doc = quick_run
     report = (out / "report.md").read_text()
+    assert "Kernel CPU per operation" in report
     for heading in ("## Data path", "## Control plane", "## Kernel state"):
         assert heading in report
     if doc["modes"].get("ebpf", {}).get("status") == "ok":

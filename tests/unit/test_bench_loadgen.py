@@ -33,6 +33,14 @@ def test_parse_output():
     assert res.backends == {"backend-1": 510, "backend-2": 490}
     assert res.problems() == []
     assert res.raw == SAMPLE
+    assert res.cpu_s is None and res.kernel_us_per_op is None  # an older loadgen, or no /proc/stat
+
+
+def test_kernel_cpu_per_operation():
+    res = parse_output(json.dumps({**SAMPLE, "cpu_s": {"user": 0.5, "kernel": 0.25, "idle": 1.25, "cpus": 2,
+                                                         "loadgen": 0.4}}))
+    assert res.cpu_s == {"user": 0.5, "kernel": 0.25, "idle": 1.25, "cpus": 2.0, "loadgen": 0.4}
+    assert res.kernel_us_per_op == pytest.approx(250.0)  # 0.25 s over 1,000 operations
 
 
 @pytest.mark.parametrize("text", ["", "not json", "[1, 2]", json.dumps({"proto": "tcp"}),
@@ -88,3 +96,8 @@ def test_compiled_loadgen_against_the_echo_server(tmp_path, echo, proto):
     assert set(res.backends) == {"lg-test"}
     assert sum(res.backends.values()) == res.completed
     assert 0 < res.latency_us["p50"] <= res.latency_us["p99"] <= res.latency_us["max"]
+    # the window's CPU, every CPU of the machine: at most 0.3 s of each (steal time is not counted)
+    machine = res.cpu_s["user"] + res.cpu_s["kernel"] + res.cpu_s["idle"]
+    assert 0 < machine < 0.3 * res.cpu_s["cpus"] * 1.3 + 0.1, res.cpu_s
+    assert 0 <= res.cpu_s["loadgen"] <= 0.3 * 1.3 + 0.05, res.cpu_s  # one thread: at most the window
+    assert res.kernel_us_per_op is not None and res.kernel_us_per_op >= 0

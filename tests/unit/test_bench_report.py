@@ -3,6 +3,7 @@
 import pytest
 
 from ebpf_proxy.bench.report import PLOT_FILES, render_markdown, write_report
+from ebpf_proxy.bench.results import check, summarize
 from tests.unit.test_bench_results import synthetic_doc
 
 
@@ -24,6 +25,10 @@ def test_report_has_every_section_and_says_what_was_skipped(tmp_path):
     assert "| ClusterIP (from a pod) | 1 | 20,000" in text
     line = next(line for line in text.splitlines() if line.startswith("| ClusterIP (from a pod) | 1 |"))
     assert line.rstrip(" |").endswith("–")
+    # kernel CPU per operation, modes side by side: direct 30, iptables 40 × (1 + 1,000/1,000)
+    assert "Kernel CPU per operation" in text
+    assert "| ClusterIP (from a pod) | 1,000 | 30.0 ±3% | 80.0 ±2% | – |" in text
+    assert "| UDP, ClusterIP (from a pod) | 1 | 10.0 ±10% | 12.0 ±0% | – |" in text
 
 
 def test_write_report_draws_the_plots(tmp_path):
@@ -40,3 +45,34 @@ def test_report_of_a_direct_only_run(tmp_path):
     doc = synthetic_doc(("direct",), (1,))
     text = render_markdown(doc, [])
     assert "## Data path" in text and "## Control plane" not in text
+
+
+def test_report_shows_the_programs_cost_under_load():
+    doc = synthetic_doc(("direct", "iptables"), (1,))
+    doc["modes"]["ebpf"] = {"status": "ok"}
+    doc["parameters"]["modes"] = ["direct", "iptables", "ebpf"]
+    for path, ns in (("clusterip_syn", 1200.0), ("established", 430.0), ("nodeport", 1700.0)):
+        doc["points"].append({"metric": "bpf_ns_per_packet", "path": path, "mode": "ebpf", "services": 1,
+                              "unit": "ns", "values": [ns] * 3, "runs": [{"median": ns, "p99": 2 * ns}] * 3})
+    for path, ns in (("load_tc_ingress", 310.0), ("load_tc_egress", 150.0)):
+        doc["points"].append({"metric": "bpf_ns_per_packet", "path": path, "mode": "ebpf", "services": 1,
+                              "unit": "ns", "values": [ns] * 3, "runs": [{"run_time_ns": 1, "run_cnt": 1}] * 3})
+    doc["summary"] = summarize(doc["points"])
+    assert check(doc) == []
+    text = render_markdown(doc, [])
+    assert "| ClusterIP, established | 430 / 860 ±0% |" in text
+    assert "Under load, as a cross-check" in text
+    assert "| tc_ingress | 310 ±0% |" in text and "| tc_egress | 150 ±0% |" in text
+
+
+def test_report_names_the_runs_that_hit_a_cpu_limit():
+    doc = synthetic_doc(("direct", "iptables"), (1,))
+    text = render_markdown(doc, [])
+    assert "No run hit a CPU limit" in text
+    point = next(p for p in doc["points"] if p["metric"] == "conn_rate" and p["mode"] == "iptables")
+    point["limits"] = [{"limited_by": ["server backend-1 (0.97 cores)"]},
+                       {"limited_by": ["server backend-1 (0.95 cores)", "machine (2% idle)"]},
+                       {"limited_by": []}]
+    text = render_markdown(doc, [])
+    assert ("- conn_rate clusterip iptables at 1 services: machine in 1 of 3 runs, "
+            "server backend-1 in 2 of 3 runs") in text

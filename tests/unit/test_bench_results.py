@@ -18,6 +18,11 @@ def rate_point(metric="conn_rate", path="clusterip", mode="iptables", services=1
             "runs": [{"rate": v} for v in values], "problems": []}
 
 
+def cpu_point(metric="cpu_per_conn", path="clusterip", mode="iptables", services=1, values=(40.0, 42.0, 38.0)):
+    return {"metric": metric, "path": path, "mode": mode, "services": services,
+            "unit": "µs/conn" if metric == "cpu_per_conn" else "µs/req", "values": list(values)}
+
+
 def synthetic_points(modes=("direct", "iptables"), sizes=(1, 1000)):
     """Raw points as a bench run of `modes` x `sizes` would record them (made-up figures)."""
     points = []
@@ -25,12 +30,16 @@ def synthetic_points(modes=("direct", "iptables"), sizes=(1, 1000)):
         for mode in modes:
             if mode == "direct":
                 points += [rate_point("conn_rate", "direct", mode, n, (20000, 21000, 19500)),
-                           rate_point("udp_rate", "direct", mode, n, (30000, 31000, 29000))]
+                           rate_point("udp_rate", "direct", mode, n, (30000, 31000, 29000)),
+                           cpu_point("cpu_per_conn", "direct", mode, n, (30.0, 31.0, 29.0)),
+                           cpu_point("cpu_per_req", "direct", mode, n, (10.0, 11.0, 9.0))]
                 continue
             slow = 1 + n / 1000
             for path in ("clusterip", "nodeport-cluster", "nodeport-local"):
                 points.append(rate_point("conn_rate", path, mode, n, (15000 / slow, 15500 / slow, 14000 / slow)))
+                points.append(cpu_point("cpu_per_conn", path, mode, n, (40.0 * slow, 41.0 * slow, 39.0 * slow)))
             points.append(rate_point("udp_rate", "clusterip", mode, n, (25000 / slow,) * 3))
+            points.append(cpu_point("cpu_per_req", "clusterip", mode, n, (12.0 * slow,) * 3))
             points += [
                 {"metric": "full_sync", "path": None, "mode": mode, "services": n, "unit": "s",
                  "values": [1.2 * slow, 1.3 * slow, 1.25 * slow], "runs": []},

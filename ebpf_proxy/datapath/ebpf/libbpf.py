@@ -30,6 +30,7 @@ ATTACH_CGROUP_UDP4_RECVMSG = 19
 BPF_F_ALLOW_MULTI = 2  # other programs (another agent's, systemd's) may share the cgroup
 LINK_TYPE_CGROUP = 3  # enum bpf_link_type
 BPF_OBJ_NAME_LEN = 16
+BPF_STATS_RUN_TIME = 0  # enum bpf_stats_type
 
 
 class LibbpfMissing(RuntimeError):
@@ -63,7 +64,9 @@ class MapInfo(ctypes.Structure):
 
 
 class ProgInfo(ctypes.Structure):
-    """struct bpf_prog_info, up to `name`: enough to tell our programs and their maps apart."""
+    """struct bpf_prog_info, up to `run_cnt`: enough to tell our programs and their maps apart,
+    and what they cost while BPF statistics are on (enable_stats). The pointer fields other than
+    map_ids stay 0, so the kernel fills none of their arrays."""
 
     _fields_ = [
         ("type", ctypes.c_uint32),
@@ -78,6 +81,28 @@ class ProgInfo(ctypes.Structure):
         ("nr_map_ids", ctypes.c_uint32),
         ("map_ids", ctypes.c_uint64),
         ("name", ctypes.c_char * BPF_OBJ_NAME_LEN),
+        ("ifindex", ctypes.c_uint32),
+        ("gpl_compatible", ctypes.c_uint32),  # a 1-bit field and 31 bits of padding
+        ("netns_dev", ctypes.c_uint64),
+        ("netns_ino", ctypes.c_uint64),
+        ("nr_jited_ksyms", ctypes.c_uint32),
+        ("nr_jited_func_lens", ctypes.c_uint32),
+        ("jited_ksyms", ctypes.c_uint64),
+        ("jited_func_lens", ctypes.c_uint64),
+        ("btf_id", ctypes.c_uint32),
+        ("func_info_rec_size", ctypes.c_uint32),
+        ("func_info", ctypes.c_uint64),
+        ("nr_func_info", ctypes.c_uint32),
+        ("nr_line_info", ctypes.c_uint32),
+        ("line_info", ctypes.c_uint64),
+        ("jited_line_info", ctypes.c_uint64),
+        ("nr_jited_line_info", ctypes.c_uint32),
+        ("line_info_rec_size", ctypes.c_uint32),
+        ("jited_line_info_rec_size", ctypes.c_uint32),
+        ("nr_prog_tags", ctypes.c_uint32),
+        ("prog_tags", ctypes.c_uint64),
+        ("run_time_ns", ctypes.c_uint64),
+        ("run_cnt", ctypes.c_uint64),
     ]
 
 
@@ -183,6 +208,8 @@ def lib() -> ctypes.CDLL:
             ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
         ]
         handle.libbpf_num_possible_cpus.restype = ctypes.c_int
+        handle.bpf_enable_stats.restype = ctypes.c_int
+        handle.bpf_enable_stats.argtypes = [ctypes.c_int]
         handle.bpf_prog_test_run_opts.restype = ctypes.c_int
         handle.bpf_prog_test_run_opts.argtypes = [ctypes.c_int, ctypes.POINTER(TestRunOpts)]
         return handle
@@ -268,6 +295,25 @@ def prog_info(fd: int) -> tuple[ProgInfo, list[int]]:
     info = ProgInfo(nr_map_ids=count, map_ids=ctypes.addressof(ids))
     _info_by_fd(fd, info)
     return info, list(ids[: min(count, info.nr_map_ids)])
+
+
+def prog_run_stats(fd: int) -> tuple[int, int]:
+    """(run_time_ns, run_cnt): the nanoseconds a program has run and how many times, counted by
+    the kernel only while BPF statistics are on (enable_stats). Raises OSError."""
+    info = ProgInfo()
+    _info_by_fd(fd, info)
+    return info.run_time_ns, info.run_cnt
+
+
+def enable_stats() -> int:
+    """Turn on the kernel's BPF run-time statistics (BPF_ENABLE_STATS, BPF_STATS_RUN_TIME) until
+    the returned fd is closed: the kernel then counts every program's runs and time (at a small
+    cost per run), and stops by itself when the last holder closes, so a crash leaves nothing on,
+    unlike the kernel.bpf_stats_enabled sysctl. Raises OSError."""
+    fd = lib().bpf_enable_stats(BPF_STATS_RUN_TIME)
+    if fd < 0:
+        raise _error(fd)
+    return fd
 
 
 def link_info(fd: int) -> LinkInfo:
