@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 from ebpf_proxy.bench.results import MODES
 
@@ -160,6 +160,15 @@ BPF_PATH_TITLES = {"clusterip_syn": "ClusterIP, first packet (SYN)", "establishe
 LOAD_PATH_TITLES = {"load_tc_ingress": "tc_ingress", "load_tc_egress": "tc_egress"}
 
 
+def _bpf_rows(idx: dict, titles: dict[str, str], sizes: list[int], cell: Callable[[dict], str]) -> list[list[str]]:
+    """One row per bpf_ns_per_packet path of `titles`, one cell per size (– where not measured)."""
+    rows = []
+    for path, title in titles.items():
+        found = (idx.get(("bpf_ns_per_packet", path, "ebpf", n)) for n in sizes)
+        rows.append([title] + [cell(r) if r else "–" for r in found])
+    return rows
+
+
 def _bpf_cost_section(doc: dict, idx: dict) -> list[str]:
     sizes = [n for n in _sizes(doc) if any(idx.get(("bpf_ns_per_packet", p, "ebpf", n)) for p in BPF_PATH_TITLES)]
     if not sizes:
@@ -167,28 +176,15 @@ def _bpf_cost_section(doc: dict, idx: dict) -> list[str]:
     lines = ["## eBPF program cost per packet", "",
              "tc_ingress alone, timed by the kernel (BPF_PROG_TEST_RUN, one run per packet, a new "
              "connection each; private maps holding the Services; bench/bpfcost.py): median / p99 ns.", ""]
-    rows = []
-    for path, title in BPF_PATH_TITLES.items():
-        cells = [title]
-        for n in sizes:
-            r = idx.get(("bpf_ns_per_packet", path, "ebpf", n))
-            cells.append(f"{_fmt(r['value'])} / {_fmt(r['p99'])} {_pm(r)}" if r else "–")
-        rows.append(cells)
-    lines += _table(["packet"] + [f"{n:,} services: ns" for n in sizes], rows)
-    load = [r for r in idx.values() if r["metric"] == "bpf_ns_per_packet" and r["path"] in LOAD_PATH_TITLES]
-    if not load:
+    lines += _table(["packet"] + [f"{n:,} services: ns" for n in sizes],
+                    _bpf_rows(idx, BPF_PATH_TITLES, sizes, lambda r: f"{_fmt(r['value'])} / {_fmt(r['p99'])} {_pm(r)}"))
+    if not any(r["metric"] == "bpf_ns_per_packet" and r["path"] in LOAD_PATH_TITLES for r in idx.values()):
         return lines
     lines += ["Under load, as a cross-check: each program's mean time per run on the node a ClusterIP "
               "connection load entered (every packet its devices saw: SYNs, ACKs, data, replies, FINs), "
               "from the kernel's BPF statistics (run_time_ns / run_cnt; bench/livecost.py), ns.", ""]
-    rows = []
-    for path, title in LOAD_PATH_TITLES.items():
-        cells = [title]
-        for n in sizes:
-            r = idx.get(("bpf_ns_per_packet", path, "ebpf", n))
-            cells.append(f"{_fmt(r['value'])} {_pm(r)}" if r else "–")
-        rows.append(cells)
-    return lines + _table(["program"] + [f"{n:,} services: ns/run" for n in sizes], rows)
+    return lines + _table(["program"] + [f"{n:,} services: ns/run" for n in sizes],
+                          _bpf_rows(idx, LOAD_PATH_TITLES, sizes, lambda r: f"{_fmt(r['value'])} {_pm(r)}"))
 
 
 def _control_section(doc: dict, idx: dict) -> list[str]:
