@@ -76,6 +76,9 @@ class AgentConfig:
     conntrack_tcp_close_wait_timeout: float = 3600.0  # 1h
     conntrack_udp_timeout: float = 0.0
     conntrack_udp_stream_timeout: float = 0.0
+    # capacities of the eBPF datapath's maps other than the connection table (sized above), for
+    # clusters beyond the defaults (65,536 frontends and backends): ((map name, entries), ...)
+    bpf_map_sizes: tuple[tuple[str, int], ...] = ()
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)  # attr → flag/field name
 
     @property
@@ -232,6 +235,30 @@ def _count(value: Any, where: str) -> int:
     return value
 
 
+def _map_sizes(value: Any, where: str) -> tuple[tuple[str, int], ...]:
+    """"epx_svc=262144,epx_backend=1048576": capacities of the eBPF maps named (every one the
+    loader sizes but epx_ct4, which follows the conntrack settings)."""
+    from ebpf_proxy.datapath.ebpf.loader import MAX_ENTRIES  # here: config imports nothing heavy
+
+    text = _string(value, where)
+    sizes: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, number = item.partition("=")
+        name = name.strip()
+        if not sep or not number.strip().isdigit():
+            raise ConfigError(f"{where}: {item!r} is not MAP=ENTRIES (e.g. epx_svc=262144)")
+        if name == "epx_ct4":
+            raise ConfigError(f"{where}: epx_ct4 is sized by --conntrack-max-per-core and --conntrack-min")
+        if name not in MAX_ENTRIES:
+            raise ConfigError(f"{where}: {name!r} is not a map whose size can be set "
+                              f"({', '.join(n for n in MAX_ENTRIES if n != 'epx_ct4')})")
+        entries = int(number)
+        if not 1 <= entries <= 2**31 - 1:
+            raise ConfigError(f"{where}: {name} must have 1 to 2147483647 entries, got {entries}")
+        sizes[name] = entries
+    return tuple(sorted(sizes.items()))
+
+
 def _timeout(value: Any, where: str) -> float:
     """A conntrack timeout: a duration of at least 0 (0: the kernel's default)."""
     seconds = parse_duration(value, where)
@@ -285,6 +312,7 @@ _FIELDS: dict[str, _Field] = {
     "conntrack_udp_timeout": _Field("--conntrack-udp-timeout", (("conntrack", "udpTimeout"),), _timeout),
     "conntrack_udp_stream_timeout": _Field("--conntrack-udp-timeout-stream", (("conntrack", "udpStreamTimeout"),),
                                            _timeout),
+    "bpf_map_sizes": _Field("--bpf-map-sizes", (), _map_sizes),
 }
 _KNOWN_PATHS = {path for f in _FIELDS.values() for path in f.file_paths}
 

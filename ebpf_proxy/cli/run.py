@@ -87,6 +87,10 @@ def _bool_flag(*names: str, help: str):  # noqa: A002 (click's name)
               help="The node's cache of compiled eBPF programs, by build: a start that finds no pinned "
                    "programs loads them from here instead of compiling (default /var/cache/ebpf-proxy/bpf; "
                    "empty disables). Root-owned, mode 0700.")
+@click.option("--bpf-map-sizes", default=None, metavar="MAP=N[,MAP=N...]",
+              help="Capacities of eBPF maps, e.g. epx_svc=262144,epx_backend=1048576,epx_slot=2097152 for "
+                   "100,000 Services of 10 endpoints (defaults: 65,536 frontends and backends, 262,144 slots; "
+                   "the connection table follows --conntrack-*). A changed size recreates that map at start.")
 @click.option("--iptables-backend", default=None, metavar="auto|legacy|nft",
               help="iptables mode: which backend (auto: the one already holding rules, else legacy).")
 @click.option("--audit-period", default=None, metavar="DURATION",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import textwrap
 
 import pytest
@@ -423,3 +424,22 @@ def test_bad_conntrack_field_names_the_field(tmp_path):
                            "conntrack:\n  maxPerCore: many\n")
     with pytest.raises(ConfigError, match="^conntrack.maxPerCore"):
         load_config({}, path)
+
+
+def test_bpf_map_sizes_flag():
+    """Capacities for clusters beyond the defaults (issue 12: 100,000 Services × 10 endpoints)."""
+    c = load_config({"bpf_map_sizes": "epx_svc=262144, epx_backend=1048576,epx_slot=2097152"})
+    assert c.bpf_map_sizes == (("epx_backend", 1048576), ("epx_slot", 2097152), ("epx_svc", 262144))
+    assert load_config({}).bpf_map_sizes == ()
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("epx_svc", "'epx_svc' is not MAP=ENTRIES"),
+    ("epx_svc=lots", "'epx_svc=lots' is not MAP=ENTRIES"),
+    ("epx_nope=10", "'epx_nope' is not a map whose size can be set"),
+    ("epx_ct4=10", "epx_ct4 is sized by --conntrack-max-per-core"),
+    ("epx_svc=0", "epx_svc must have 1 to 2147483647 entries, got 0"),
+])
+def test_bad_bpf_map_sizes_name_the_flag_and_the_map(text, message):
+    with pytest.raises(ConfigError, match="^--bpf-map-sizes: " + re.escape(message)):
+        load_config({"bpf_map_sizes": text})

@@ -246,6 +246,17 @@ def _lpm(cidr: str) -> tuple[int, int]:
     return net.prefixlen, be32(str(net.network_address))
 
 
+class MapFull(OSError):
+    """A write found map `name` full (the kernel's E2BIG): a capacity question, not a bug, so the
+    message names the map, its capacity and the setting that raises it."""
+
+    def __init__(self, name: str, capacity: int) -> None:
+        self.name, self.capacity = name, capacity
+        how = ("--conntrack-max-per-core / --conntrack-min" if name == "epx_ct4"
+               else f"--bpf-map-sizes {name}=N (N > {capacity:,})")
+        super().__init__(errno.E2BIG, f"BPF map {name} is full ({capacity:,} entries): raise its capacity with {how}")
+
+
 class Maps:
     """The datapath's maps by name -> fd (from loader.Loaded, or opened from pins)."""
 
@@ -286,7 +297,13 @@ class Maps:
         return self._fds[name]
 
     def _put(self, name: str, key, value) -> None:
-        libbpf.map_update(self._fd(name), key, value)
+        fd = self._fd(name)
+        try:
+            libbpf.map_update(fd, key, value)
+        except OSError as exc:
+            if exc.errno == errno.E2BIG:
+                raise MapFull(name, libbpf.map_info(fd).max_entries) from None
+            raise
 
     def _get(self, name: str, key):
         value = s.MAPS[name].leaf()
