@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from ebpf_proxy.datapath.ebpf import EbpfDatapath, libbpf, loader, pins
+from ebpf_proxy.datapath.ebpf.datapath import ServicesDidNotFit
 from ebpf_proxy.datapath.ebpf import structs as s
 from ebpf_proxy.lab._setns import run_in_netns
 from ebpf_proxy.model import ChangeSet, ConntrackLimits, Endpoint, NodeConfig, Protocol, ProxyState, ServicePort, ServicePortName
@@ -183,6 +184,35 @@ def test_conntrack_settings_size_the_table_and_the_gc_thread_collects(node):
         while dp.stats()["bpf_ct_entries"] and time.monotonic() < deadline:
             time.sleep(0.1)
         assert dp.stats()["bpf_ct_entries"] == 0
+    finally:
+        run_in_netns(lab.ns["node"], dp.cleanup)
+        dp.close()
+
+
+def test_a_full_service_map_programs_what_fits_attaches_and_names_the_rest(node):
+    """epx_svc holds 2 frontends; the TCP service port takes both (clusterIP, NodePort), so the
+    UDP one does not fit: the first sync still attaches and the TCP port serves, and the sync
+    fails naming the UDP port, the map and the flag, again on every retry, until it fits (here:
+    the UDP port is gone)."""
+    lab, cgroup = node, node.cgroup()
+    dp = EbpfDatapath(NODE, cgroup_path=str(cgroup), bpffs=str(lab.bpffs), pod_device_patterns=("vpod", "vbe"),
+                      max_entries={**SMALL_MAPS, "epx_svc": 2})
+    try:
+        with pytest.raises(ServicesDidNotFit) as caught:
+            _sync(lab, dp, _state())
+        assert str(caught.value).endswith(
+            "1 service port(s) not programmed (default/web:udp): BPF map epx_svc is full (2 entries): "
+            "raise its capacity with --bpf-map-sizes epx_svc=N (N > 2)")
+        assert _attached(lab) == {"vpod": "tc", "vbe": "tc", "vout": "tc,xdp"}
+        assert lab.client("pod", "tcp", VIP, 80)[:1] == ["ok"], "the port that fit serves"
+        assert lab.client("pod", "udp", VIP, 80)[0] == "error", "the one that did not is not there"
+        with pytest.raises(ServicesDidNotFit):  # retried: still no room
+            run_in_netns(lab.ns["node"], dp.sync, _state(), ChangeSet(full=True))
+        both = _state()
+        tcp_only = ProxyState(services={n: v for n, v in both.services.items() if n.protocol is Protocol.TCP},
+                              endpoints={n: v for n, v in both.endpoints.items() if n.protocol is Protocol.TCP})
+        run_in_netns(lab.ns["node"], dp.sync, tcp_only, ChangeSet(full=True))  # nothing left out: no error
+        assert lab.client("pod", "tcp", VIP, 80)[:1] == ["ok"]
     finally:
         run_in_netns(lab.ns["node"], dp.cleanup)
         dp.close()

@@ -36,7 +36,7 @@ from pathlib import Path
 from ebpf_proxy.datapath.base import Datapath, SyncResult
 from ebpf_proxy.datapath.ebpf import adopt, devices, handover, loader, pins
 from ebpf_proxy.datapath.ebpf import structs as s
-from ebpf_proxy.datapath.ebpf.maps import ConntrackUsage, Maps, NodeSettings
+from ebpf_proxy.datapath.ebpf.maps import ConntrackUsage, MapFull, Maps, NodeSettings
 from ebpf_proxy.datapath.ebpf.services import (
     ServiceEntries,
     ServicePrograms,
@@ -70,6 +70,19 @@ class Believed:
     node_addrs: frozenset[str]
     pod_cidrs: frozenset[str]
     devices: devices.Devices
+
+
+class ServicesDidNotFit(MapFull):
+    """A sync programmed every service port but these, for which a map was full."""
+
+    def __init__(self, failed: Mapping[ServicePortName, MapFull]) -> None:
+        first = next(iter(failed.values()))
+        names = sorted(str(n) for n in failed)
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        super().__init__(first.name, first.capacity)
+        self.failed = dict(failed)
+        self.strerror = f"{len(names)} service port(s) not programmed ({shown}): {first.strerror}"
+        self.args = (self.errno, self.strerror)
 
 
 class EbpfDatapath(Datapath):
@@ -140,10 +153,14 @@ class EbpfDatapath(Datapath):
             # (start, hourly, after an error) reconcile everything else.
             names = set(changes.services)
         ordered = sorted(names)
+        did_not_fit: dict[ServicePortName, MapFull] = {}
         for done, name in enumerate(ordered):
             svc = state.services.get(name)
             entries = self._programs.entries(svc, state.endpoints_of(name), state.topology) if svc else None
-            counts["map_writes"] += self._programs.apply(name, entries)
+            try:
+                counts["map_writes"] += self._programs.apply(name, entries)
+            except MapFull as exc:  # the others may still fit (a deletion later frees room): go on
+                did_not_fit[name] = exc
             if done % PROGRESS_EVERY == 0:
                 self.report_progress(done / len(ordered))
         if not self._attached:
@@ -157,6 +174,10 @@ class EbpfDatapath(Datapath):
         self._programs.sync_done()
         if changes.full or first:
             self._ct_usage = None  # full syncs collect, and report a fresh count
+        if did_not_fit:
+            # after the attach: what fits serves, even on a first sync; the sync fails, so the
+            # agent retries these (and its health says so) until the map is made bigger
+            raise ServicesDidNotFit(did_not_fit)
         counts.update(self.stats())
         log.debug("ebpf sync: %s", counts)
         return SyncResult(counts=counts)
