@@ -579,9 +579,10 @@ class Maps:
         the table is read while packets create connections: a half read before its connection was
         written looks orphaned. Deleting it would leave the new connection without its reply
         translation (at 40,000 new UDP flows/s, ~1 in 200 did, and their replies never arrived).
-        So a half is only removed when it was orphaned already in the previous pass, unchanged, or
-        when this pass removes its connection; and each entry is read again just before its
-        deletion (a half: its connection too), so one a packet refreshed or re-created stays.
+        So a half is only removed when the previous pass found it orphaned already, unchanged (the
+        halves of a connection this pass removes go in the next one), and each entry is read again
+        just before its deletion (a half: its connection too), so one a packet refreshed or
+        re-created stays.
         `now_ns` is bpf_ktime_get_ns()'s clock (CLOCK_MONOTONIC)."""
         fd = self._fd("epx_ct4")
         owners: dict[tuple, s.CT4Entry] = {}
@@ -609,8 +610,8 @@ class Maps:
             owner_key = _owner_tuple(k, v)
             if _half_is_live(k, v, owners.get(owner_key) if owner_key else None, now_ns):
                 continue
-            if owner_key not in gone and self._orphans.get(bytes(k)) != bytes(v):
-                suspects[bytes(k)] = bytes(v)  # perhaps a connection being created: next pass
+            if self._orphans.get(bytes(k)) != bytes(v):
+                suspects[bytes(k)] = bytes(v)  # perhaps a connection being (re-)created: next pass
                 continue
             if owner_key is not None and _half_is_live(k, v, self.connection_entry(_svc_key(owner_key)), now_ns):
                 continue  # its connection was (re-)created since the read
