@@ -262,11 +262,12 @@ class Bench:
 
         meter = procstat.PhaseMeter(self._agent_pids())
         targets = measured_targets(self.services.measured, self.lab.topology, traffic.ENTRY_NODE)
-        for point in traffic.proxy_points(mode, targets):
+        points = traffic.proxy_points(mode, targets)
+        for point in points:
             self._measure_point(point, size)
         if mode == "ebpf":
             with self._guard("bpf_ns_per_packet", mode, size, "load_tc_ingress"):
-                self._live_cost(traffic.proxy_points(mode, targets)[0], size)
+                self._live_cost(points[0], size)  # the ClusterIP connection load
         phases["datapath"] = meter.stop()
 
         observer = controlplane.Observer(self.lab, OBSERVED_NODE, mode)

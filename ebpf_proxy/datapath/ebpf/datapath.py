@@ -79,10 +79,8 @@ class ServicesDidNotFit(MapFull):
         first = next(iter(failed.values()))
         names = sorted(str(n) for n in failed)
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-        super().__init__(first.name, first.capacity)
+        super().__init__(first.name, first.capacity, f"{len(names)} service port(s) not programmed ({shown}): ")
         self.failed = dict(failed)
-        self.strerror = f"{len(names)} service port(s) not programmed ({shown}): {first.strerror}"
-        self.args = (self.errno, self.strerror)
 
 
 class EbpfDatapath(Datapath):

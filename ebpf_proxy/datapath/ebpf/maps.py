@@ -250,11 +250,13 @@ class MapFull(OSError):
     """A write found map `name` full (the kernel's E2BIG): a capacity question, not a bug, so the
     message names the map, its capacity and the setting that raises it."""
 
-    def __init__(self, name: str, capacity: int) -> None:
+    def __init__(self, name: str, capacity: int, what: str = "") -> None:
+        """`what`: what the full map cost, put before the message (e.g. the ports left out)."""
         self.name, self.capacity = name, capacity
         how = ("--conntrack-max-per-core / --conntrack-min" if name == "epx_ct4"
                else f"--bpf-map-sizes {name}=N (N > {capacity:,})")
-        super().__init__(errno.E2BIG, f"BPF map {name} is full ({capacity:,} entries): raise its capacity with {how}")
+        super().__init__(errno.E2BIG,
+                         f"{what}BPF map {name} is full ({capacity:,} entries): raise its capacity with {how}")
 
 
 class Maps:
@@ -624,11 +626,10 @@ class Maps:
     def _delete_if_unchanged(self, key: s.CT4Key, seen: s.CT4Entry) -> bool:
         """Delete epx_ct4 entry `key` if it still holds `seen`: one written again since the read
         (a packet refreshed or re-created it) is not ours to judge any more."""
-        fd = self._fd("epx_ct4")
-        current = s.CT4Entry()
-        if not libbpf.map_lookup(fd, key, current) or bytes(current) != bytes(seen):
+        current = self.connection_entry(key)
+        if current is None or bytes(current) != bytes(seen):
             return False
-        return libbpf.map_delete(fd, key)
+        return self.delete_connection_entry(key)
 
     def delete_connection(self, c: Connection) -> bool:
         return self.delete_connection_entry(ct_key(c.saddr, c.daddr, c.sport, c.dport, c.proto, c.kind))
