@@ -12,8 +12,11 @@
  * through the proxy, as every TCP connection is). Latency is from connect()/socket() to the
  * complete reply.
  *
- * One thread, epoll, CONCURRENCY operations in flight. Operations that complete during the
- * warm-up are not recorded; the measured window follows it. Timeouts and errors are counted by
+ * THREADS threads (default 1; the bench gives one per CPU, so that the client is not what limits
+ * a rate), each with its own epoll set, its share of the CONCURRENCY operations in flight, its
+ * own counters and latency samples, merged when all have stopped: nothing is shared while the
+ * load runs. Operations that complete during the warm-up are not recorded; the measured window
+ * follows it. Timeouts and errors are counted by
  * kind (those of the measured window only, like the completions), never folded into the rate.
  * The process bounds itself: it stops at warm-up + duration, and an alarm kills it shortly after
  * whatever happens.
@@ -22,7 +25,8 @@
  * it closes, so that a figure per operation can be given: the kernel's share (system + irq +
  * softirq) is what the network stack and the datapath cost. The lab's nodes share this kernel,
  * so it covers the whole path, the servers' and this program's own system calls included. And this
- * program's own CPU seconds over the window (getrusage): near one per second, it was the limit.
+ * program's own CPU seconds over the window (getrusage, every thread): near THREADS per second,
+ * it was the limit.
  *
  * Output: one JSON object on stdout (parsed by loadgen.py; keys documented there).
  */
@@ -33,6 +37,7 @@
 #include <math.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -47,6 +52,7 @@
 #define MAX_TARGETS 16
 #define MAX_PODS 32
 #define MAX_SLOTS 4096
+#define MAX_THREADS 64
 #define BUF_SIZE 2048
 #define SAMPLE_CAP (4u << 20) /* latency samples kept; beyond, reservoir sampling */
 
@@ -64,25 +70,31 @@ struct slot {
 
 struct pod_count { char name[64]; uint64_t n; };
 
+/* Set by main before the threads start, read-only afterwards. */
 static enum proto proto = TCP;
 static struct sockaddr_in targets[MAX_TARGETS];
-static int n_targets, next_target;
+static int n_targets;
 static double duration = 1.0, warmup = 0.0;
-static int concurrency = 16;
+static int concurrency = 16, threads = 1;
 static int timeout_ms = 1000;
 static char payload[256] = "bench";
 static size_t payload_len = 5;
-
 static uint64_t t_measure, t_end;
-static int measuring; /* inside the measured window: errors, like completions, count only then */
-#define ERR(counter) do { if (measuring) (counter)++; } while (0)
-static uint64_t completed, started;
-static uint64_t err_connect, err_refused, err_reset, err_timeout, err_eof, err_other, bad_reply;
-static uint32_t *samples;
-static uint64_t n_samples, n_seen;
-static uint64_t rng = 88172645463325252ull;
-static struct pod_count pods[MAX_PODS];
-static int n_pods;
+
+/* One thread's load and what it saw; main merges them into the first when all have stopped. */
+struct worker {
+    int ep, n_slots, next_target;
+    struct slot *slots;
+    int measuring; /* inside the measured window: errors, like completions, count only then */
+    uint64_t completed, started;
+    uint64_t err_connect, err_refused, err_reset, err_timeout, err_eof, err_other, bad_reply;
+    uint32_t *samples;
+    uint64_t n_samples, n_seen, cap;
+    uint64_t rng;
+    struct pod_count pods[MAX_PODS];
+    int n_pods;
+};
+#define ERR(counter) do { if (w->measuring) (w->counter)++; } while (0)
 
 /* /proc/stat's first line in clock ticks: user (+ nice), kernel (system + irq + softirq), idle
  * (+ iowait); all zero when it cannot be read. */
@@ -117,16 +129,16 @@ static uint64_t now_ns(void) {
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-static uint64_t xorshift(void) {
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return rng;
+static uint64_t xorshift(struct worker *w) {
+    w->rng ^= w->rng << 13;
+    w->rng ^= w->rng >> 7;
+    w->rng ^= w->rng << 17;
+    return w->rng;
 }
 
 static void usage(const char *msg) {
     fprintf(stderr, "loadgen: %s\nusage: loadgen --proto tcp|udp --target IP:PORT [--target ...] "
-                    "[--duration S] [--warmup S] [--concurrency N] [--timeout-ms MS] [--payload TEXT]\n", msg);
+                    "[--duration S] [--warmup S] [--concurrency N] [--threads N] [--timeout-ms MS] [--payload TEXT]\n", msg);
     exit(2);
 }
 
@@ -146,21 +158,32 @@ static void parse_target(const char *text) {
     if (inet_pton(AF_INET, host, &sa->sin_addr) != 1) usage("--target: not an IPv4 address");
 }
 
-static void record_sample(uint64_t ns) {
+static void record_sample(struct worker *w, uint64_t ns) {
     uint64_t us = ns / 1000;
     uint32_t v = us > UINT32_MAX ? UINT32_MAX : (uint32_t)us;
-    n_seen++;
-    if (n_samples < SAMPLE_CAP) {
-        samples[n_samples++] = v;
+    w->n_seen++;
+    if (w->n_samples < w->cap) {
+        w->samples[w->n_samples++] = v;
     } else {
-        uint64_t j = xorshift() % n_seen;
-        if (j < SAMPLE_CAP) samples[j] = v;
+        uint64_t j = xorshift(w) % w->n_seen;
+        if (j < w->cap) w->samples[j] = v;
+    }
+}
+
+/* Count `k` answers from pod name[0..n) (a table of at most MAX_PODS names; more are not kept). */
+static void add_pod(struct worker *w, const char *name, size_t n, uint64_t k) {
+    for (int i = 0; i < w->n_pods; i++)
+        if (strlen(w->pods[i].name) == n && memcmp(w->pods[i].name, name, n) == 0) { w->pods[i].n += k; return; }
+    if (w->n_pods < MAX_PODS) {
+        memcpy(w->pods[w->n_pods].name, name, n);
+        w->pods[w->n_pods].name[n] = 0;
+        w->pods[w->n_pods++].n = k;
     }
 }
 
 /* The echo server's line starts {"pod":"NAME",...: count answers per pod (a sanity check that
  * the path load-balances, and that what answered is ours). */
-static void count_pod(const char *line, size_t len) {
+static void count_pod(struct worker *w, const char *line, size_t len) {
     static const char key[] = "\"pod\":\"";
     const char *p = memmem(line, len, key, sizeof key - 1);
     if (!p) { ERR(bad_reply); return; }
@@ -173,18 +196,12 @@ static void count_pod(const char *line, size_t len) {
             ERR(bad_reply);
             return;
         }
-    for (int i = 0; i < n_pods; i++)
-        if (strlen(pods[i].name) == n && memcmp(pods[i].name, p, n) == 0) { pods[i].n++; return; }
-    if (n_pods < MAX_PODS) {
-        memcpy(pods[n_pods].name, p, n);
-        pods[n_pods].name[n] = 0;
-        pods[n_pods++].n = 1;
-    }
+    add_pod(w, p, n, 1);
 }
 
-static void finish(int ep, struct slot *s, int ok_err, uint64_t now);
+static void finish(struct worker *w, struct slot *s, int ok_err, uint64_t now);
 
-static void start_op(int ep, struct slot *s) {
+static void start_op(struct worker *w, struct slot *s) {
     uint64_t now = now_ns();
     if (now >= t_end) { s->st = IDLE; return; }
     int type = proto == TCP ? SOCK_STREAM : SOCK_DGRAM;
@@ -194,13 +211,13 @@ static void start_op(int ep, struct slot *s) {
         int one = 1;
         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     }
-    struct sockaddr_in *dst = &targets[next_target];
-    next_target = (next_target + 1) % n_targets;
+    struct sockaddr_in *dst = &targets[w->next_target];
+    w->next_target = (w->next_target + 1) % n_targets;
     s->fd = fd;
     s->got = 0;
     s->start_ns = now;
     s->deadline_ns = now + (uint64_t)timeout_ms * 1000000ull;
-    started++;
+    w->started++;
     int rc = connect(fd, (struct sockaddr *)dst, sizeof *dst);
     if (rc < 0 && errno != EINPROGRESS) {
         if (errno == ECONNREFUSED || errno == EHOSTUNREACH || errno == ENETUNREACH) ERR(err_refused);
@@ -212,33 +229,33 @@ static void start_op(int ep, struct slot *s) {
     }
     struct epoll_event ev = {.data.ptr = s};
     if (proto == UDP) {
-        if (send(fd, payload, payload_len, 0) < 0) { finish(ep, s, 1, now); ERR(err_other); return; }
+        if (send(fd, payload, payload_len, 0) < 0) { finish(w, s, 1, now); ERR(err_other); return; }
         s->st = READING;
         ev.events = EPOLLIN;
     } else {
         s->st = CONNECTING;
         ev.events = EPOLLOUT;
     }
-    if (epoll_ctl(ep, EPOLL_CTL_ADD, fd, &ev) < 0) { perror("epoll_ctl"); exit(1); }
+    if (epoll_ctl(w->ep, EPOLL_CTL_ADD, fd, &ev) < 0) { perror("epoll_ctl"); exit(1); }
 }
 
 /* ok_err: 0 = success (record it), 1 = error already counted by the caller. */
-static void finish(int ep, struct slot *s, int ok_err, uint64_t now) {
+static void finish(struct worker *w, struct slot *s, int ok_err, uint64_t now) {
     if (!ok_err) {
         if (now >= t_measure && now < t_end) {
-            completed++;
-            record_sample(now - s->start_ns);
+            w->completed++;
+            record_sample(w, now - s->start_ns);
         }
     }
     if (s->fd >= 0) {
-        epoll_ctl(ep, EPOLL_CTL_DEL, s->fd, NULL);
+        epoll_ctl(w->ep, EPOLL_CTL_DEL, s->fd, NULL);
         close(s->fd);
     }
     s->fd = -1;
     s->st = IDLE;
 }
 
-static int count_error(int err) {
+static int count_error(struct worker *w, int err) {
     switch (err) {
     case ECONNREFUSED: case EHOSTUNREACH: case ENETUNREACH: case EHOSTDOWN: case EACCES: ERR(err_refused); break;
     case ECONNRESET: case EPIPE: ERR(err_reset); break;
@@ -257,40 +274,40 @@ static int reply_complete(struct slot *s) {
     return s->got >= line + payload_len;
 }
 
-static void on_event(int ep, struct slot *s, uint32_t events) {
+static void on_event(struct worker *w, struct slot *s, uint32_t events) {
     uint64_t now;
     if (s->st == CONNECTING) {
         int err = 0;
         socklen_t len = sizeof err;
         getsockopt(s->fd, SOL_SOCKET, SO_ERROR, &err, &len);
-        if (err) { count_error(err); finish(ep, s, 1, now_ns()); return; }
+        if (err) { count_error(w, err); finish(w, s, 1, now_ns()); return; }
         if (send(s->fd, payload, payload_len, MSG_NOSIGNAL) < 0) {
-            count_error(errno); finish(ep, s, 1, now_ns()); return;
+            count_error(w, errno); finish(w, s, 1, now_ns()); return;
         }
         s->st = READING;
         struct epoll_event ev = {.events = EPOLLIN, .data.ptr = s};
-        epoll_ctl(ep, EPOLL_CTL_MOD, s->fd, &ev);
+        epoll_ctl(w->ep, EPOLL_CTL_MOD, s->fd, &ev);
         return;
     }
     (void)events;
     for (;;) {
-        if (s->got >= BUF_SIZE) { ERR(bad_reply); finish(ep, s, 1, now_ns()); return; }
+        if (s->got >= BUF_SIZE) { ERR(bad_reply); finish(w, s, 1, now_ns()); return; }
         ssize_t n = recv(s->fd, s->buf + s->got, BUF_SIZE - s->got, 0);
         if (n < 0) {
             if (errno == EAGAIN || errno == EINTR) return;
-            count_error(errno);
-            finish(ep, s, 1, now_ns());
+            count_error(w, errno);
+            finish(w, s, 1, now_ns());
             return;
         }
-        if (n == 0) { ERR(err_eof); finish(ep, s, 1, now_ns()); return; }
+        if (n == 0) { ERR(err_eof); finish(w, s, 1, now_ns()); return; }
         s->got += (size_t)n;
         if (reply_complete(s)) {
             now = now_ns();
-            if (now >= t_measure && now < t_end) count_pod(s->buf, s->got);
-            finish(ep, s, 0, now);
+            if (now >= t_measure && now < t_end) count_pod(w, s->buf, s->got);
+            finish(w, s, 0, now);
             return;
         }
-        if (proto == UDP) { ERR(bad_reply); finish(ep, s, 1, now_ns()); return; }
+        if (proto == UDP) { ERR(bad_reply); finish(w, s, 1, now_ns()); return; }
     }
 }
 
@@ -299,13 +316,63 @@ static int cmp_u32(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
-/* Nearest-rank percentile (the same definition as results.percentile). */
-static double pct(double p) {
-    if (!n_samples) return 0;
-    double rank = ceil(p / 100.0 * (double)n_samples);
+/* Nearest-rank percentile (the same definition as results.percentile) of n sorted samples. */
+static double pct(const uint32_t *samples, uint64_t n, double p) {
+    if (!n) return 0;
+    double rank = ceil(p / 100.0 * (double)n);
     uint64_t idx = rank < 1 ? 0 : (uint64_t)rank - 1;
-    if (idx >= n_samples) idx = n_samples - 1;
+    if (idx >= n) idx = n - 1;
     return samples[idx];
+}
+
+/* One thread's load: keep its slots busy until t_end, time out the stuck ones. */
+static void *run_worker(void *arg) {
+    struct worker *w = arg;
+    for (int i = 0; i < w->n_slots; i++) { w->slots[i].fd = -1; start_op(w, &w->slots[i]); }
+    struct epoll_event evs[256];
+    uint64_t last_scan = now_ns();
+    for (;;) {
+        w->measuring = now_ns() >= t_measure;
+        int n = epoll_wait(w->ep, evs, 256, 5);
+        if (n < 0 && errno != EINTR) { perror("epoll_wait"); exit(1); }
+        for (int i = 0; i < n; i++) on_event(w, evs[i].data.ptr, evs[i].events);
+        uint64_t now = now_ns();
+        if (now >= t_end) break;
+        int scan = now - last_scan > 2000000ull;
+        if (scan) last_scan = now;
+        for (int i = 0; i < w->n_slots; i++) {
+            struct slot *s = &w->slots[i];
+            if (s->st != IDLE && scan && now > s->deadline_ns) { ERR(err_timeout); finish(w, s, 1, now); }
+            if (s->st == IDLE) start_op(w, s);
+        }
+    }
+    for (int i = 0; i < w->n_slots; i++)
+        if (w->slots[i].fd >= 0) close(w->slots[i].fd);
+    return NULL;
+}
+
+/* Fold worker `from` into `into`: counters summed, samples appended (each thread kept its share
+ * of SAMPLE_CAP, so they fit), answers per pod added. */
+static void merge(struct worker *into, const struct worker *from) {
+    into->completed += from->completed;
+    into->started += from->started;
+    into->err_connect += from->err_connect;
+    into->err_refused += from->err_refused;
+    into->err_reset += from->err_reset;
+    into->err_timeout += from->err_timeout;
+    into->err_eof += from->err_eof;
+    into->err_other += from->err_other;
+    into->bad_reply += from->bad_reply;
+    memmove(into->samples + into->n_samples, from->samples, from->n_samples * sizeof *from->samples); /* may overlap */
+    into->n_samples += from->n_samples;
+    for (int i = 0; i < from->n_pods; i++) add_pod(into, from->pods[i].name, strlen(from->pods[i].name), from->pods[i].n);
+}
+
+static void sleep_until(uint64_t t) {
+    for (uint64_t now = now_ns(); now < t; now = now_ns()) {
+        struct timespec ts = {(time_t)((t - now) / 1000000000ull), (long)((t - now) % 1000000000ull)};
+        nanosleep(&ts, NULL);
+    }
 }
 
 int main(int argc, char **argv) {
@@ -321,6 +388,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--duration") && v) { duration = atof(v); i++; }
         else if (!strcmp(a, "--warmup") && v) { warmup = atof(v); i++; }
         else if (!strcmp(a, "--concurrency") && v) { concurrency = atoi(v); i++; }
+        else if (!strcmp(a, "--threads") && v) { threads = atoi(v); i++; }
         else if (!strcmp(a, "--timeout-ms") && v) { timeout_ms = atoi(v); i++; }
         else if (!strcmp(a, "--payload") && v) {
             payload_len = strlen(v);
@@ -333,68 +401,73 @@ int main(int argc, char **argv) {
     if (duration <= 0 || duration > 600) usage("--duration: 0 < S <= 600");
     if (warmup < 0 || warmup > 600) usage("--warmup: 0 <= S <= 600");
     if (concurrency < 1 || concurrency > MAX_SLOTS) usage("--concurrency: 1 to 4096");
+    if (threads < 1 || threads > MAX_THREADS || threads > concurrency) usage("--threads: 1 to 64, at most --concurrency");
     if (timeout_ms < 1) usage("--timeout-ms: >= 1");
 
     alarm((unsigned)(warmup + duration) + 10); /* hard bound, whatever happens below */
     struct rlimit rl = {MAX_SLOTS + 64, MAX_SLOTS + 64};
     setrlimit(RLIMIT_NOFILE, &rl);
-    samples = malloc(SAMPLE_CAP * sizeof *samples);
+    uint32_t *samples = malloc(SAMPLE_CAP * sizeof *samples);
+    struct worker *workers = calloc((size_t)threads, sizeof *workers);
     struct slot *slots = calloc((size_t)concurrency, sizeof *slots);
-    if (!samples || !slots) { perror("malloc"); return 1; }
-    int ep = epoll_create1(EPOLL_CLOEXEC);
-    if (ep < 0) { perror("epoll_create1"); return 1; }
+    if (!samples || !workers || !slots) { perror("malloc"); return 1; }
 
     uint64_t t0 = now_ns();
     t_measure = t0 + (uint64_t)(warmup * 1e9);
     t_end = t_measure + (uint64_t)(duration * 1e9);
-    for (int i = 0; i < concurrency; i++) { slots[i].fd = -1; start_op(ep, &slots[i]); }
-
-    struct epoll_event evs[256];
-    uint64_t last_scan = t0;
-    struct cpu_ticks cpu_start = {0}, cpu_end = {0};
-    double self_start = -1, self_end = -1;
-    for (;;) {
-        if (!measuring && now_ns() >= t_measure) { cpu_start = read_cpu(); self_start = self_cpu(); }
-        measuring = now_ns() >= t_measure;
-        int n = epoll_wait(ep, evs, 256, 5);
-        if (n < 0 && errno != EINTR) { perror("epoll_wait"); return 1; }
-        for (int i = 0; i < n; i++) on_event(ep, evs[i].data.ptr, evs[i].events);
-        uint64_t now = now_ns();
-        if (now >= t_end) { cpu_end = read_cpu(); self_end = self_cpu(); break; }
-        int scan = now - last_scan > 2000000ull;
-        if (scan) last_scan = now;
-        for (int i = 0; i < concurrency; i++) {
-            struct slot *s = &slots[i];
-            if (s->st != IDLE && scan && now > s->deadline_ns) { ERR(err_timeout); finish(ep, s, 1, now); }
-            if (s->st == IDLE) start_op(ep, s);
-        }
+    int slot = 0;
+    uint64_t share = SAMPLE_CAP / (uint64_t)threads;
+    for (int t = 0; t < threads; t++) {
+        struct worker *w = &workers[t];
+        w->n_slots = concurrency / threads + (t < concurrency % threads);
+        w->slots = slots + slot;
+        slot += w->n_slots;
+        w->samples = samples + share * (uint64_t)t; /* adjacent shares: merging moves them together */
+        w->cap = share;
+        w->rng = 88172645463325252ull + (uint64_t)t * 0x9e3779b97f4a7c15ull;
+        w->next_target = t % n_targets;
+        w->ep = epoll_create1(EPOLL_CLOEXEC);
+        if (w->ep < 0) { perror("epoll_create1"); return 1; }
     }
-    for (int i = 0; i < concurrency; i++)
-        if (slots[i].fd >= 0) close(slots[i].fd);
+    pthread_t tids[MAX_THREADS];
+    for (int t = 0; t < threads; t++)
+        if ((errno = pthread_create(&tids[t], NULL, run_worker, &workers[t])) != 0) { perror("pthread_create"); return 1; }
+    sleep_until(t_measure);
+    struct cpu_ticks cpu_start = read_cpu();
+    double self_start = self_cpu();
+    sleep_until(t_end);
+    struct cpu_ticks cpu_end = read_cpu();
+    double self_end = self_cpu();
+    for (int t = 0; t < threads; t++) pthread_join(tids[t], NULL);
+    struct worker *w = &workers[0]; /* the whole run's figures */
+    for (int t = 1; t < threads; t++) merge(w, &workers[t]);
+    uint64_t n_samples = w->n_samples;
 
     qsort(samples, n_samples, sizeof *samples, cmp_u32);
     double sum = 0;
     for (uint64_t i = 0; i < n_samples; i++) sum += samples[i];
-    printf("{\"proto\":\"%s\",\"duration_s\":%.6f,\"warmup_s\":%.3f,\"concurrency\":%d,\"targets\":[",
-           proto == TCP ? "tcp" : "udp", duration, warmup, concurrency);
+    printf("{\"proto\":\"%s\",\"duration_s\":%.6f,\"warmup_s\":%.3f,\"concurrency\":%d,\"threads\":%d,\"targets\":[",
+           proto == TCP ? "tcp" : "udp", duration, warmup, concurrency, threads);
     for (int i = 0; i < n_targets; i++) {
         char ip[INET_ADDRSTRLEN];
         inet_ntop(AF_INET, &targets[i].sin_addr, ip, sizeof ip);
         printf("%s\"%s:%u\"", i ? "," : "", ip, ntohs(targets[i].sin_port));
     }
-    printf("],\"started\":%llu,\"completed\":%llu,\"rate\":%.3f,", (unsigned long long)started,
-           (unsigned long long)completed, (double)completed / duration);
+    printf("],\"started\":%llu,\"completed\":%llu,\"rate\":%.3f,", (unsigned long long)w->started,
+           (unsigned long long)w->completed, (double)w->completed / duration);
     printf("\"latency_us\":{\"samples\":%llu,\"min\":%.0f,\"mean\":%.3f,\"p50\":%.0f,\"p90\":%.0f,"
            "\"p99\":%.0f,\"p999\":%.0f,\"max\":%.0f},",
            (unsigned long long)n_samples, n_samples ? (double)samples[0] : 0.0,
-           n_samples ? sum / (double)n_samples : 0.0, pct(50), pct(90), pct(99), pct(99.9),
+           n_samples ? sum / (double)n_samples : 0.0, pct(samples, n_samples, 50), pct(samples, n_samples, 90),
+           pct(samples, n_samples, 99), pct(samples, n_samples, 99.9),
            n_samples ? (double)samples[n_samples - 1] : 0.0);
     printf("\"errors\":{\"connect\":%llu,\"refused\":%llu,\"reset\":%llu,\"timeout\":%llu,\"eof\":%llu,"
            "\"bad_reply\":%llu,\"other\":%llu},\"backends\":{",
-           (unsigned long long)err_connect, (unsigned long long)err_refused, (unsigned long long)err_reset,
-           (unsigned long long)err_timeout, (unsigned long long)err_eof, (unsigned long long)bad_reply,
-           (unsigned long long)err_other);
-    for (int i = 0; i < n_pods; i++) printf("%s\"%s\":%llu", i ? "," : "", pods[i].name, (unsigned long long)pods[i].n);
+           (unsigned long long)w->err_connect, (unsigned long long)w->err_refused, (unsigned long long)w->err_reset,
+           (unsigned long long)w->err_timeout, (unsigned long long)w->err_eof, (unsigned long long)w->bad_reply,
+           (unsigned long long)w->err_other);
+    for (int i = 0; i < w->n_pods; i++)
+        printf("%s\"%s\":%llu", i ? "," : "", w->pods[i].name, (unsigned long long)w->pods[i].n);
     printf("},\"cpu_s\":");
     if (cpu_start.ok && cpu_end.ok) {
         double tick = (double)sysconf(_SC_CLK_TCK);

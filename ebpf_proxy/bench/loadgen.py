@@ -2,8 +2,7 @@
 
 Why a purpose-built C client: the lab's echo server speaks its own protocol (a JSON line on
 accept, then an echo), not HTTP, so wrk cannot drive it; and a Python client would measure
-Python. The C source ships with the package and is compiled once into a cache directory keyed
-by its hash, so an edit to the source rebuilds it and nothing stale is ever run.
+Python. The C source ships with the package and is compiled once (lab/cbuild.py).
 
 `LoadResult` is the parsed output. Its rate and percentiles are what the bench reports; the
 error counts and the per-pod answer counts are kept so that a figure can be checked (a point
@@ -14,17 +13,14 @@ kernel's cost per operation is given (`kernel_us_per_op`).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shutil
 import subprocess
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ebpf_proxy.lab import nsexec
+from ebpf_proxy.lab import cbuild, nsexec
 
 SOURCE_NAME = "loadgen.c"
 ERROR_KINDS = ("connect", "refused", "reset", "timeout", "eof", "bad_reply", "other")
@@ -35,38 +31,12 @@ class LoadgenError(RuntimeError):
     pass
 
 
-def source_text() -> str:
-    return resources.files("ebpf_proxy.bench").joinpath(SOURCE_NAME).read_text()
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "ebpf-proxy" / "bench"
-
-
 def build(cc: str | None = None, directory: Path | None = None) -> Path:
     """The compiled binary's path, compiling it if this source has not been compiled yet."""
-    src = source_text()
-    digest = hashlib.sha256(src.encode()).hexdigest()[:16]
-    directory = directory or cache_dir()
-    binary = directory / f"loadgen-{digest}"
-    if binary.is_file() and os.access(binary, os.X_OK):
-        return binary
-    compiler = cc or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
-        raise LoadgenError("no C compiler: the bench compiles its load generator with cc "
-                           "(apt-get install gcc)")
-    directory.mkdir(parents=True, exist_ok=True)
-    src_path = directory / f"loadgen-{digest}.c"
-    src_path.write_text(src)
-    tmp = directory / f"loadgen-{digest}.{os.getpid()}.tmp"
-    done = subprocess.run([compiler, "-O2", "-Wall", "-o", str(tmp), str(src_path), "-lm"],
-                          capture_output=True, text=True, timeout=120)
-    if done.returncode != 0:
-        tmp.unlink(missing_ok=True)
-        raise LoadgenError(f"compiling {src_path} with {compiler} failed:\n{done.stderr.strip()}")
-    os.replace(tmp, binary)  # atomic: a concurrent build never runs a half-written file
-    return binary
+    try:
+        return cbuild.build("ebpf_proxy.bench", SOURCE_NAME, libs=("-lm", "-lpthread"), cc=cc, directory=directory)
+    except cbuild.BuildError as exc:
+        raise LoadgenError(str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -78,6 +48,7 @@ class LoadSpec:
     duration: float
     warmup: float = 0.0
     concurrency: int = 16
+    threads: int = 1  # each with its own epoll set and share of `concurrency`
     timeout_ms: int = 1000
     payload: str = "bench"
 
@@ -88,6 +59,7 @@ class LoadSpec:
             raise ValueError("targets: at least one IP:PORT")
         argv = [str(binary), "--proto", self.proto, "--duration", f"{self.duration:g}",
                 "--warmup", f"{self.warmup:g}", "--concurrency", str(self.concurrency),
+                "--threads", str(self.threads),
                 "--timeout-ms", str(self.timeout_ms), "--payload", self.payload]
         for target in self.targets:
             argv += ["--target", target]
@@ -114,6 +86,11 @@ class LoadResult:
     # idle, and the load generator's own ("loadgen"), with "cpus" the machine's CPU count; None
     # where /proc/stat could not be read
     cpu_s: dict[str, float] | None = None
+
+    @property
+    def threads(self) -> int:
+        """How many threads generated the load (1 for an older loadgen that did not say)."""
+        return int(self.raw.get("threads", 1))
 
     @property
     def kernel_us_per_op(self) -> float | None:

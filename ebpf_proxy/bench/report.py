@@ -79,7 +79,7 @@ def _header(doc: dict) -> list[str]:
              f"- parameters: services {p.get('services')} (+ the {p.get('measured_services')} measured ones "
              f"count towards it), {p.get('endpoints_per_service')} endpoints each; {p.get('duration_s')} s per "
              f"run after {p.get('warmup_s')} s warm-up, {p.get('repeats')} repeats; {p.get('concurrency')} "
-             f"concurrent connections; {p.get('update_changes')} single changes × {p.get('repeats')}; bursts of "
+             f"concurrent connections over {p.get('client_threads', 1)} client threads; {p.get('update_changes')} single changes × {p.get('repeats')}; bursts of "
              f"{p.get('burst_changes')} changes",
              "- figures: median over the repeats, ±half the relative range of the repeats "
              "((max − min) / 2 / median); latencies in ms", ""]
@@ -149,8 +149,8 @@ def _limits_lines(doc: dict) -> list[str]:
     if not hits:
         return ["No run hit a CPU limit (the load generator, an echo server, the machine): the rates are "
                 "the paths'.", ""]
-    return ["Runs that hit a CPU limit (a single-threaded load generator or echo server busy ≥ 0.9 of a "
-            "core, or the machine under 5 % idle; per-run figures in results.json, `limits`): there the "
+    return ["Runs that hit a CPU limit (the load generator or an echo server busy ≥ 0.9 of a core per "
+            "thread, or the machine under 5 % idle; per-run figures in results.json, `limits`): there the "
             "rate is that limit's, and the modes' difference shows in the CPU per operation instead.", ""] \
         + hits + [""]
 

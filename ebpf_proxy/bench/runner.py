@@ -18,6 +18,7 @@ its mode restored.
 from __future__ import annotations
 
 import contextlib
+import os
 import secrets
 import shlex
 import subprocess
@@ -59,6 +60,7 @@ class BenchConfig:
     warmup: float = 1.0
     repeats: int = 3
     concurrency: int = 16
+    client_threads: int = 0  # load generator threads; 0: one per CPU (at most `concurrency`)
     update_changes: int = 20  # per repeat
     burst_changes: int = 1000
     lab_name: str | None = None  # reuse this lab instead of building one
@@ -78,7 +80,15 @@ class BenchConfig:
         d["topology"] = str(self.topology_path or TOPOLOGY)
         d["measured_services"] = len(ports.MEASURED_SERVICES)
         d["observed_node"] = OBSERVED_NODE
+        d["client_threads"] = client_threads(self)
         return d
+
+
+def client_threads(config: BenchConfig) -> int:
+    """The load generator's threads: as asked, or one per CPU this process may use; never more
+    than the operations in flight (each thread keeps at least one)."""
+    wanted = config.client_threads or len(os.sched_getaffinity(0))
+    return max(1, min(wanted, config.concurrency))
 
 
 def mode_unavailable_reason(mode: str) -> str | None:
@@ -107,7 +117,8 @@ class Bench:
         self.lab: Lab | None = None
         self.services: BenchServices | None = None
         self.binary: Path | None = None
-        self.settings = traffic.Settings(config.duration, config.warmup, config.repeats, config.concurrency)
+        self.settings = traffic.Settings(config.duration, config.warmup, config.repeats, config.concurrency,
+                                         client_threads=client_threads(config))
 
     # ---- helpers --------------------------------------------------------------------------------
     def _save(self) -> None:

@@ -49,6 +49,7 @@ class Settings:
     repeats: int
     concurrency: int = 16
     timeout_ms: int = 1000
+    client_threads: int = 1  # load generator threads, sharing `concurrency`
 
 
 @dataclass
@@ -161,13 +162,15 @@ def measure(lab: Lab, point: Point, settings: Settings, binary: Path,
         result.notes.append("conntrack not installed: tables not flushed between points")
     netns = lab.netns_of(point.source)
     servers = limits.server_pids(lab, backend_pods(lab.topology))
+    threads = limits.server_threads(lab, backend_pods(lab.topology))
     for i in range(settings.repeats):
         spec = LoadSpec(point.proto, point.targets, settings.duration,
                         warmup=settings.warmup if i == 0 else min(settings.warmup, 0.25),
-                        concurrency=settings.concurrency, timeout_ms=settings.timeout_ms)
+                        concurrency=settings.concurrency, threads=settings.client_threads,
+                        timeout_ms=settings.timeout_ms)
         meter = limits.ServerMeter(servers)
         run = loadgen.run(netns, spec, binary)
-        result.cpu_limits.append(limits.run_limits(run, meter.stop()))
+        result.cpu_limits.append(limits.run_limits(run, meter.stop(), threads))
         result.runs.append(run)
         result.problems.extend(f"run {i + 1}: {p}" for p in run.problems())
         if on_run:

@@ -105,6 +105,8 @@ def _print_compare(old_path: str, new_path: str) -> None:
               help="Runs of each point (3 or more for a spread). [default: 3]")
 @click.option("--concurrency", type=click.IntRange(1, 4096), default=16, show_default=True,
               help="Connections (or UDP requests) in flight per load generator.")
+@click.option("--client-threads", type=click.IntRange(0, 64), default=0, show_default=True,
+              help="Load generator threads sharing --concurrency; 0: one per CPU, so the client is not the limit.")
 @click.option("--update-changes", type=click.IntRange(1, 10000),
               help="Single endpoint changes per repeat of the update-latency measurement. [default: 20; --quick: 10]")
 @click.option("--burst-changes", type=click.IntRange(1, 100000), help="Changes in one burst. [default: 1000]")
@@ -118,7 +120,7 @@ def _print_compare(old_path: str, new_path: str) -> None:
               metavar="OLD NEW", help="Print NEW/OLD ratios of two results.json files, and run nothing.")
 @click.option("--report-from", type=click.Path(exists=True, dir_okay=False),
               help="Rebuild report.md and the plots from a results.json (into --out, default its directory).")
-def bench(modes, services, endpoints_per_service, duration, warmup, repeats, concurrency, update_changes,
+def bench(modes, services, endpoints_per_service, duration, warmup, repeats, concurrency, client_threads, update_changes,
           burst_changes, out_dir, quick, lab_name, topology_path, compare_paths, report_from) -> None:
     """Measure each mode's data path and control plane in one run, side by side.
 
@@ -151,6 +153,7 @@ def bench(modes, services, endpoints_per_service, duration, warmup, repeats, con
         warmup=_seconds(_pick("warmup", warmup, quick), "--warmup", allow_zero=True),
         repeats=_pick("repeats", repeats, quick),
         concurrency=concurrency,
+        client_threads=client_threads,
         update_changes=_pick("update_changes", update_changes, quick),
         burst_changes=_pick("burst_changes", burst_changes, quick),
         lab_name=lab_name,

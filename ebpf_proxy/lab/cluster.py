@@ -20,7 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from ebpf_proxy.lab import naming, netns, nsexec, state
+from ebpf_proxy.lab import cbuild, echod, naming, netns, nsexec, state
 from ebpf_proxy.lab import topology as topo
 from ebpf_proxy.lab.nshttp import http_get
 
@@ -241,28 +241,37 @@ class Lab:
         }
 
     def _start_pod(self, pod: topo.PodSpec) -> None:
-        self.data["pods"][pod.name] = {"pid": self._start_echo(pod)}
+        self.data["pods"][pod.name] = self._start_echo(pod)
         api = self.api()
         try:
             api.apply(self._pod_object(pod))
         finally:
             api.close()
 
-    def _start_echo(self, pod: topo.PodSpec) -> int | None:
-        """The pod's echo server; none for `listen: []` (a client pod that serves nothing)."""
+    def _start_echo(self, pod: topo.PodSpec) -> dict[str, Any]:
+        """The pod's echo server, as the lab records it: {"pid", "threads"} (its CPU limit, for
+        the bench); no pid for `listen: []` (a client pod that serves nothing)."""
         if not pod.listen:
-            return None
+            return {"pid": None}
         ready = self.dir / f"echo-{pod.name}.ready"
         ready.unlink(missing_ok=True)
-        argv = [sys.executable, "-m", "ebpf_proxy.lab.echo", "--pod", pod.name, "--ready-file", str(ready)]
-        for entry in pod.listen:
-            argv += ["--listen", entry]
-        if any(":" in ip for ip in pod.ips):
-            argv.append("--ipv6")
+        ipv6 = any(":" in ip for ip in pod.ips)
+        if pod.server == "native":
+            try:
+                binary = echod.build()
+            except cbuild.BuildError as exc:
+                raise LabError(f"pod {pod.name}: server native: {exc}") from None
+            argv = echod.argv(binary, pod.name, pod.listen, ready, ipv6=ipv6)
+        else:
+            argv = [sys.executable, "-m", "ebpf_proxy.lab.echo", "--pod", pod.name, "--ready-file", str(ready)]
+            for entry in pod.listen:
+                argv += ["--listen", entry]
+            if ipv6:
+                argv.append("--ipv6")
         proc = nsexec.spawn(naming.pod_netns(self.name, pod.name), argv,
                             log_path=str(self.dir / f"echo-{pod.name}.log"))
         _wait_file(ready, time.monotonic() + 10, f"echo server of pod {pod.name}", proc)
-        return proc.pid
+        return {"pid": proc.pid, "threads": json.loads(ready.read_text()).get("threads", 1)}
 
     def add_pod(self, pod: topo.PodSpec) -> topo.PodSpec:
         """A new pod, its netns and echo server, and its Pod object (so endpoint slices follow)."""
@@ -584,7 +593,7 @@ class Lab:
                                  "alive": _alive(self.data["agents"].get(n.name, {}).get("pid"))}}
                       for n in self.topology.nodes],
             "pods": [{"name": p.name, "node": p.node, "ip": p.ip, "ips": list(p.ips), "labels": dict(p.labels),
-                      "listen": list(p.listen), "alive": _alive(self.data["pods"].get(p.name, {}).get("pid"))}
+                      "listen": list(p.listen), "server": p.server, "alive": _alive(self.data["pods"].get(p.name, {}).get("pid"))}
                      for p in self.topology.pods],
             "clients": [{"name": c.name, "ip": c.ip, "ips": list(c.ips)} for c in self.topology.clients],
         }

@@ -25,6 +25,9 @@ not a silently ignored setting)::
                                     #   a fixed IP may lie outside the podCIDR
         labels: {app: web}          # optional, string values
         listen: [80/tcp, 53/udp]    # optional, default [80/tcp]: what the pod's server serves
+        server: native              # optional, default python: the echo server that answers;
+                                    #   native is echod.c, one thread per CPU (the bench's
+                                    #   backends, so the server is not what a rate measures)
     clients:                        # optional: machines outside the cluster
       - name: outside               # required, DNS label; unique
         ip: 203.0.113.5             # required
@@ -94,7 +97,8 @@ _TOP_KEYS = ("serviceCIDR", "serviceNodePortRange", "clusterCIDR", "apiServerIP"
              "kubeProxyConfiguration", "agentArgs")
 _NODE_KEYS = ("name", "ip", "extraIPs", "podCIDR", "podBridge", "zone")
 _IFNAME = re.compile(r"^[A-Za-z0-9][-A-Za-z0-9_.]{0,14}$")  # a Linux interface name (IFNAMSIZ 16)
-_POD_KEYS = ("name", "node", "namespace", "ip", "labels", "listen")
+_POD_KEYS = ("name", "node", "namespace", "ip", "labels", "listen", "server")
+SERVERS = ("python", "native")  # the pod's echo server: lab/echo.py, or lab/echod.c
 _CLIENT_KEYS = ("name", "ip", "gateway")
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -151,6 +155,7 @@ class PodSpec:
     labels: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), hash=False)
     listen: tuple[str, ...] = DEFAULT_LISTEN  # canonical "PORT/tcp" / "PORT/udp"
     ips: tuple[str, ...] = ()  # status.podIPs: one per cluster family, in the cluster's order
+    server: str = "python"  # one of SERVERS
 
     def __post_init__(self) -> None:
         # `ip` decides: None (allocate every family) drops `ips`, and an `ip` that `ips` does not
@@ -246,6 +251,7 @@ class Topology:
         entry: dict[str, Any] = {
             "name": pod.name, "node": pod.node, "namespace": pod.namespace,
             "labels": dict(pod.labels), "listen": [str(x) for x in pod.listen],
+            **({"server": pod.server} if pod.server != "python" else {}),
         }
         if pod.ips:
             entry["ip"] = ",".join(pod.ips)
@@ -274,7 +280,8 @@ class Topology:
             ],
             "pods": [
                 {"name": p.name, "node": p.node, "namespace": p.namespace, "ip": ",".join(p.ips),
-                 "labels": dict(p.labels), "listen": list(p.listen)}
+                 "labels": dict(p.labels), "listen": list(p.listen),
+                 **({"server": p.server} if p.server != "python" else {})}
                 for p in self.pods
             ],
             "clients": [
@@ -773,13 +780,16 @@ class _Parser:
                 if canonical in listen:
                     raise TopologyError(f"{where}.listen[{j}]", f"{canonical} is listed twice")
                 listen.append(canonical)
+            server = obj.get("server", "python")
+            if server not in SERVERS:
+                raise TopologyError(f"{where}.server", f"{server!r} is not one of {', '.join(SERVERS)}")
             ips: dict[int, Any] = {}
             if obj.get("ip") is not None:
                 node = by_name[node_name]
                 for ip in _pair(obj["ip"], f"{where}.ip", lambda v, w: self.pod_ip(v, w, node, nodes)):
                     self.claim(ip, f"{where}.ip")
                     ips[ip.version] = ip
-            partial.append([name, node_name, ips, namespace, labels, tuple(listen)])
+            partial.append([name, node_name, ips, namespace, labels, tuple(listen), server])
         for i, entry in enumerate(partial):  # allocate once every fixed address is known
             node = by_name[entry[1]]
             for version in self.versions:
@@ -794,9 +804,9 @@ class _Parser:
                 self.claim(ip, f"pods[{i}].ip")
                 entry[2][version] = ip
         out = []
-        for name, node, ips, namespace, labels, listen in partial:
+        for name, node, ips, namespace, labels, listen, server in partial:
             ordered = tuple(str(ips[v]) for v in self.versions)
-            out.append(PodSpec(name, node, ordered[0], namespace, labels, listen, ips=ordered))
+            out.append(PodSpec(name, node, ordered[0], namespace, labels, listen, ips=ordered, server=server))
         return tuple(out)
 
     def pod_ip(self, value: Any, where: str, node: NodeSpec, nodes: tuple[NodeSpec, ...]):

@@ -26,6 +26,11 @@ def test_each_limit_is_named_with_its_figure():
     assert out["machine_idle"] == 0.048
 
 
+def test_a_server_with_threads_is_limited_at_that_many_cores():
+    out = limits.run_limits(_run(), {"backend-1": 1.5, "backend-2": 1.9}, {"backend-1": 2, "backend-2": 2})
+    assert out["limited_by"] == ["server backend-2 (1.90 cores)"]  # 1.5 of 2 threads' cores: not saturated
+
+
 def test_a_run_without_cpu_figures_can_still_name_a_busy_server():
     run = parse_output(json.dumps(SAMPLE))
     out = limits.run_limits(run, {"backend-1": 1.0})
@@ -40,3 +45,11 @@ def test_server_meter_reads_real_processes():
         sum(i * i for i in range(10_000))
     cores = meter.stop()
     assert set(cores) == {"me"} and cores["me"] > 0
+
+
+def test_a_threaded_client_is_limited_at_that_many_cores():
+    def run(loadgen):
+        return parse_output(json.dumps({**SAMPLE, "threads": 2, "cpu_s": {"user": 0.5, "kernel": 0.5, "idle": 1.0,
+                                                                         "cpus": 2, "loadgen": loadgen}}))
+    assert limits.run_limits(run(1.5), {})["limited_by"] == []
+    assert limits.run_limits(run(1.85), {})["limited_by"] == ["client (1.85 cores)"]

@@ -72,6 +72,19 @@ def test_argv():
 
 
 @pytest.fixture
+def second_echo():
+    """Another pod's server, for a load spread over two targets."""
+    server = EchoServer("lg-other", [Listen(0, "tcp")], host="127.0.0.1")
+    server.bind()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.addresses[0][1]
+    server.stop()
+    thread.join(5)
+    server.close()
+
+
+@pytest.fixture
 def echo():
     server = EchoServer("lg-test", [Listen(0, "tcp"), Listen(0, "udp")], host="127.0.0.1")
     server.bind()
@@ -101,3 +114,25 @@ def test_compiled_loadgen_against_the_echo_server(tmp_path, echo, proto):
     assert 0 < machine < 0.3 * res.cpu_s["cpus"] * 1.3 + 0.1, res.cpu_s
     assert 0 <= res.cpu_s["loadgen"] <= 0.3 * 1.3 + 0.05, res.cpu_s  # one thread: at most the window
     assert res.kernel_us_per_op is not None and res.kernel_us_per_op >= 0
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+def test_threads_share_the_load_and_their_figures_are_merged(tmp_path, echo, second_echo):
+    binary = loadgen.build(directory=tmp_path)
+    targets = (f"127.0.0.1:{echo['tcp']}", f"127.0.0.1:{second_echo}")
+    spec = LoadSpec("tcp", targets, duration=0.3, warmup=0.1, concurrency=5, threads=3)
+    assert spec.argv(binary)[spec.argv(binary).index("--threads") + 1] == "3"
+    res = loadgen.run(None, spec, binary)
+    assert res.threads == 3 and res.raw["concurrency"] == 5
+    assert res.error_count == 0 and res.completed > 0
+    assert set(res.backends) == {"lg-test", "lg-other"}  # every thread's answers, per pod, added up
+    assert sum(res.backends.values()) == res.completed
+    assert res.latency_us["samples"] == res.completed  # every thread's samples, merged
+    assert 0 <= res.cpu_s["loadgen"] <= 3 * 0.3 * 1.3 + 0.05, res.cpu_s  # every thread's CPU time
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+def test_more_threads_than_operations_in_flight_is_refused(tmp_path, echo):
+    binary = loadgen.build(directory=tmp_path)
+    with pytest.raises(LoadgenError, match="--threads: 1 to 64, at most --concurrency"):
+        loadgen.run(None, LoadSpec("tcp", (f"127.0.0.1:{echo['tcp']}",), duration=0.1, concurrency=2, threads=3), binary)

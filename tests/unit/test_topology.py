@@ -437,3 +437,18 @@ def test_pod_bridge_is_optional_validated_and_round_trips():
         with pytest.raises(TopologyError) as err:
             parse_topology(variant("nodes.1.podBridge", bad))
         assert err.value.field == "nodes[1].podBridge"
+
+
+def test_pod_server_is_optional_validated_and_round_trips():
+    t = parse_topology(variant("pods.0.server", "native"))
+    assert t.pod("web-1").server == "native" and all(p.server == "python" for p in t.pods[1:])
+    assert parse_topology(topology_to_dict(t)) == t
+    copy_ = t.with_pod(PodSpec(name="web-9", node="worker2", server="native"))  # as `lab scale` copies a replica
+    assert copy_.pod("web-9").server == "native" and copy_.pod("web-1").server == "native"
+    plain = t.with_pod(PodSpec(name="web-8", node="worker2"))
+    assert plain.pod("web-8").server == "python"
+    assert "server" not in topology_to_dict(plain)["pods"][1]  # the default is not written out
+    for bad in ("go", "", 1):
+        with pytest.raises(TopologyError) as err:
+            parse_topology(variant("pods.0.server", bad))
+        assert err.value.field == "pods[0].server" and "python, native" in str(err.value)
