@@ -411,7 +411,8 @@ class _Request:
         meta: dict[str, Any] = {"resourceVersion": page.resource_version}
         if page.continue_token:
             meta["continue"] = page.continue_token
-            meta["remainingItemCount"] = page.remaining
+            if page.remaining is not None:  # unknown with selectors, as kube-apiserver omits it
+                meta["remainingItemCount"] = page.remaining
         if shape == "partial":
             partials = [{"kind": "PartialObjectMetadata", "apiVersion": f"meta.k8s.io/{version}", "metadata": o["metadata"]} for o in items]
             return 200, {"kind": "PartialObjectMetadataList", "apiVersion": f"meta.k8s.io/{version}",

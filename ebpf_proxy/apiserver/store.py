@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import bisect
 import copy
 import json
 import random
@@ -126,6 +127,7 @@ class Store:
     ) -> None:
         self._lock = threading.RLock()
         self._objects: dict[str, dict[tuple[str, str], dict[str, Any]]] = {k: {} for k in kinds_mod.STORAGE}
+        self._key_order: dict[str, list[tuple[str, str]]] = {}  # _sorted_keys_locked's cache
         # Start from the clock (ms) unless told otherwise: a restarted lab API server then
         # always issues newer versions than the one before it, so a client resuming with a
         # version from the old instance gets 410 Expired and relists, instead of waiting
@@ -233,28 +235,42 @@ class Store:
                         f"The provided {what} is too old to display a consistent list result "
                         f"({snapshot_rv}, oldest available {self._compacted_rv}); start a new list without it."
                     )
-                state = self._snapshot(kind, snapshot_rv)
+                state, keys_differ = self._snapshot(kind, snapshot_rv)
+                keys = sorted(state) if keys_differ else self._sorted_keys_locked(kind)
                 list_rv = snapshot_rv
             else:
                 state = self._objects[kind]
+                keys = self._sorted_keys_locked(kind)
                 list_rv = self._rv
-            keys = sorted(state)
-            items = []
-            for key in keys:
-                if start_after is not None and key <= start_after:
-                    continue
-                obj = state[key]
-                if namespace and rt.namespaced and key[0] != namespace:
-                    continue
+            # A page costs its own items, not the collection: the keys are sorted once (cached
+            # until one is added or removed), a page starts by bisection and stops when full.
+            # Real lists are paged (client-go asks for 500 at a time), so at 100k objects a
+            # whole list used to sort and scan the collection 200 times.
+            start, stop = 0, len(keys)
+            if namespace and rt.namespaced:
+                start, stop = bisect.bisect_left(keys, (namespace, "")), bisect.bisect_left(keys, (namespace + "\0", ""))
+            if start_after is not None:
+                start = max(start, bisect.bisect_right(keys, start_after))
+            full = limit + 1 if limit and limit > 0 else None
+            items, indices = [], []
+            for i in range(start, stop):
+                obj = state[keys[i]]
                 meta = obj.get("metadata") or {}
                 if labels.matches(meta.get("labels")) and fields.matches(obj):
                     items.append(obj)
+                    indices.append(i)
+                    if len(items) == full:  # one more than the page: there is a next page
+                        break
             token, remaining = "", None
-            if limit and limit > 0 and len(items) > limit:
-                remaining = len(items) - limit
-                items = items[:limit]
+            if full is not None and len(items) == full:
+                items.pop()
+                indices.pop()
+                last_index = indices[-1]
                 last = items[-1]["metadata"]
                 token = self._encode_continue(list_rv, (last.get("namespace", ""), last["name"]))
+                # As kube-apiserver: a count only when it is exact, i.e. without selectors.
+                if not label_selector and not field_selector:
+                    remaining = stop - last_index - 1
             return ListPage(copy.deepcopy(items), str(list_rv), token, remaining)
 
     @staticmethod
@@ -270,9 +286,11 @@ class Store:
         except (ValueError, KeyError, IndexError, TypeError, binascii.Error):
             raise bad_request(f"continue key is not valid: {token!r} was not issued by this server") from None
 
-    def _snapshot(self, kind: str, rv: int) -> dict[tuple[str, str], dict[str, Any]]:
-        """The objects of `kind` as they were at `rv`, by undoing later history."""
+    def _snapshot(self, kind: str, rv: int) -> tuple[dict[tuple[str, str], dict[str, Any]], bool]:
+        """The objects of `kind` as they were at `rv`, by undoing later history, and whether
+        their keys differ from today's (an object was added or removed since)."""
         state = dict(self._objects[kind])
+        keys_differ = False
         for change in reversed(self._history):
             if change.rv <= rv:
                 break
@@ -282,9 +300,18 @@ class Store:
             key = (meta.get("namespace", ""), meta["name"])
             if change.type == ADDED:
                 state.pop(key, None)
+                keys_differ = True
             elif change.prev is not None:
+                keys_differ = keys_differ or key not in state
                 state[key] = change.prev
-        return state
+        return state, keys_differ
+
+    def _sorted_keys_locked(self, kind: str) -> list[tuple[str, str]]:
+        """The keys of `kind` in list order, sorted once per set of keys (not per page)."""
+        keys = self._key_order.get(kind)
+        if keys is None:
+            keys = self._key_order[kind] = sorted(self._objects[kind])
+        return keys
 
     # ---------------------------------------------------------------------------------
     # writes
@@ -337,6 +364,7 @@ class Store:
                     txn.rollback()
                 return obj
             self._objects[kind][key] = obj
+            self._key_order.pop(kind, None)
             if txn:
                 txn.commit()
             self._commit(ADDED, kind, obj, None)
@@ -565,6 +593,7 @@ class Store:
                         raise ValueError(f"{where}: {exc}") from None
                 fresh[kind][key] = obj
             self._objects = fresh
+            self._key_order.clear()
             self.services = allocator
             self._graceful.clear()
             for (ns, name), pod in fresh["Pod"].items():
@@ -727,6 +756,7 @@ class Store:
 
     def _remove_locked(self, rt: kinds_mod.ResourceType, key: tuple[str, str]) -> dict[str, Any]:
         old = self._objects[rt.kind].pop(key)
+        self._key_order.pop(rt.kind, None)
         self._graceful.pop((rt.kind, key[0], key[1]), None)
         if rt.kind == "Service":
             self.services.release(old)

@@ -213,6 +213,44 @@ def test_list_pages_are_a_consistent_snapshot(store):
     assert second.resource_version == first.resource_version and not second.continue_token
 
 
+def _all_pages(store, kind, limit, **kwargs):
+    pages = [store.list_page(kind, limit=limit, **kwargs)]
+    while pages[-1].continue_token:
+        pages.append(store.list_page(kind, limit=limit, continue_token=pages[-1].continue_token, **kwargs))
+    return pages
+
+
+def test_pages_within_a_namespace_and_with_selectors_cover_exactly_the_matches(store):
+    store.create("Namespace", {"metadata": {"name": "a"}})
+    store.create("Namespace", {"metadata": {"name": "ab"}})  # sorts right after "a": the range must stop
+    for ns in ("a", "ab", "default"):
+        for i in range(7):
+            store.create("Service", {"metadata": {"name": f"s{i}", "namespace": ns, "labels": {"odd": str(i % 2)}},
+                                     "spec": {"ports": [{"port": 80}]}})
+    pages = _all_pages(store, "Service", 3, namespace="a")
+    assert [[o["metadata"]["name"] for o in p.items] for p in pages] == [["s0", "s1", "s2"], ["s3", "s4", "s5"], ["s6"]]
+    assert [p.remaining for p in pages] == [4, 1, None]  # exact without selectors
+    odd = _all_pages(store, "Service", 2, label_selector="odd=1")
+    assert [(o["metadata"]["namespace"], o["metadata"]["name"]) for p in odd for o in p.items] == \
+        [(ns, f"s{i}") for ns in ("a", "ab", "default") for i in (1, 3, 5)]
+    assert all(p.remaining is None for p in odd)  # unknown with a selector, as kube-apiserver omits it
+    assert len(_all_pages(store, "Service", 1000)[0].items) == 21
+
+
+def test_a_list_after_a_change_sees_the_new_keys(store):
+    for name in ("b", "d"):
+        store.create("Node", {"metadata": {"name": name}})
+    assert [n["metadata"]["name"] for n in store.list_page("Node").items] == ["b", "d"]
+    store.create("Node", {"metadata": {"name": "a"}})
+    store.create("Node", {"metadata": {"name": "c"}})
+    store.delete("Node", None, "d")
+    assert [n["metadata"]["name"] for n in store.list_page("Node").items] == ["a", "b", "c"]
+    first = store.list_page("Node", limit=2)
+    store.create("Node", {"metadata": {"name": "bb"}})  # after the snapshot: not in its pages
+    rest = store.list_page("Node", limit=2, continue_token=first.continue_token)
+    assert [n["metadata"]["name"] for n in first.items + rest.items] == ["a", "b", "c"]
+
+
 def test_exact_list_reconstructs_an_old_state(store):
     store.create("Node", {"metadata": {"name": "n1", "labels": {"v": "1"}}})
     rv = store.resource_version
