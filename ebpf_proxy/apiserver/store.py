@@ -17,7 +17,6 @@ from __future__ import annotations
 import base64
 import binascii
 import bisect
-import copy
 import json
 import random
 import threading
@@ -44,6 +43,7 @@ from ebpf_proxy.apiserver.errors import (
     required,
     timeout,
 )
+from ebpf_proxy.apiserver.jsontree import clone
 from ebpf_proxy.apiserver.selectors import FieldSelector, LabelSelector
 from ebpf_proxy.apiserver.watch import ADDED, DELETED, INITIAL_EVENTS_END, MODIFIED, Change, Watcher, WatchEvent
 
@@ -128,6 +128,7 @@ class Store:
         self._lock = threading.RLock()
         self._objects: dict[str, dict[tuple[str, str], dict[str, Any]]] = {k: {} for k in kinds_mod.STORAGE}
         self._key_order: dict[str, list[tuple[str, str]]] = {}  # _sorted_keys_locked's cache
+        self._encoded: dict[tuple[str, str, str], tuple[Any, bytes]] = {}  # encoded()'s cache
         # Start from the clock (ms) unless told otherwise: a restarted lab API server then
         # always issues newer versions than the one before it, so a client resuming with a
         # version from the old instance gets 410 Expired and relists, instead of waiting
@@ -164,7 +165,7 @@ class Store:
             obj = self._objects[kind].get(self._key(rt, namespace, name))
             if obj is None:
                 raise not_found(rt.plural, name, rt.group)
-            return copy.deepcopy(obj)
+            return clone(obj)
 
     def list(
         self,
@@ -194,6 +195,7 @@ class Store:
         resource_version_match: str | None = None,
         limit: int | None = None,
         continue_token: str | None = None,
+        copy: bool = True,
     ) -> ListPage:
         """A list with the real server's resourceVersion semantics and `limit`/`continue` paging.
 
@@ -203,6 +205,9 @@ class Store:
           410 Expired if the history no longer reaches back to N;
         - N without a match: the current state, but 410 Expired when N is older than the
           compacted history (stricter than the real server, so relist-on-410 is testable).
+
+        `copy` False: the items are the stored objects themselves, for a caller that only reads
+        them (the HTTP server, which sends `encoded` bytes); never modify them.
         """
         rt = kinds_mod.storage_type(kind)
         labels = _label_selector(label_selector)
@@ -269,9 +274,23 @@ class Store:
                 last = items[-1]["metadata"]
                 token = self._encode_continue(list_rv, (last.get("namespace", ""), last["name"]))
                 # As kube-apiserver: a count only when it is exact, i.e. without selectors.
-                if not label_selector and not field_selector:
+                if labels.empty() and fields.empty():
                     remaining = stop - last_index - 1
-            return ListPage(copy.deepcopy(items), str(list_rv), token, remaining)
+            return ListPage(clone(items) if copy else items, str(list_rv), token, remaining)
+
+    def encoded(self, kind: str, obj: dict[str, Any]) -> bytes:
+        """`obj` (a stored object, from list_page(copy=False)) as JSON, encoded once per
+        resourceVersion: a stored object is replaced on every change, never changed in place,
+        so its version names its bytes. At 100k objects a list is mostly these bytes, joined."""
+        meta = obj["metadata"]
+        key = (kind, meta.get("namespace", ""), meta["name"])
+        rv = meta.get("resourceVersion")
+        hit = self._encoded.get(key)
+        if hit is not None and hit[0] == rv:
+            return hit[1]
+        data = json.dumps(obj, separators=(",", ":")).encode()
+        self._encoded[key] = (rv, data)
+        return data
 
     @staticmethod
     def _encode_continue(rv: int, after: tuple[str, str]) -> str:
@@ -288,14 +307,19 @@ class Store:
 
     def _snapshot(self, kind: str, rv: int) -> tuple[dict[tuple[str, str], dict[str, Any]], bool]:
         """The objects of `kind` as they were at `rv`, by undoing later history, and whether
-        their keys differ from today's (an object was added or removed since)."""
-        state = dict(self._objects[kind])
-        keys_differ = False
+        their keys differ from today's (an object was added or removed since). Read-only: with no
+        change since, it is the live collection itself (each page of a list asks, uncopied)."""
+        later = []
         for change in reversed(self._history):
             if change.rv <= rv:
                 break
-            if change.kind != kind:
-                continue
+            if change.kind == kind:
+                later.append(change)
+        if not later:
+            return self._objects[kind], False
+        state = dict(self._objects[kind])
+        keys_differ = False
+        for change in later:
             meta = change.object["metadata"]
             key = (meta.get("namespace", ""), meta["name"])
             if change.type == ADDED:
@@ -321,7 +345,7 @@ class Store:
     ) -> dict[str, Any]:
         """Create `obj` (defaulted, validated, allocated); returns the stored object."""
         rt = kinds_mod.storage_type(kind)
-        obj = copy.deepcopy(obj)
+        obj = clone(obj)
         if not isinstance(obj, dict):
             raise bad_request(f"a {kind} must be a JSON object")
         meta = obj.get("metadata")
@@ -368,7 +392,7 @@ class Store:
             if txn:
                 txn.commit()
             self._commit(ADDED, kind, obj, None)
-            return copy.deepcopy(obj)
+            return clone(obj)
 
     def update(
         self,
@@ -383,7 +407,7 @@ class Store:
         otherwise its status is kept (for kinds with a status subresource), like the real server.
         A `metadata.resourceVersion` in `obj` is a precondition (409 Conflict if stale)."""
         rt = kinds_mod.storage_type(kind)
-        new = copy.deepcopy(obj)
+        new = clone(obj)
         meta = new.get("metadata") or {}
         name = meta.get("name")
         if not name:
@@ -433,7 +457,7 @@ class Store:
             old = self._objects[kind].get(self._key(rt, namespace, name))
             if old is None:
                 raise not_found(rt.plural, name, rt.group)
-            new = fn(copy.deepcopy(old))
+            new = fn(clone(old))
             new_meta = new.get("metadata") or {}
             if new_meta.get("name", name) != name or (rt.namespaced and new_meta.get("namespace", namespace) != namespace):
                 raise bad_request(f"metadata.name and metadata.namespace of {rt.plural} {name!r} cannot be changed")
@@ -594,6 +618,7 @@ class Store:
                 fresh[kind][key] = obj
             self._objects = fresh
             self._key_order.clear()
+            self._encoded.clear()
             self.services = allocator
             self._graceful.clear()
             for (ns, name), pod in fresh["Pod"].items():
@@ -679,16 +704,16 @@ class Store:
         if subresource and (subresource != "status" or not rt.status_subresource):
             raise not_found(f"{rt.plural}/{subresource}", name, rt.group)
         if subresource == "status":
-            candidate = copy.deepcopy(old)
+            candidate = clone(old)
             if "status" in new:
-                candidate["status"] = copy.deepcopy(new["status"])
+                candidate["status"] = clone(new["status"])
             else:
                 candidate.pop("status", None)
         else:
             candidate = new
             if rt.status_subresource:
                 if "status" in old:
-                    candidate["status"] = copy.deepcopy(old["status"])
+                    candidate["status"] = clone(old["status"])
                 else:
                     candidate.pop("status", None)
         cmeta = candidate["metadata"]
@@ -713,7 +738,7 @@ class Store:
         if candidate == old or dry_run:
             if txn:
                 txn.rollback()
-            return copy.deepcopy(candidate)
+            return clone(candidate)
         key = self._key(rt, cmeta.get("namespace"), name)
         self._objects[rt.kind][key] = candidate
         if txn:
@@ -721,7 +746,7 @@ class Store:
         self._commit(MODIFIED, rt.kind, candidate, old)
         if self._deletion_complete(rt, candidate):
             self._remove_locked(rt, key)
-        return copy.deepcopy(candidate)
+        return clone(candidate)
 
     def _deletion_complete(self, rt: kinds_mod.ResourceType, obj: dict[str, Any]) -> bool:
         meta = obj["metadata"]
@@ -735,10 +760,10 @@ class Store:
         """Start (or shorten) a graceful deletion; remove at once when nothing holds it back."""
         meta = old["metadata"]
         if meta.get("deletionTimestamp") and grace >= int(meta.get("deletionGracePeriodSeconds") or 0):
-            return copy.deepcopy(old)  # already terminating at least this soon
+            return clone(old)  # already terminating at least this soon
         if grace == 0 and not meta.get("finalizers"):
-            return copy.deepcopy(old) if dry_run else self._remove_locked(rt, key)
-        new = copy.deepcopy(old)
+            return clone(old) if dry_run else self._remove_locked(rt, key)
+        new = clone(old)
         new["metadata"]["deletionTimestamp"] = now_rfc3339(grace)
         new["metadata"]["deletionGracePeriodSeconds"] = grace
         if dry_run:
@@ -752,11 +777,12 @@ class Store:
             self._wake.notify_all()
         else:
             self._graceful.pop(gkey, None)
-        return copy.deepcopy(new)
+        return clone(new)
 
     def _remove_locked(self, rt: kinds_mod.ResourceType, key: tuple[str, str]) -> dict[str, Any]:
         old = self._objects[rt.kind].pop(key)
         self._key_order.pop(rt.kind, None)
+        self._encoded.pop((rt.kind, key[0], key[1]), None)
         self._graceful.pop((rt.kind, key[0], key[1]), None)
         if rt.kind == "Service":
             self.services.release(old)
@@ -766,9 +792,9 @@ class Store:
                 if kinds_mod.storage_type(kind).namespaced:
                     for okey in [k for k in objects if k[0] == ns]:
                         self._remove_locked(kinds_mod.storage_type(kind), okey)
-        gone_obj = copy.deepcopy(old)
+        gone_obj = clone(old)
         self._commit(DELETED, rt.kind, gone_obj, old)
-        return copy.deepcopy(gone_obj)
+        return clone(gone_obj)
 
     def _commit(self, change_type: str, kind: str, obj: dict[str, Any], prev: dict[str, Any] | None) -> int:
         self._rv += 1

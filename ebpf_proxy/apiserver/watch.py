@@ -11,12 +11,12 @@ as the real server drops slow watchers; the client then resumes from its last ve
 
 from __future__ import annotations
 
-import copy
 import threading
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+from ebpf_proxy.apiserver.jsontree import clone
 from ebpf_proxy.apiserver.selectors import FieldSelector, LabelSelector
 
 ADDED, MODIFIED, DELETED, BOOKMARK = "ADDED", "MODIFIED", "DELETED", "BOOKMARK"
@@ -134,7 +134,7 @@ class Watcher:
         event = self.get(timeout)
         if event is None:
             return None
-        return WatchEvent(event.type, event.kind, copy.deepcopy(event.object), event.resource_version)
+        return WatchEvent(event.type, event.kind, clone(event.object), event.resource_version)
 
     @property
     def stopped(self) -> bool:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 from ebpf_proxy.bench import kernelstate, ports, procstat
 from ebpf_proxy.bench.services import NAMESPACE, ROLE_LABEL, SERVICE_NAME_LABEL, BenchServices
@@ -89,11 +89,11 @@ def _healthy(lab: Lab, node: str) -> bool:
     return status == 200
 
 
-def full_sync(lab: Lab, node: str, mode: str, timeout: float) -> dict[str, Any]:
+def full_sync(lab: Lab, node: str, mode: str, timeout: float, agent_args: Sequence[str] = ()) -> dict[str, Any]:
     """Restart `node`'s agent in `mode` and time it to healthy; its usage since start, too."""
     lab.stop_agent(node)
     start = time.monotonic()
-    pid = lab.start_agent(node, mode, wait=False)
+    pid = lab.start_agent(node, mode, wait=False, extra_args=agent_args)
 
     def ready() -> bool:
         if not _running(pid):

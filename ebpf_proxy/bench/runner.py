@@ -28,7 +28,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from ebpf_proxy.bench import bpfcost, controlplane, kernelstate, livecost, loadgen, ports, procstat, report, traffic
 from ebpf_proxy.bench.display import Display
@@ -37,6 +37,7 @@ from ebpf_proxy.bench.rest import Rest, RestError
 from ebpf_proxy.bench.services import BenchServices, measured_targets
 from ebpf_proxy.bench.stats import median, percentile
 from ebpf_proxy.datapath import DatapathUnavailable, datapath_class
+from ebpf_proxy.datapath.ebpf.loader import MAX_ENTRIES as MAP_DEFAULTS
 from ebpf_proxy.datapath.ebpf.pins import PIN_SUBDIR
 from ebpf_proxy.lab.cluster import Lab, LabError
 from ebpf_proxy.lab.state import BPF_CACHE
@@ -81,7 +82,22 @@ class BenchConfig:
         d["measured_services"] = len(ports.MEASURED_SERVICES)
         d["observed_node"] = OBSERVED_NODE
         d["client_threads"] = client_threads(self)
+        d["agent_args"] = agent_args(self)
         return d
+
+
+def agent_args(config: BenchConfig) -> list[str]:
+    """`--bpf-map-sizes` for the run's largest size where the agent's default capacities do not
+    hold it (100k Services × 10 endpoints need a million backends), else nothing: one size for
+    the whole run, so every size uses one build of the programs. A quarter's room, in steps of
+    65,536: an endpoint change writes its new backend before it frees the old one."""
+    services = max(config.services) + len(ports.MEASURED_SERVICES)
+    backends = services * config.endpoints_per_service + 1024
+    need = {"epx_svc": services + 64, "epx_backend": backends, "epx_slot": backends}
+    step = 65536
+    sizes = {name: -(-(n + n // 4) // step) * step for name, n in need.items()}
+    grow = {name: n for name, n in sizes.items() if n > MAP_DEFAULTS[name]}
+    return ["--bpf-map-sizes", ",".join(f"{k}={v}" for k, v in grow.items())] if grow else []
 
 
 def client_threads(config: BenchConfig) -> int:
@@ -119,6 +135,7 @@ class Bench:
         self.binary: Path | None = None
         self.settings = traffic.Settings(config.duration, config.warmup, config.repeats, config.concurrency,
                                          client_threads=client_threads(config))
+        self.agent_args = agent_args(config)
 
     # ---- helpers --------------------------------------------------------------------------------
     def _save(self) -> None:
@@ -250,7 +267,7 @@ class Bench:
         runs: list[dict] = []
         with self._guard("full_sync", mode, size):
             for i in range(cfg.repeats):
-                runs.append(controlplane.full_sync(self.lab, OBSERVED_NODE, mode, cfg.sync_timeout))
+                runs.append(controlplane.full_sync(self.lab, OBSERVED_NODE, mode, cfg.sync_timeout, self.agent_args))
                 self.ui.detail(f"{size:,} services, {mode}: full sync (run {i + 1}: {runs[-1]['seconds']:.2f} s)")
             self.lab.wait_converged(timeout=cfg.sync_timeout)
             self._point({"metric": "full_sync", "path": None, "mode": mode, "services": size, "unit": "s",
@@ -298,7 +315,7 @@ class Bench:
         self._resources(mode, size, phases)
 
     def _start_agents(self, mode: str) -> None:
-        start_agents(self.lab, mode, self.config.sync_timeout)
+        start_agents(self.lab, mode, self.config.sync_timeout, self.agent_args)
 
     def _kernel_state(self, mode: str, size: int) -> None:
         for node in self.lab.topology.nodes:
@@ -413,14 +430,14 @@ class Bench:
         })
 
 
-def start_agents(lab: Lab, mode: str, timeout: float) -> None:
+def start_agents(lab: Lab, mode: str, timeout: float, agent_args: Sequence[str] = ()) -> None:
     """Every node's agent in `mode`, from a clean kernel, waiting as long as a sync at this size
     takes. Lab.set_mode(mode) would wait only AGENT_READY_TIMEOUT (2 min), less than an agent needs to
     list and program 10,000 Services; so: mode none (stops the agents and removes every mode's
     kernel state), then start and wait here."""
     lab.set_mode("none")
     for node in lab.topology.nodes:
-        lab.start_agent(node.name, mode, wait=False)
+        lab.start_agent(node.name, mode, wait=False, extra_args=agent_args)
     for node in lab.topology.nodes:
         lab.wait_agent_ready(node.name, timeout=timeout)
 

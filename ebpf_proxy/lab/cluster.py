@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ebpf_proxy.lab import cbuild, echod, naming, netns, nsexec, state
 from ebpf_proxy.lab import topology as topo
@@ -416,7 +416,7 @@ class Lab:
     def mode(self) -> str:
         return self.data.get("mode", "none")
 
-    def _agent_argv(self, node: topo.NodeSpec, mode: str) -> list[str]:
+    def _agent_argv(self, node: topo.NodeSpec, mode: str, extra_args: Sequence[str] = ()) -> list[str]:
         argv = _python_cli() + [
             "run", "--mode", mode,
             "--hostname-override", node.name,
@@ -427,7 +427,7 @@ class Lab:
             "--bpffs", str(self.dir / "bpffs" / node.name),
             "--bpf-cache-dir", str(state.BPF_CACHE),
         ]
-        return argv + self.proxy_config_args() + list(self.topology.agent_args)
+        return argv + self.proxy_config_args() + list(self.topology.agent_args) + list(extra_args)
 
     def proxy_config_args(self) -> list[str]:
         """The agents' kube-proxy settings as command-line options (`run`, `verify` take them)."""
@@ -459,7 +459,10 @@ class Lab:
         for name in running:
             self.wait_agent_ready(name, timeout=timeout)
 
-    def start_agent(self, node_name: str, mode: str | None = None, wait: bool = True) -> int:
+    def start_agent(self, node_name: str, mode: str | None = None, wait: bool = True,
+                    extra_args: Sequence[str] = ()) -> int:
+        """Start `node_name`'s agent (unless it runs); `extra_args`: more `ebpf-proxy run` options
+        for this start only, after the topology's agentArgs (the bench sizes the maps so)."""
         node = self.topology.node(node_name)
         mode = mode or self.mode
         if mode == "none":
@@ -469,7 +472,7 @@ class Lab:
             return entry["pid"]
         logs = self.dir / "logs"
         logs.mkdir(exist_ok=True)
-        proc = nsexec.spawn(naming.node_netns(self.name, node_name), self._agent_argv(node, mode),
+        proc = nsexec.spawn(naming.node_netns(self.name, node_name), self._agent_argv(node, mode, extra_args),
                             cgroup=naming.node_cgroup(self.name, node_name),
                             log_path=str(logs / f"{node_name}.log"))
         self.data["agents"][node_name] = {"pid": proc.pid, "mode": mode}

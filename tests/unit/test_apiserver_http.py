@@ -105,6 +105,30 @@ def test_list_response_shape(server, core):
     assert json.loads(body)["apiVersion"] == "discovery.k8s.io/v1"
 
 
+def test_a_listed_object_is_what_get_returns_also_after_it_changed(server, store, core):
+    """List items are sent from per-version encodings (Store.encoded): each must be the object
+    as stored at its current version, never an older encoding."""
+    for name in ("a", "b", "c"):
+        core.create_namespaced_service("default", service(name, {"v": "1"}))
+
+    def listed(query=""):
+        status, _, body = raw(server, "/api/v1/namespaces/default/services" + query)
+        assert status == 200
+        return json.loads(body)
+
+    first = listed()
+    assert [o["metadata"]["name"] for o in first["items"]] == ["a", "b", "c"]
+    assert first["items"][1] == store.get("Service", "default", "b")
+    core.patch_namespaced_service("b", "default", {"metadata": {"labels": {"v": "2"}}})
+    core.delete_namespaced_service("c", "default")
+    again = listed()
+    assert [o["metadata"]["labels"]["v"] for o in again["items"]] == ["1", "2"]
+    assert again["items"] == [store.get("Service", "default", n) for n in ("a", "b")]
+    page = listed("?limit=1")
+    assert page["metadata"]["remainingItemCount"] == 1 and page["metadata"]["continue"]
+    assert "remainingItemCount" not in listed("?limit=1&labelSelector=v%3D1")["metadata"]
+
+
 def test_errors_are_status_objects(core):
     core.create_namespaced_service("default", service("web"))
     with pytest.raises(client.ApiException) as exc:

@@ -8,7 +8,8 @@ from rich.console import Console
 from ebpf_proxy.bench import ports
 from ebpf_proxy.bench.display import Display
 from ebpf_proxy.bench.report import render_markdown
-from ebpf_proxy.bench.runner import BenchConfig, mode_unavailable_reason, total_steps
+from ebpf_proxy.agent.config import _map_sizes
+from ebpf_proxy.bench.runner import BenchConfig, agent_args, client_threads, mode_unavailable_reason, total_steps
 from tests.unit.test_bench_results import synthetic_doc
 
 
@@ -29,6 +30,25 @@ def test_steps_and_parameters(tmp_path):
     json.dumps(params)  # it goes into results.json as is
     assert params["duration_s"] == 5.0 and params["measured_services"] == len(ports.MEASURED_SERVICES)
     assert params["topology"].endswith("topology.yaml")
+
+
+def test_agent_map_sizes_hold_the_largest_size_and_are_valid_flags(tmp_path):
+    def args(services, endpoints):
+        return agent_args(BenchConfig(modes=["ebpf"], services=services, out_dir=tmp_path,
+                                      endpoints_per_service=endpoints))
+    assert args([1, 1000], 2) == []  # the defaults hold it: the default build of the programs
+    flag, value = args([1, 1000, 100000], 10)
+    assert flag == "--bpf-map-sizes"
+    sizes = dict(_map_sizes(value, flag))  # what the agent's own parser accepts
+    assert sizes["epx_backend"] >= 1.25 * 100_000 * 10 and sizes["epx_slot"] >= 1.25 * 100_000 * 10
+    assert sizes["epx_svc"] >= 100_000 and all(n % 65536 == 0 for n in sizes.values())
+
+
+def test_client_threads_are_one_per_cpu_but_never_more_than_in_flight(tmp_path):
+    assert client_threads(BenchConfig(modes=["direct"], services=[1], out_dir=tmp_path, client_threads=3)) == 3
+    assert client_threads(BenchConfig(modes=["direct"], services=[1], out_dir=tmp_path, client_threads=8,
+                                      concurrency=2)) == 2
+    assert client_threads(BenchConfig(modes=["direct"], services=[1], out_dir=tmp_path)) >= 1
 
 
 def test_failures_are_reported_not_hidden():
