@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import socket
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -28,6 +29,10 @@ _HEX = re.compile(r"[0-9A-Fa-f]+")
 
 
 def _ipv4(text: str) -> ipaddress.IPv4Address | None:
+    try:  # a canonical dotted quad (inet_pton refuses leading zeros): nearly every address, fast
+        return ipaddress.IPv4Address(socket.inet_pton(socket.AF_INET, text))
+    except OSError:
+        pass
     parts = text.split(".")
     if len(parts) != 4 or not all(_DECIMAL.fullmatch(p) for p in parts):
         return None
