@@ -39,6 +39,7 @@ from ebpf_proxy.bench.stats import median, percentile
 from ebpf_proxy.datapath import DatapathUnavailable, datapath_class
 from ebpf_proxy.datapath.ebpf.loader import MAX_ENTRIES as MAP_DEFAULTS
 from ebpf_proxy.datapath.ebpf.pins import PIN_SUBDIR
+from ebpf_proxy.k8s.client import PAGE_SIZE, PROXY_LABEL_SELECTOR
 from ebpf_proxy.lab.cluster import Lab, LabError
 from ebpf_proxy.lab.state import BPF_CACHE
 
@@ -84,6 +85,16 @@ class BenchConfig:
         d["client_threads"] = client_threads(self)
         d["agent_args"] = agent_args(self)
         return d
+
+
+def api_list_seconds(rest: Rest) -> float:
+    """How long the lab API server takes to serve what an agent lists when it starts (every
+    Service and EndpointSlice, paged as the agent pages): its share of a full sync, so that the
+    agent's own time can be told apart from the API server's."""
+    started = time.monotonic()
+    for kind in ("Service", "EndpointSlice"):
+        rest.count_all(kind, PROXY_LABEL_SELECTOR, page=PAGE_SIZE)
+    return time.monotonic() - started
 
 
 def agent_args(config: BenchConfig) -> list[str]:
@@ -188,7 +199,8 @@ class Bench:
                 self.ui.step(f"{size:,} services: installing")
                 stats = self.services.ensure_size(size)
                 self.results.doc["installs"].append({"services": size, "created": stats.created,
-                                                     "deleted": stats.deleted, "seconds": round(stats.seconds, 3)})
+                                                     "deleted": stats.deleted, "seconds": round(stats.seconds, 3),
+                                                     "list_seconds": round(api_list_seconds(rest), 3)})
                 self.ui.advance()
                 for mode in modes:
                     if self.results.doc["modes"].get(mode, {}).get("status") == "unavailable":

@@ -66,7 +66,8 @@ def synthetic_doc(modes=("direct", "iptables", "ebpf"), sizes=(1, 1000)):
         r.add_point(p)
     r.doc["kernel_state"] = [{"mode": "iptables", "services": n, "node": "worker1",
                               "counts": {"iptables_rules_nat": 10 * n + 20, "total": 10 * n + 30}} for n in sizes]
-    r.doc["installs"] = [{"services": n, "created": max(0, n - 5), "deleted": 0, "seconds": 0.01 * n + 0.1}
+    r.doc["installs"] = [{"services": n, "created": max(0, n - 5), "deleted": 0, "seconds": 0.01 * n + 0.1,
+                          "list_seconds": 0.002 * n + 0.05}
                          for n in sizes]
     r.finish()
     return r.doc
