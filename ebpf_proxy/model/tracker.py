@@ -79,6 +79,11 @@ class ChangeTracker:
         # _flat_endpoints of the service ports that exist (what take() hands out), kept in step
         # by every change so that take() copies it instead of filtering 10,000 entries each sync
         self._visible_endpoints: dict[ServicePortName, tuple[Endpoint, ...]] = {}
+        # take() hands these two dicts out as the ProxyState, uncopied: copying 100,000 entries
+        # twice was most of the time from one endpoint change to the kernel. The copy is made
+        # after the sync instead (commit() → _unshare(), off the change's path), or by a change
+        # that comes first (_own_locked()): a state being programmed never changes.
+        self._handed_out = False
 
         self._synced_services: dict[str, dict[ServicePortName, ServicePort]] = {}
         self._synced_endpoints: dict[str, dict[ServicePortName, tuple[Endpoint, ...]]] = {}
@@ -106,6 +111,7 @@ class ChangeTracker:
             old = self._services.get(key, {})
             if new == old:
                 return False
+            self._own_locked()
             for spn in old:
                 self._flat_services.pop(spn, None)
                 self._visible_endpoints.pop(spn, None)
@@ -187,6 +193,7 @@ class ChangeTracker:
         old = self._endpoints.get(service_key, {})
         if merged == old:
             return False
+        self._own_locked()
         for spn in old:
             self._flat_endpoints.pop(spn, None)
             self._visible_endpoints.pop(spn, None)
@@ -237,8 +244,8 @@ class ChangeTracker:
             self._in_flight, self._in_flight_triggers = in_flight, triggers
             self._in_flight_topology, self._topology_changed = self._topology_changed, False
 
-            services = dict(self._flat_services)
-            endpoints = dict(self._visible_endpoints)
+            services, endpoints = self._flat_services, self._visible_endpoints
+            self._handed_out = True
             changes = ChangeSet(
                 full=full or not self._synced_once or self._in_flight_topology,
                 services=frozenset(changed),
@@ -246,6 +253,13 @@ class ChangeTracker:
                 stale_udp_services=frozenset(stale_services),
             )
             return ProxyState(services=services, endpoints=endpoints, topology=self._topology), changes
+
+    def _own_locked(self) -> None:
+        """Before a change: stop sharing the dicts the last take() handed out (copy-on-write)."""
+        if self._handed_out:
+            self._flat_services = dict(self._flat_services)
+            self._visible_endpoints = dict(self._visible_endpoints)
+            self._handed_out = False
 
     def commit(self) -> list[float]:
         """The last take() was programmed. Returns its change-trigger times (epoch seconds) for the
@@ -260,7 +274,21 @@ class ChangeTracker:
             triggers = sorted(t for times in self._in_flight_triggers.values() for t in times)
             self._in_flight, self._in_flight_triggers = None, {}
             self._in_flight_topology = False
-            return triggers
+        self._unshare()
+        return triggers
+
+    def _unshare(self) -> None:
+        """Own copies of the dicts the last take() handed out, made outside the lock (nobody
+        changes a handed-out dict: a change copies it first), so handlers are not held up."""
+        with self._lock:
+            if not self._handed_out:
+                return
+            shared = self._flat_services, self._visible_endpoints
+        copies = dict(shared[0]), dict(shared[1])
+        with self._lock:
+            if self._handed_out and self._flat_services is shared[0] and self._visible_endpoints is shared[1]:
+                self._flat_services, self._visible_endpoints = copies
+                self._handed_out = False
 
     def abort(self) -> None:
         """The last take() failed: its changes count as pending again."""

@@ -133,6 +133,30 @@ def test_change_during_a_sync_is_reported_by_the_next_take():
     assert state.services[HTTP].port == 82
 
 
+def test_the_state_being_programmed_never_changes_under_the_datapath():
+    """take() hands its dicts out uncopied (copy-on-write): a change while the state is being
+    programmed, after its commit, or after an abort must leave that state as it was taken."""
+    t = synced(tracker_with_web())
+    state, _ = t.take()
+    t.update_service("default", "web", [sp(HTTP, 81)])  # during the sync: copies first
+    t.update_slice("default", "web-a", "web", {HTTP: (ep("10.0.0.9"),)})
+    assert state.services[HTTP].port == 80 and DNS in state.services
+    assert state.endpoints_of(HTTP) == (ep("10.0.0.1"),)
+    t.commit()
+    newer, changes = t.take()
+    assert newer.services[HTTP].port == 81 and DNS not in newer.services and newer.endpoints_of(HTTP) == (ep("10.0.0.9"),)
+    t.commit()  # copies off the change path; later changes go to the copies
+    t.update_service("default", "api", [sp(OTHER)])
+    t.update_slice("default", "api-a", "api", {OTHER: (ep("10.0.0.5"),)})
+    assert OTHER not in newer.services and OTHER not in newer.endpoints
+    t.abort()
+    latest, changes = t.take()
+    assert changes.services == {OTHER} and latest.endpoints_of(OTHER) == (ep("10.0.0.5"),)
+    t.abort()
+    t.update_service("default", "api", [])
+    assert OTHER in latest.services and OTHER in latest.endpoints  # an aborted take's state too
+
+
 def test_deleted_service_is_listed_and_absent_from_the_state():
     t = synced(tracker_with_web())
     assert t.delete_service("default", "web")

@@ -359,11 +359,10 @@ class EbpfDatapath(Datapath):
         metrics): so a pass runs at most every `ct_gc_period` seconds, not on every call."""
         if self._programs is None or self._maps is None:
             return {}
-        current = self._programs.current.values()
         ct = self.collect_conntrack()
         out = {
-            "bpf_services": sum(len(e.frontends) for e in current),
-            "bpf_backends": sum(len(e.backends) for e in current),
+            "bpf_services": self._programs.frontend_count,
+            "bpf_backends": self._programs.backend_count,
             "bpf_ct_entries": ct.entries,
             "bpf_ct_capacity": ct.capacity,
             "bpf_ct_connections": ct.connections,
