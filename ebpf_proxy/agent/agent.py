@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any, Callable, Collection, Mapping
 
-from ebpf_proxy.agent import handover
+from ebpf_proxy.agent import handover, heap
 from ebpf_proxy.agent.audit import DriftAuditor
 from ebpf_proxy.agent.config import AgentConfig
 from ebpf_proxy.agent.health import ProxierHealth, ServiceHealthServers, healthz_server
@@ -128,7 +128,7 @@ class Agent:
                  metrics: Metrics | None = None, clock: MonotonicClock | None = None,
                  wall: Callable[[], float] = time.time, serve_http: bool = True,
                  health_check_server: Callable[..., Any] = BackgroundHTTPServer,
-                 backoff: Callable[[], Backoff] | None = None) -> None:
+                 backoff: Callable[[], Backoff] | None = None, settle_heap: bool = False) -> None:
         self.config = config
         self.node_name = config.node_name
         self.metrics = metrics or Metrics()
@@ -146,6 +146,9 @@ class Agent:
         self._datapath_factory = datapath_factory
         self._local_addresses = local_addresses
         self._serve_http = serve_http
+        # heap.settle() after each full sync: what `ebpf-proxy run` does; off by default, as it
+        # freezes the whole process's heap (a test process's too) and collects it once per sync
+        self._settle_heap = settle_heap
         self._health_check_server = health_check_server
         # client-go's Reflector backoff (0.8s doubling), capped at --watch-backoff-max
         self._backoff = backoff or (lambda: Backoff(cap=config.watch_backoff_max))
@@ -323,6 +326,10 @@ class Agent:
             "full": changes.full, "services": len(state.services), "changed": len(changes.services),
             "stale_udp_endpoints": len(changes.stale_udp_endpoints), "duration_ms": round(elapsed * 1000, 1),
             "counts": result.counts if result is not None else {}})
+        if changes.full and self._settle_heap:
+            del state, changes  # not kept alive by this frame through the collection
+            seconds, frozen = heap.settle()
+            log.debug("heap settled", extra={"duration_ms": round(seconds * 1000, 1), "objects": frozen})
 
     def observed_resource_version(self) -> str:
         """The oldest resourceVersion among the watches: every event up to it was handed to the tracker.

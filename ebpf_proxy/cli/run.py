@@ -125,7 +125,7 @@ def run(config_file: str | None, **flags: str | None) -> None:
         raise click.UsageError(str(exc)) from None
     setup_logging(config.log_format, config.log_level)
     _leave_out_unused_client_extras()
-    agent = Agent(config)
+    agent = Agent(config, settle_heap=True)
     agent.install_signal_handlers()
     sys.exit(agent.run())
 

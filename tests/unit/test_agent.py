@@ -18,6 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from ebpf_proxy.agent import cleanup as agent_cleanup
+from ebpf_proxy.agent import heap
 from ebpf_proxy.agent.agent import EXIT_FAILED, EXIT_OK, Agent
 from ebpf_proxy.agent.config import load_config
 from ebpf_proxy.agent.metrics import Metrics, metrics_server
@@ -155,6 +156,32 @@ def test_first_sync_programs_the_listed_state(agent_parts):
     assert metric(agent, "kubeproxy_sync_proxy_rules_iptables_total", table="nat") == 20
     assert metric(agent, "kubeproxy_sync_full_proxy_rules_duration_seconds_count") == 1
     assert agent.health.healthz()[0] == 200
+
+
+def test_the_heap_is_settled_after_full_syncs_only(agent_parts, monkeypatch):
+    make, clock, _ = agent_parts
+    settled = []
+    monkeypatch.setattr(heap, "settle", lambda: settled.append(1) or (0.0, 0))
+    agent = make(settle_heap=True)
+    agent.resolve_mode()
+    listed(agent, services=[web_service()], slices=[web_slice(endpoint("10.244.1.5", NODE))], nodes=[node(NODE)])
+    agent.prepare_datapath()
+    agent.sync(full=True)
+    assert settled == [1]
+    listed(agent, slices=[web_slice(endpoint("10.244.1.6", NODE), rv="2")])
+    agent.sync(full=False)
+    assert settled == [1], "a partial sync (one change) must not pay a collection"
+    assert make()._settle_heap is False  # agents made without asking (tests') never freeze the heap
+
+
+def test_settle_collects_and_freezes_the_survivors():
+    import gc
+    try:
+        seconds, frozen = heap.settle()
+        assert seconds >= 0 and frozen == gc.get_freeze_count() > 0
+        assert heap.settle()[1] >= frozen * 0.9  # settle again unfreezes first: the same survivors
+    finally:
+        gc.unfreeze()
 
 
 def test_changes_are_synced_partially_and_bounded_in_frequency(agent_parts):
