@@ -299,6 +299,17 @@ static void on_conn(int ep, struct conn *c, uint32_t events) {
     conn_flush(ep, c, 1);
 }
 
+/* Make `rmsg` carry one control message (level, type, data): the address to answer from. */
+static void answer_from(struct msghdr *rmsg, char *control, int level, int type, const void *data, size_t len) {
+    struct cmsghdr *rc = (struct cmsghdr *)control;
+    rc->cmsg_level = level;
+    rc->cmsg_type = type;
+    rc->cmsg_len = CMSG_LEN(len);
+    memcpy(CMSG_DATA(rc), data, len);
+    rmsg->msg_control = control;
+    rmsg->msg_controllen = CMSG_SPACE(len);
+}
+
 static void on_datagram(struct sock *s) {
     static __thread unsigned char in[65536];
     static __thread char out[LINE_CAP];
@@ -320,29 +331,18 @@ static void on_datagram(struct sock *s) {
         char reply_control[CMSG_SPACE(sizeof(struct in6_pktinfo))] = {0};
         struct msghdr rmsg = {.msg_name = &peer, .msg_namelen = msg.msg_namelen};
         for (struct cmsghdr *cm = CMSG_FIRSTHDR(&msg); cm; cm = CMSG_NXTHDR(&msg, cm)) {
-            struct cmsghdr *rc = (struct cmsghdr *)reply_control;
             if (cm->cmsg_level == IPPROTO_IP && cm->cmsg_type == IP_PKTINFO) {
                 struct in_pktinfo pi;
                 memcpy(&pi, CMSG_DATA(cm), sizeof(pi));
                 ((struct sockaddr_in *)&local)->sin_addr = pi.ipi_addr;
                 struct in_pktinfo answer = {.ipi_spec_dst = pi.ipi_addr};
-                rc->cmsg_level = IPPROTO_IP;
-                rc->cmsg_type = IP_PKTINFO;
-                rc->cmsg_len = CMSG_LEN(sizeof(answer));
-                memcpy(CMSG_DATA(rc), &answer, sizeof(answer));
-                rmsg.msg_control = reply_control;
-                rmsg.msg_controllen = CMSG_SPACE(sizeof(answer));
+                answer_from(&rmsg, reply_control, IPPROTO_IP, IP_PKTINFO, &answer, sizeof(answer));
             } else if (cm->cmsg_level == IPPROTO_IPV6 && cm->cmsg_type == IPV6_PKTINFO) {
                 struct in6_pktinfo pi;
                 memcpy(&pi, CMSG_DATA(cm), sizeof(pi));
                 ((struct sockaddr_in6 *)&local)->sin6_addr = pi.ipi6_addr;
                 struct in6_pktinfo answer = {.ipi6_addr = pi.ipi6_addr};
-                rc->cmsg_level = IPPROTO_IPV6;
-                rc->cmsg_type = IPV6_PKTINFO;
-                rc->cmsg_len = CMSG_LEN(sizeof(answer));
-                memcpy(CMSG_DATA(rc), &answer, sizeof(answer));
-                rmsg.msg_control = reply_control;
-                rmsg.msg_controllen = CMSG_SPACE(sizeof(answer));
+                answer_from(&rmsg, reply_control, IPPROTO_IPV6, IPV6_PKTINFO, &answer, sizeof(answer));
             }
         }
         char la[ADDR_CAP], pa[ADDR_CAP];

@@ -8,17 +8,16 @@ Topology (made here, removed in a finalizer even when tests fail; nothing touche
 
 import json
 import os
-import signal
 import socket
 import subprocess
-import sys
-import time
 
 import pytest
 
+from tests.lab.echo_util import SERVERS, server_argv, stop
+from tests.lab.echo_util import start as start_in
 from tests.netns_util import add_netns, del_netns, nsenter
 
-from ebpf_proxy.lab import echod, nsexec
+from ebpf_proxy.lab import nsexec
 from ebpf_proxy.lab._setns import run_in_netns
 from ebpf_proxy.lab.echo import reply_line
 from ebpf_proxy.lab.probe import probe, wait_until_ok
@@ -33,45 +32,14 @@ CLIENT = PREFIX + "client"
 POD = PREFIX + "pod"
 POD_IP, CLIENT_IP = "10.99.1.2", "10.99.1.1"
 POD_IP6, CLIENT_IP6 = "fd00:99:1::2", "fd00:99:1::1"
-SERVERS = ("python", "native")
+
+
+def start(kind: str, pod: str, ready_file, *listens: str, **kw) -> subprocess.Popen:
+    return start_in(kind, POD, pod, ready_file, *listens, **kw)
 
 
 def sh(*args: str) -> None:
     subprocess.run(args, check=True, capture_output=True, text=True)
-
-
-def server_argv(kind: str, pod: str, ready_file, listens, ipv6=False, threads=None) -> list[str]:
-    if kind == "native":
-        return echod.argv(echod.build(), pod, listens, ready_file, ipv6=ipv6, threads=threads)
-    argv = [sys.executable, "-m", "ebpf_proxy.lab.echo", "--pod", pod, "--ready-file", str(ready_file)]
-    for entry in listens:
-        argv += ["--listen", entry]
-    return argv + (["--ipv6"] if ipv6 else [])
-
-
-def start(kind: str, pod: str, ready_file, *listens: str, ipv6=False, threads=None) -> subprocess.Popen:
-    proc = nsexec.spawn(POD, server_argv(kind, pod, ready_file, listens, ipv6, threads),
-                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    end = time.monotonic() + 10
-    while not ready_file.exists():
-        if proc.poll() is not None:
-            raise RuntimeError(f"{kind} echo server exited with {proc.returncode}: {proc.stderr.read()}")
-        if time.monotonic() > end:
-            proc.kill()
-            raise RuntimeError(f"{kind} echo server did not become ready in 10 s")
-        time.sleep(0.01)
-    return proc
-
-
-def stop(proc: subprocess.Popen) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return proc.returncode
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ the kernel's local drop/reject errors.
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import time
 
 import pytest
 
+from tests.lab.echo_util import start, stop
 from tests.netns_util import add_netns, del_netns, nsenter
 
 from ebpf_proxy.lab._setns import run_in_netns
@@ -40,34 +40,6 @@ HAVE_IPTABLES = shutil.which("iptables") is not None
 
 def sh(*args: str) -> None:
     subprocess.run(args, check=True, capture_output=True, text=True)
-
-
-def start_echo(netns: str, pod: str, ready_file, *listens: str) -> subprocess.Popen:
-    args = [sys.executable, "-m", "ebpf_proxy.lab.echo", "--netns", netns, "--pod", pod,
-            "--ready-file", str(ready_file)]
-    for listen in listens:
-        args += ["--listen", listen]
-    proc = subprocess.Popen(args, stderr=subprocess.PIPE, text=True)
-    end = time.monotonic() + 10
-    while not ready_file.exists():
-        if proc.poll() is not None:
-            raise RuntimeError(f"echo server exited with {proc.returncode}: {proc.stderr.read()}")
-        if time.monotonic() > end:
-            proc.kill()
-            raise RuntimeError("echo server did not become ready in 10 s")
-        time.sleep(0.01)
-    return proc
-
-
-def stop(proc: subprocess.Popen) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return proc.returncode
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +65,7 @@ def lab(tmp_path_factory):
             sh(*nsenter(CLIENT), "iptables", "-A", "OUTPUT", "-p", "udp", "--dport", "10", "-j", "DROP")
             sh(*nsenter(CLIENT), "iptables", "-A", "OUTPUT", "-p", "udp", "--dport", "11", "-j", "REJECT")
         ready = tmp_path_factory.mktemp("echo") / "ready"
-        procs.append(start_echo(POD, "web-1", ready, "80/tcp", "53/udp", "8080/tcp"))
+        procs.append(start("python", POD, "web-1", ready, "80/tcp", "53/udp", "8080/tcp"))
         wait_until_ok(CLIENT, f"{POD_IP}:80", timeout=10)  # the veth needs a moment to come up
         yield
     finally:
