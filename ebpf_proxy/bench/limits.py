@@ -3,11 +3,10 @@
 A rate is the proxy's figure only if nothing else was saturated. Three things can be, on the
 bench's lab: the load generator (busy about one core-second per second per thread, it could not
 offer more), an echo server (the Python server is one thread: the same; the native one has one
-thread per CPU, so its limit is that many cores, which on the bench's machine the machine's own
-limit comes first), or the whole
-machine (every CPU busy: the nodes, pods and clients all share it). Each run's limits are
-recorded beside its figures, and the report names the runs that hit one, so that a figure set by
-the echo server is not read as the datapath's.
+thread per CPU, so its limit is that many cores, and on the bench's machine the machine's own
+limit comes first), or the whole machine (every CPU busy: the nodes, pods and clients all share
+it). Each run's limits are recorded beside its figures, and the report names the runs that hit
+one, so that a figure set by the echo server is not read as the datapath's.
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ class BenchConfig:
         d["measured_services"] = len(ports.MEASURED_SERVICES)
         d["observed_node"] = OBSERVED_NODE
         d["client_threads"] = client_threads(self)
-        d["agent_args"] = agent_args(self)
+        d["ebpf_agent_args"] = agent_args(self)
         return d
 
 
@@ -146,7 +146,7 @@ class Bench:
         self.binary: Path | None = None
         self.settings = traffic.Settings(config.duration, config.warmup, config.repeats, config.concurrency,
                                          client_threads=client_threads(config))
-        self.agent_args = agent_args(config)
+        self.map_args = agent_args(config)  # the ebpf agents' (iptables agents have no maps)
 
     # ---- helpers --------------------------------------------------------------------------------
     def _save(self) -> None:
@@ -279,7 +279,8 @@ class Bench:
         runs: list[dict] = []
         with self._guard("full_sync", mode, size):
             for i in range(cfg.repeats):
-                runs.append(controlplane.full_sync(self.lab, OBSERVED_NODE, mode, cfg.sync_timeout, self.agent_args))
+                runs.append(controlplane.full_sync(self.lab, OBSERVED_NODE, mode, cfg.sync_timeout,
+                                                   self._agent_args(mode)))
                 self.ui.detail(f"{size:,} services, {mode}: full sync (run {i + 1}: {runs[-1]['seconds']:.2f} s)")
             self.lab.wait_converged(timeout=cfg.sync_timeout)
             self._point({"metric": "full_sync", "path": None, "mode": mode, "services": size, "unit": "s",
@@ -327,7 +328,10 @@ class Bench:
         self._resources(mode, size, phases)
 
     def _start_agents(self, mode: str) -> None:
-        start_agents(self.lab, mode, self.config.sync_timeout, self.agent_args)
+        start_agents(self.lab, mode, self.config.sync_timeout, self._agent_args(mode))
+
+    def _agent_args(self, mode: str) -> list[str]:
+        return self.map_args if mode == "ebpf" else []
 
     def _kernel_state(self, mode: str, size: int) -> None:
         for node in self.lab.topology.nodes:

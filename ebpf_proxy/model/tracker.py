@@ -77,7 +77,7 @@ class ChangeTracker:
         self._flat_services: dict[ServicePortName, ServicePort] = {}
         self._flat_endpoints: dict[ServicePortName, tuple[Endpoint, ...]] = {}
         # _flat_endpoints of the service ports that exist (what take() hands out), kept in step
-        # by every change so that take() copies it instead of filtering 10,000 entries each sync
+        # by every change so that take() need not filter 10,000 entries each sync
         self._visible_endpoints: dict[ServicePortName, tuple[Endpoint, ...]] = {}
         # take() hands these two dicts out as the ProxyState, uncopied: copying 100,000 entries
         # twice was most of the time from one endpoint change to the kernel. The copy is made
