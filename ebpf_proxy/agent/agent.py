@@ -269,6 +269,7 @@ class Agent:
         self.datapath = self._datapath_factory(self.mode, self.node_config, **where,
                                                bpf_cache_dir=self.config.bpf_cache_dir or None,
                                                max_entries=dict(self.config.bpf_map_sizes) or None,
+                                               xdp_mode=self.config.bpf_xdp_mode,
                                                backend=self.config.iptables_backend or None)
         if self.datapath.mode in handover.OTHER_MODE:  # a kernel datapath: is the other mode's still here?
             self._handover_from = handover.previous_mode(self.mode, self.node_config, self._datapath_factory, **where)

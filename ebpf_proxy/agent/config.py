@@ -29,6 +29,7 @@ MODES = ("auto", "ebpf", "iptables")
 # kube-proxy's --detect-local-mode values (LocalMode in the model)
 DETECT_LOCAL_MODES = ("ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNamePrefix")
 LOG_FORMATS = ("text", "json")
+XDP_MODES = ("generic", "native", "off")  # EbpfDatapath's xdp_mode
 LOG_LEVELS = ("debug", "info", "warning", "error")
 PRIMARY = "primary"  # --nodeport-addresses primary: the node's primary IP (from its Node object)
 
@@ -79,6 +80,10 @@ class AgentConfig:
     # capacities of the eBPF datapath's maps other than the connection table (sized above), for
     # clusters beyond the defaults (65,536 frontends and backends): ((map name, entries), ...)
     bpf_map_sizes: tuple[tuple[str, int], ...] = ()
+    # how the early-drop XDP program attaches to the node's outside-facing devices: generic (any
+    # driver, after the skb is built), native (in the driver, before it: the fast one, where the
+    # driver supports it, veth included), off (TC alone decides every packet)
+    bpf_xdp_mode: str = "generic"
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)  # attr → flag/field name
 
     @property
@@ -313,6 +318,7 @@ _FIELDS: dict[str, _Field] = {
     "conntrack_udp_stream_timeout": _Field("--conntrack-udp-timeout-stream", (("conntrack", "udpStreamTimeout"),),
                                            _timeout),
     "bpf_map_sizes": _Field("--bpf-map-sizes", (), _map_sizes),
+    "bpf_xdp_mode": _Field("--bpf-xdp-mode", (), _choice(XDP_MODES)),
 }
 _KNOWN_PATHS = {path for f in _FIELDS.values() for path in f.file_paths}
 

@@ -91,6 +91,10 @@ def _bool_flag(*names: str, help: str):  # noqa: A002 (click's name)
               help="Capacities of eBPF maps, e.g. epx_svc=262144,epx_backend=1048576,epx_slot=2097152 for "
                    "100,000 Services of 10 endpoints (defaults: 65,536 frontends and backends, 262,144 slots; "
                    "the connection table follows --conntrack-*). A changed size recreates that map at start.")
+@click.option("--bpf-xdp-mode", default=None, metavar="generic|native|off",
+              help="How the eBPF mode's early-drop XDP program attaches to outside-facing devices: generic "
+                   "(any driver, default), native (in the driver, before an skb exists; where the driver "
+                   "supports it) or off (the TC program decides every packet).")
 @click.option("--iptables-backend", default=None, metavar="auto|legacy|nft",
               help="iptables mode: which backend (auto: the one already holding rules, else legacy).")
 @click.option("--audit-period", default=None, metavar="DURATION",

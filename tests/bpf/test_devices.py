@@ -128,3 +128,21 @@ def test_attach_follow_and_detach(datapath):
         assert "someone-else" in subprocess.run([*nsenter(node), "tc", "filter", "show", "dev", "vout", "ingress"],
                                                 capture_output=True, text=True).stdout
         assert run_in_netns(node, devices.detach_all) == {"tc_filters": 0, "xdp": 0}, "idempotent"
+
+
+def test_native_xdp_attaches_in_the_driver_and_cleanup_removes_it(datapath):
+    """--bpf-xdp-mode native: the program runs in the veth driver (before an skb exists), and a
+    cleanup that does not know the mode (`ebpf-proxy cleanup`, detach_all) still removes it."""
+    with netlab.NetLab() as lab:
+        node = lab.ns["node"]
+        devs = devices.Devices(
+            devices.Programs(datapath.prog_fds["tc_ingress"], datapath.prog_fds["tc_egress"], datapath.prog_fds["xdp_lb"]),
+            cluster_cidrs=CIDRS, pod_patterns=("vpod", "lxc*"), xdp_mode="native",
+        )
+        run_in_netns(node, devs.reconcile, True)
+        assert devs.errors == {}
+        with IPRoute(netns=node) as ipr:
+            attached = ipr.get_links(lab.ifindex("vout"))[0].get("xdp").get("IFLA_XDP_ATTACHED")
+        assert attached == "xdp", attached  # XDP_ATTACHED_DRV: in the driver, not "xdpgeneric"
+        assert run_in_netns(node, devices.detach_all)["xdp"] == 2
+        assert not _xdp(node, "vout") and not _xdp(node, "vbe")

@@ -131,6 +131,14 @@ def test_bpf_map_sizes_reach_the_datapath(agent_parts):
     assert agent.prepare_datapath().opts["max_entries"] == {"epx_svc": 262144, "epx_backend": 1048576}
 
 
+def test_bpf_xdp_mode_reaches_the_datapath(agent_parts):
+    make, _, _ = agent_parts
+    agent = make({"bpf_xdp_mode": "native"})
+    agent.resolve_mode()
+    listed(agent, nodes=[node(NODE)])
+    assert agent.prepare_datapath().opts["xdp_mode"] == "native"
+
+
 def test_first_sync_programs_the_listed_state(agent_parts):
     make, clock, wall = agent_parts
     agent = make()
@@ -139,7 +147,8 @@ def test_first_sync_programs_the_listed_state(agent_parts):
            slices=[web_slice(endpoint("10.244.1.5", NODE), endpoint("10.244.2.6", "n2"))], nodes=[node(NODE)])
     dp = agent.prepare_datapath()
     assert dp.opts == {"mode": "iptables", "cgroup_path": None, "bpffs": "/sys/fs/bpf",
-                       "bpf_cache_dir": "/var/cache/ebpf-proxy/bpf", "backend": "auto", "max_entries": None}
+                       "bpf_cache_dir": "/var/cache/ebpf-proxy/bpf", "backend": "auto", "max_entries": None,
+                       "xdp_mode": "generic"}
     assert agent.node_config == NodeConfig(node_name=NODE, node_ips=("192.168.1.10", "10.244.1.1"),
                                            cluster_cidrs=("10.244.0.0/16",),
                                            local_detector=LocalDetector(LocalMode.CLUSTER_CIDR, ("10.244.0.0/16",)))

@@ -322,7 +322,8 @@ def captured(monkeypatch):
     seen: list[AgentConfig] = []
 
     class FakeAgent:
-        def __init__(self, config):
+        def __init__(self, config, settle_heap=False):
+            assert settle_heap, "`ebpf-proxy run` settles the heap after full syncs (agent/heap.py)"
             seen.append(config)
 
         def install_signal_handlers(self):
@@ -424,6 +425,13 @@ def test_bad_conntrack_field_names_the_field(tmp_path):
                            "conntrack:\n  maxPerCore: many\n")
     with pytest.raises(ConfigError, match="^conntrack.maxPerCore"):
         load_config({}, path)
+
+
+def test_bpf_xdp_mode_flag():
+    assert load_config({}).bpf_xdp_mode == "generic"
+    assert load_config({"bpf_xdp_mode": "native"}).bpf_xdp_mode == "native"
+    with pytest.raises(ConfigError, match="^--bpf-xdp-mode: .*'driver'"):
+        load_config({"bpf_xdp_mode": "driver"})
 
 
 def test_bpf_map_sizes_flag():
