@@ -161,8 +161,8 @@ def measure(lab: Lab, point: Point, settings: Settings, binary: Path,
     if not flush_conntrack(lab):
         result.notes.append("conntrack not installed: tables not flushed between points")
     netns = lab.netns_of(point.source)
-    servers = limits.server_pids(lab, backend_pods(lab.topology))
-    threads = limits.server_threads(lab, backend_pods(lab.topology))
+    backends = backend_pods(lab.topology)
+    servers, threads = limits.server_pids(lab, backends), limits.server_threads(lab, backends)
     for i in range(settings.repeats):
         spec = LoadSpec(point.proto, point.targets, settings.duration,
                         warmup=settings.warmup if i == 0 else min(settings.warmup, 0.25),

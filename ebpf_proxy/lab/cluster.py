@@ -255,19 +255,10 @@ class Lab:
             return {"pid": None}
         ready = self.dir / f"echo-{pod.name}.ready"
         ready.unlink(missing_ok=True)
-        ipv6 = any(":" in ip for ip in pod.ips)
-        if pod.server == "native":
-            try:
-                binary = echod.build()
-            except cbuild.BuildError as exc:
-                raise LabError(f"pod {pod.name}: server native: {exc}") from None
-            argv = echod.argv(binary, pod.name, pod.listen, ready, ipv6=ipv6)
-        else:
-            argv = [sys.executable, "-m", "ebpf_proxy.lab.echo", "--pod", pod.name, "--ready-file", str(ready)]
-            for entry in pod.listen:
-                argv += ["--listen", entry]
-            if ipv6:
-                argv.append("--ipv6")
+        try:
+            argv = echod.server_argv(pod.server, pod.name, pod.listen, ready, ipv6=any(":" in ip for ip in pod.ips))
+        except cbuild.BuildError as exc:
+            raise LabError(f"pod {pod.name}: server {pod.server}: {exc}") from None
         proc = nsexec.spawn(naming.pod_netns(self.name, pod.name), argv,
                             log_path=str(self.dir / f"echo-{pod.name}.log"))
         _wait_file(ready, time.monotonic() + 10, f"echo server of pod {pod.name}", proc)

@@ -8,6 +8,7 @@ once with the system cc (cbuild.py).
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Sequence
 
@@ -19,6 +20,22 @@ SOURCE_NAME = "echod.c"
 def build(cc: str | None = None, directory: Path | None = None) -> Path:
     """The compiled server's path (compiled on first use; cbuild.BuildError if it cannot be)."""
     return cbuild.build("ebpf_proxy.lab", SOURCE_NAME, libs=("-lpthread",), cc=cc, directory=directory)
+
+
+def server_argv(server: str, pod: str, listens: Sequence[str], ready_file: str | Path | None = None,
+                ipv6: bool = False, threads: int | None = None) -> list[str]:
+    """The command line of a pod's echo server: `server` "native" (this one, compiled on first
+    use; cbuild.BuildError if it cannot be) or "python" (lab/echo.py, one thread: no `threads`)."""
+    if server == "native":
+        return argv(build(), pod, listens, ready_file, ipv6=ipv6, threads=threads)
+    if server != "python" or threads is not None:
+        raise ValueError(f"server {server!r} with threads {threads!r}: python (one thread) or native")
+    out = [sys.executable, "-m", "ebpf_proxy.lab.echo", "--pod", pod]
+    for entry in listens:
+        out += ["--listen", entry]
+    if ready_file is not None:
+        out += ["--ready-file", str(ready_file)]
+    return out + (["--ipv6"] if ipv6 else [])
 
 
 def argv(binary: str | Path, pod: str, listens: Sequence[str], ready_file: str | Path | None = None,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import time
 
 from ebpf_proxy.lab import echod, nsexec
@@ -12,19 +11,10 @@ from ebpf_proxy.lab import echod, nsexec
 SERVERS = ("python", "native")
 
 
-def server_argv(kind: str, pod: str, ready_file, listens, ipv6: bool = False, threads: int | None = None) -> list[str]:
-    if kind == "native":
-        return echod.argv(echod.build(), pod, listens, ready_file, ipv6=ipv6, threads=threads)
-    argv = [sys.executable, "-m", "ebpf_proxy.lab.echo", "--pod", pod, "--ready-file", str(ready_file)]
-    for entry in listens:
-        argv += ["--listen", entry]
-    return argv + (["--ipv6"] if ipv6 else [])
-
-
 def start(kind: str, netns: str, pod: str, ready_file, *listens: str, ipv6: bool = False,
           threads: int | None = None) -> subprocess.Popen:
     """The server, once its ready file exists (RuntimeError with its stderr if it exits first)."""
-    proc = nsexec.spawn(netns, server_argv(kind, pod, ready_file, listens, ipv6, threads),
+    proc = nsexec.spawn(netns, echod.server_argv(kind, pod, listens, ready_file, ipv6, threads),
                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     end = time.monotonic() + 10
     while not ready_file.exists():

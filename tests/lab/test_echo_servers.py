@@ -13,11 +13,11 @@ import subprocess
 
 import pytest
 
-from tests.lab.echo_util import SERVERS, server_argv, stop
+from tests.lab.echo_util import SERVERS, stop
 from tests.lab.echo_util import start as start_in
 from tests.netns_util import add_netns, del_netns, nsenter
 
-from ebpf_proxy.lab import nsexec
+from ebpf_proxy.lab import echod, nsexec
 from ebpf_proxy.lab._setns import run_in_netns
 from ebpf_proxy.lab.echo import reply_line
 from ebpf_proxy.lab.probe import probe, wait_until_ok
@@ -171,7 +171,7 @@ def test_a_port_another_server_holds_is_an_error(net, tmp_path, kind, holder):
     held = start(holder, "holder", tmp_path / "held", "7070/tcp", "7053/udp")
     try:
         for listen in ("7070/tcp", "7053/udp"):
-            run = nsexec.run(POD, server_argv(kind, "dup", tmp_path / "ready", [listen]), timeout=10)
+            run = nsexec.run(POD, echod.server_argv(kind, "dup", [listen], tmp_path / "ready"), timeout=10)
             assert run.returncode == 1 and "cannot bind" in run.stderr, (listen, run.stderr)
             assert not (tmp_path / "ready").exists()
     finally:
