@@ -4,7 +4,8 @@ An agent that is stopped leaves its datapath in place on purpose (traffic keeps 
 restarts), so uninstalling, or switching from ebpf to iptables, needs an explicit cleanup. It
 tries every mode that leaves kernel state, whatever mode last ran: the operator should not have
 to remember. A mode whose implementation cannot be imported here (no bcc, say) is skipped, not
-failed: it cannot have installed anything from this installation either.
+failed: it cannot have installed anything from this installation either. The iptables mode is
+cleaned per backend and per IP family (iptables and, where installed, ip6tables).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ class CleanupResult:
 
 def mode_variants(modes: tuple[str, ...]) -> list[tuple[str, str, dict[str, str]]]:
     """(mode, label, extra options): the iptables mode once per installed backend, since rules
-    left in either one (an earlier run may have picked the other) keep acting on packets."""
+    left in either one (an earlier run may have picked the other) keep acting on packets.
+    IPv4 only; `family_variants` adds the ip6tables ones."""
     out: list[tuple[str, str, dict[str, str]]] = []
     for mode in modes:
         backends = [b for b in ("legacy", "nft") if shutil.which(f"iptables-{b}-restore")] if mode == "iptables" else []
@@ -44,12 +46,32 @@ def mode_variants(modes: tuple[str, ...]) -> list[tuple[str, str, dict[str, str]
     return out
 
 
+def family_variants(modes: tuple[str, ...]) -> list[tuple[str, str, dict[str, str], int]]:
+    """(mode, label, extra options, IP family): `mode_variants` (family 4), then the iptables mode
+    once more per installed ip6tables backend, family 6, since an IPv6 datapath keeps its rules in
+    ip6tables, which iptables neither sees nor removes (kube-proxy's cleanup does both families
+    too). No IPv6 variant where no ip6tables command is installed."""
+    out: list[tuple[str, str, dict[str, str], int]] = []
+    for mode in modes:
+        out += [(mode, label, extra, 4) for mode, label, extra in mode_variants((mode,))]
+        if mode != "iptables":
+            continue
+        backends = [b for b in ("legacy", "nft") if shutil.which(f"ip6tables-{b}-restore")]
+        if backends:
+            out += [(mode, f"{mode} ({b}, IPv6)", {"backend": b}, 6) for b in backends]
+        elif shutil.which("ip6tables-restore"):
+            out.append((mode, f"{mode} (IPv6)", {}, 6))
+    return out
+
+
 def cleanup_all(node_name: str, modes: tuple[str, ...] = KERNEL_MODES,
                 factory: Callable[..., Datapath] = create_datapath, **opts: Any) -> list[CleanupResult]:
-    """Run `cleanup()` of each mode's datapath; one result per mode, never raises."""
-    node = NodeConfig(node_name=node_name)
+    """Run `cleanup()` of each mode's datapath (the iptables one per backend and IP family); one
+    result per variant, never raises."""
+    nodes = {family: NodeConfig(node_name=node_name, family=family) for family in (4, 6)}
     results = []
-    for mode, label, extra in mode_variants(modes):
+    for mode, label, extra, family in family_variants(modes):
+        node = nodes[family]
         try:
             datapath = factory(mode, node, **opts, **extra)
         except DatapathUnavailable as exc:

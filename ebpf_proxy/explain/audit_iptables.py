@@ -1,10 +1,12 @@
 """The drift audit of the iptables datapath: iptables-save against the ruleset the last sync applied.
 
-The kernel never prints a rule as we wrote it: `-d 10.96.0.10` comes back `-d 10.96.0.10/32`,
+The kernel never prints a rule as we wrote it: `-d 10.96.0.10` comes back `-d 10.96.0.10/32`
+(`-d fd00::10` as `-d fd00::10/128` from ip6tables-save),
 `-m tcp -p tcp --dport 80` as `-p tcp -m tcp --dport 80`, `--or-mark 0x004000` as
 `--set-xmark 0x4000/0x4000`, `--probability 0.5000000000` with eleven decimals, the recent match
-with its defaults (`--mask 255.255.255.255 --rsource`) spelled out, and the legacy and nft
-backends agree on none of this by contract. So both sides are reduced to a canonical form (the
+with its defaults (`--mask 255.255.255.255 --rsource`, or `--mask ffff:...:ffff` for IPv6) spelled
+out, IPv6 addresses in their one canonical spelling (also in DNAT's `--to-destination [addr]:port`),
+and the legacy and nft backends agree on none of this by contract. So both sides are reduced to a canonical form (the
 generic matches as a set, each match module with its options as a set, the target with its
 options in one spelling) that is equal exactly when the kernel rule does what ours says; a test
 loads every kind of rule we render into both backends and requires zero drift.
@@ -40,7 +42,8 @@ _GENERIC = {"-s": "-s", "--source": "-s", "-d": "-d", "--destination": "-d", "-p
             "-i": "-i", "--in-interface": "-i", "-o": "-o", "--out-interface": "-o"}
 _ALL_BITS = 0xFFFFFFFF
 # options iptables-save prints although nobody asked for them (the match's defaults)
-_DEFAULTS = {("recent", "--mask", "255.255.255.255"), ("recent", "--rsource", "")}
+_DEFAULTS = {("recent", "--mask", "255.255.255.255"), ("recent", "--mask", "ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff"),
+             ("recent", "--rsource", "")}
 _SYNONYMS = {"--destination-port": "--dport", "--source-port": "--sport", "--destination-ports": "--dports",
              "--source-ports": "--sports", "--state": "--ctstate"}
 
@@ -58,6 +61,20 @@ def _address(value: str) -> str:
         return str(ipaddress.ip_network(value, strict=False))
     except ValueError:
         return value  # a hostname or something else we never write: compared as written
+
+
+def _dnat_destination(value: str) -> str:
+    """DNAT's `--to-destination` ADDR:PORT or [ADDR6]:PORT with the address canonical (ip6tables-save
+    prints IPv6 compressed and lower-case); anything else (ranges, ...) as written."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit():
+        return value
+    bracketed = host.startswith("[") and host.endswith("]")
+    try:
+        addr = ipaddress.ip_address(host[1:-1] if bracketed else host)
+    except ValueError:
+        return value
+    return f"[{addr}]:{port}" if addr.version == 6 else f"{addr}:{port}"
 
 
 def _option_value(module: str, opt: str, value: str) -> str:
@@ -82,6 +99,8 @@ def _target_options(target: str | None, tokens: list[str]) -> tuple:
         else:
             opts[tokens[i]] = ""
             i += 1
+    if target == "DNAT" and opts.get("--to-destination"):
+        opts["--to-destination"] = _dnat_destination(opts["--to-destination"])
     if target == "MARK":
         for opt, value in list(opts.items()):
             bits = int(value.split("/")[0], 0) if value else 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import ipaddress
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 DEFAULT_AFFINITY_TIMEOUT_SECONDS = 10800  # kube's default for sessionAffinity=ClientIP
@@ -199,9 +200,16 @@ class ConntrackLimits:
 
 @dataclass(frozen=True)
 class NodeConfig:
-    """What a datapath needs to know about the node it runs on (kube-proxy's flags and node state)."""
+    """What a datapath needs to know about the node it runs on (kube-proxy's flags and node state).
+
+    One NodeConfig per IP family the node serves, as kube-proxy builds one proxier per family
+    (metaproxier): `family` is the one its datapath programs (4 or 6). `node_ips` hold only that
+    family's addresses; the CIDR fields keep every family as configured, and each datapath takes
+    its own family's (kube-proxy's NewNodePortAddresses and local detectors filter the same way).
+    """
 
     node_name: str
+    family: int = 4
     node_ips: tuple[str, ...] = ()  # every LOCAL address usable for NodePorts (after --nodeport-addresses)
     cluster_cidrs: tuple[str, ...] = ()  # --cluster-cidr (the pod network; finds routed pod veths)
     nodeport_addresses: tuple[str, ...] = ()  # CIDRs; empty: all local addresses
@@ -213,8 +221,19 @@ class NodeConfig:
     conntrack: ConntrackLimits = ConntrackLimits()
 
     def __post_init__(self) -> None:
+        if self.family not in (4, 6):
+            raise ValueError(f"node {self.node_name}: IP family {self.family!r} is not 4 or 6")
         for cidr in (*self.cluster_cidrs, *self.nodeport_addresses):
             ipaddress.ip_network(cidr, strict=False)  # ValueError names the bad CIDR
+
+    def of_family(self, ips: Iterable[str]) -> tuple[str, ...]:
+        """The addresses of `ips` in this config's family (an IPv4-mapped IPv6 address is IPv6 text)."""
+        return tuple(ip for ip in ips if ipaddress.ip_address(ip).version == self.family)
+
+    def networks(self, cidrs: Iterable[str]) -> "list[ipaddress.IPv4Network | ipaddress.IPv6Network]":
+        """The CIDRs of `cidrs` in this config's family, parsed."""
+        nets = (ipaddress.ip_network(c, strict=False) for c in cidrs)
+        return [n for n in nets if n.version == self.family]
 
     @property
     def detector(self) -> LocalDetector:

@@ -1,4 +1,4 @@
-"""The iptables drift audit against the real kernel, with both backends.
+"""The iptables drift audit against the real kernel, with both backends, IPv4 and IPv6 (ip6tables).
 
 Clean after a sync (so the canonical form really absorbs every spelling the kernel prints back
 for every kind of rule we render), then each kind of tampering an operator or another tool can do
@@ -14,6 +14,7 @@ import pytest
 from ebpf_proxy.explain.audit import EXTRA, MISSING, STALE, audit
 from ebpf_proxy.explain.audit_iptables import canonical
 from ebpf_proxy.model import ChangeSet, LocalDetector, LocalMode, NodeConfig
+from tests.lab.test_ip6tables_apply import FLAVOURS6, NODE6, datapath6, rich_state6
 from tests.lab.test_iptables_apply import (  # noqa: F401 - netns is a fixture
     FLAVOURS,
     NODE,
@@ -121,3 +122,60 @@ def test_canonical_form_equates_the_kernels_spellings_only():
         "-m recent --name A --rcheck -j A".split())
     assert canonical("-j X".split()) != canonical("-g X".split())
     assert canonical("-j MARK --or-mark 0x4000".split()) != canonical("-j MARK --xor-mark 0x4000".split())
+
+
+# ---- IPv6: the audit against ip6tables-save -------------------------------------------------
+
+flavours6 = pytest.mark.parametrize("flavour", sorted(FLAVOURS6))
+needs_ip6tables = pytest.mark.skipif(not FLAVOURS6, reason="ip6tables not installed")
+
+
+@flavours6
+def test_a_synced_ipv6_node_has_no_drift(netns, flavour):
+    """ip6tables-save prints addresses with /128, the recent match's IPv6 mask, REJECT's
+    icmp6-port-unreachable: all absorbed by the canonical form."""
+    ns = netns("aud6")
+    dp = datapath6(ns, flavour)
+    dp.sync(rich_state6(), ChangeSet())
+    report = audit(dp)
+    assert report.clean, "\n".join(report.lines())
+    assert report.checked["rules"] > 40 and report.checked["jumps"] > 10
+
+
+NODES6 = {
+    "masquerade-all": dataclasses.replace(NODE6, masquerade_all=True),
+    "no-detector": dataclasses.replace(NODE6, cluster_cidrs=("10.244.0.0/16",)),
+    "node-cidr": dataclasses.replace(NODE6, local_detector=LocalDetector(LocalMode.NODE_CIDR,
+                                                                         ("10.244.1.0/24", "fd00:10:1::/64"))),
+    "nodeport-addresses": dataclasses.replace(NODE6, nodeport_addresses=("192.0.2.0/24", "2001:db8:50::/64", "::1/128")),
+    "localhost-nodeports-off": dataclasses.replace(NODE6, localhost_nodeports=False),
+}
+
+
+@needs_ip6tables
+@pytest.mark.parametrize("config", sorted(NODES6))
+def test_every_ipv6_node_configuration_audits_clean(netns, config):
+    ns = netns("aud6")
+    dp = datapath6(ns, sorted(FLAVOURS6)[-1], node=NODES6[config])
+    dp.sync(rich_state6(), ChangeSet())
+    report = audit(dp)
+    assert report.clean, "\n".join(report.lines())
+
+
+@flavours6
+def test_ipv6_tampering_is_found_and_repaired(netns, flavour):
+    ns = netns("aud6")
+    ip6t = FLAVOURS6[flavour]["iptables"][0]
+    dp = datapath6(ns, flavour)
+    dp.sync(rich_state6(), ChangeSet())
+    sep_chain = next(c for c in dp.believed().chains("nat") if c.startswith("KUBE-SEP-"))
+    in_ns(ns, ip6t, "-t", "nat", "-R", "KUBE-SERVICES", "1", "-d", "fd00:96::99/128", "-p", "tcp", "-m", "tcp",
+          "--dport", "81", "-j", "RETURN")
+    in_ns(ns, ip6t, "-t", "nat", "-A", sep_chain, "-j", "ACCEPT")
+    report = audit(dp)
+    found = _found(report)
+    assert (STALE, "iptables rule", "nat KUBE-SERVICES rule 1") in found
+    assert any(k == EXTRA and key.startswith(f"nat {sep_chain} ") for k, _, key in found)
+    assert audit(dp, repair=True).repaired
+    after = audit(dp)
+    assert after.clean, "\n".join(after.lines())

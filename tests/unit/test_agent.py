@@ -105,8 +105,8 @@ def agent_parts():
         config = load_config({"hostname_override": NODE, "mode": "iptables", "cluster_cidrs": "10.244.0.0/16",
                               "min_sync_period": "1s", "sync_period": "30s", **(flags or {})})
         kw.setdefault("datapath_factory", lambda mode, node, **opts: RecordingDatapath(node, mode=mode, **opts))
-        return Agent(config, local_addresses=lambda: ["127.0.0.1", "192.168.1.10", "10.244.1.1"],
-                     clock=clock, wall=wall, serve_http=False, health_check_server=FakeHealthServer, **kw)
+        kw.setdefault("local_addresses", lambda: ["127.0.0.1", "192.168.1.10", "10.244.1.1"])
+        return Agent(config, clock=clock, wall=wall, serve_http=False, health_check_server=FakeHealthServer, **kw)
 
     return make, clock, wall
 
@@ -517,15 +517,16 @@ def test_cleanup_reports_each_mode(monkeypatch):
             dp.cleanup = lambda: (_ for _ in ()).throw(RuntimeError("iptables-restore: exit 4"))
             return dp
         dp = Cleans(node)
-        dp.mode_name = f"{mode}/{opts.get('backend')}"
+        dp.mode_name = f"{mode}/{opts.get('backend')}/IPv{node.family}"
         return dp
 
     results = agent_cleanup.cleanup_all(NODE, modes=("ebpf", "iptables", "broken"), factory=factory)
-    # iptables once per installed backend: rules left in either keep acting on packets
-    assert [(r.mode, r.outcome) for r in results] == [("ebpf", "skipped"), ("iptables (legacy)", "cleaned"),
-                                                       ("iptables (nft)", "cleaned"), ("broken", "failed")]
-    assert cleaned == ["iptables/legacy", "iptables/nft"]
-    assert results[3].line() == "broken: failed (iptables-restore: exit 4)"
+    # iptables once per installed backend and IP family: rules left in any keep acting on packets
+    assert [(r.mode, r.outcome) for r in results] == [
+        ("ebpf", "skipped"), ("iptables (legacy)", "cleaned"), ("iptables (nft)", "cleaned"),
+        ("iptables (legacy, IPv6)", "cleaned"), ("iptables (nft, IPv6)", "cleaned"), ("broken", "failed")]
+    assert cleaned == ["iptables/legacy/IPv4", "iptables/nft/IPv4", "iptables/legacy/IPv6", "iptables/nft/IPv6"]
+    assert results[5].line() == "broken: failed (iptables-restore: exit 4)"
 
 
 @pytest.mark.parametrize("outcomes,code", [(["cleaned", "skipped"], 0), (["cleaned", "failed"], 1)])

@@ -6,6 +6,9 @@ So: the backend that already holds Kubernetes chains (kubelet's, or ours from an
 wins; else the one holding more rules; else legacy when it is installed, because with iptables
 1.8.9 `iptables-nft-restore --noflush` of a 10,000-service ruleset takes ~40 s where
 `iptables-legacy-restore --noflush` takes ~0.7 s (measured on this project's 2-core machine).
+
+Each IP family has its own commands (ip6tables, ip6tables-save, ... for IPv6) and is decided on
+its own, from its own save command's output, as kube-proxy's iptables-wrapper does.
 """
 
 from __future__ import annotations
@@ -25,7 +28,17 @@ COMMANDS: dict[str, dict[str, tuple[str, ...]]] = {
     "default": {"iptables": ("iptables",), "iptables_save": ("iptables-save",),
                 "iptables_restore": ("iptables-restore",)},
 }
+# the same for IPv6: ip6tables keeps tables of its own, beside iptables'
+COMMANDS6: dict[str, dict[str, tuple[str, ...]]] = {
+    "legacy": {"iptables": ("ip6tables-legacy",), "iptables_save": ("ip6tables-legacy-save",),
+               "iptables_restore": ("ip6tables-legacy-restore",)},
+    "nft": {"iptables": ("ip6tables-nft",), "iptables_save": ("ip6tables-nft-save",),
+            "iptables_restore": ("ip6tables-nft-restore",)},
+    "default": {"iptables": ("ip6tables",), "iptables_save": ("ip6tables-save",),
+                "iptables_restore": ("ip6tables-restore",)},
+}
 BACKENDS = ("auto", "legacy", "nft", "default")
+FAMILIES = (4, 6)
 
 Run = Callable[[Sequence[str]], "tuple[int, str]"]
 
@@ -37,11 +50,19 @@ def _rules(output: str) -> tuple[int, int]:
     return kube, sum(1 for line in lines if line.startswith("-A "))
 
 
-def detect(run: Run, prefix: Sequence[str] = ()) -> str:
-    """'legacy' or 'nft' (or 'default' when neither variant is installed)."""
+def family_commands(family: int = 4) -> dict[str, dict[str, tuple[str, ...]]]:
+    """backend -> the three command tuples, for IP `family` (4: iptables, 6: ip6tables)."""
+    if family not in FAMILIES:
+        raise ValueError(f"iptables backend: IP family {family!r} is not 4 or 6")
+    return COMMANDS if family == 4 else COMMANDS6
+
+
+def detect(run: Run, prefix: Sequence[str] = (), family: int = 4) -> str:
+    """'legacy' or 'nft' (or 'default' when neither variant is installed), for IP `family`."""
+    table = family_commands(family)
     seen: dict[str, tuple[int, int]] = {}
     for name in ("legacy", "nft"):
-        save = COMMANDS[name]["iptables_save"]
+        save = table[name]["iptables_save"]
         if shutil.which(save[0]) is None:
             continue
         code, out = run([*prefix, *save])
@@ -55,12 +76,16 @@ def detect(run: Run, prefix: Sequence[str] = ()) -> str:
     else:
         choice = "legacy" if "legacy" in seen else "nft"
         why = "no backend holds rules yet" + (": legacy restores large rulesets far faster" if choice == "legacy" else "")
-    log.info("iptables backend: %s (%s)", choice, why, extra={"backend": choice})
+    if family == 4:
+        log.info("iptables backend: %s (%s)", choice, why, extra={"backend": choice})
+    else:
+        log.info("ip6tables backend: %s (%s)", choice, why, extra={"backend": choice, "family": family})
     return choice
 
 
-def commands(backend: str, run: Run, prefix: Sequence[str] = ()) -> dict[str, tuple[str, ...]]:
-    """The three command tuples for BACKEND ('auto' detects)."""
+def commands(backend: str, run: Run, prefix: Sequence[str] = (), family: int = 4) -> dict[str, tuple[str, ...]]:
+    """The three command tuples for BACKEND ('auto' detects) and IP `family`."""
     if backend not in BACKENDS:
         raise ValueError(f"iptables backend: {backend!r} is not one of {', '.join(BACKENDS)}")
-    return COMMANDS[detect(run, prefix) if backend == "auto" else backend]
+    table = family_commands(family)
+    return table[detect(run, prefix, family) if backend == "auto" else backend]

@@ -11,6 +11,10 @@ already has, plus `-X` for chains that disappeared. Any failure forgets that mem
 next sync is a full one whatever the ChangeSet says: after a failed restore nobody knows what
 the kernel holds. A full sync also (re)ensures the jumps from the built-in chains and collects
 per-service chains left by earlier runs, from iptables-save.
+
+One datapath serves one IP family, its NodeConfig's (`node.family`), as kube-proxy runs one
+proxier per family: IPv4 drives iptables, IPv6 ip6tables (each backend's own variants), and
+sync, cleanup, installed and the conntrack cleanup all stay within that family.
 """
 
 from __future__ import annotations
@@ -61,7 +65,8 @@ class IptablesDatapath(Datapath):
     `netns` runs every command (and the conntrack socket) in that named network namespace,
     through `nsenter --net` (no mount-namespace games, unlike `ip netns exec`); `command_prefix` overrides that prefix for the commands. The
     command tuples choose the iptables flavour (e.g. `("iptables-legacy-restore",)`); without them,
-    `backend` (auto, legacy, nft, default) does, auto as kube-proxy's iptables-wrapper (backend.py).
+    `backend` (auto, legacy, nft, default) does, auto as kube-proxy's iptables-wrapper (backend.py),
+    among the commands of `node.family` (ip6tables-legacy-restore, ... for IPv6).
     `runner` and `conntrack` are injectable for tests.
     """
 
@@ -88,7 +93,7 @@ class IptablesDatapath(Datapath):
             # an injected runner (tests) gets the system's plain commands unless told otherwise
             chosen = backend or ("default" if runner is not None else "auto")
             found = backend_commands(chosen, lambda cmd: _status_and_output(runner or run_command, cmd),
-                                     command_prefix)
+                                     command_prefix, family=node.family)
             iptables_restore = iptables_restore or found["iptables_restore"]
             iptables_save = iptables_save or found["iptables_save"]
             iptables = iptables or found["iptables"]
@@ -99,7 +104,7 @@ class IptablesDatapath(Datapath):
             prefix=command_prefix,
             runner=runner,
         )
-        self._conntrack = conntrack if conntrack is not None else ConntrackCleaner(netns)
+        self._conntrack = conntrack if conntrack is not None else ConntrackCleaner(netns, family=node.family)
         self._applied: Ruleset | None = None  # what the kernel holds after our last successful restore
         self._fragments: dict[ServicePortName, ServiceRules] = {}
         self._ctx: RenderContext | None = None
@@ -142,7 +147,7 @@ class IptablesDatapath(Datapath):
             **self.stats(),
             "conntrack_deleted": 0,
         }
-        filters = stale_filters(changes, state, previous)
+        filters = stale_filters(changes, state, previous, family=self.node.family)
         if filters:
             try:
                 counts["conntrack_deleted"] = self._conntrack.delete(filters)
@@ -168,11 +173,13 @@ class IptablesDatapath(Datapath):
         return fragments
 
     def _prepare_node(self) -> None:
-        """Node settings kube-proxy makes at start: route_localnet for localhost NodePorts, and
-        whether nf_conntrack_tcp_be_liberal spares us the INVALID-drop rule."""
+        """Node settings kube-proxy makes at start: route_localnet for localhost NodePorts (IPv4
+        only: an IPv4 sysctl, and IPv6 has no localhost NodePorts), and whether
+        nf_conntrack_tcp_be_liberal spares us the INVALID-drop rule."""
         liberal = self._cmd.sysctl_get(TCP_BE_LIBERAL)
         self._drop_invalid = liberal in (None, "0")
-        if RenderContext.for_node(self.node).localhost_nodeports and self._cmd.sysctl_get(ROUTE_LOCALNET) != "1":
+        if (self.node.family == 4 and RenderContext.for_node(self.node).localhost_nodeports
+                and self._cmd.sysctl_get(ROUTE_LOCALNET) != "1"):
             self._cmd.sysctl_set(ROUTE_LOCALNET, "1")
 
     def _existing(self) -> dict[str, dict[str, list[str]]]:
@@ -235,7 +242,8 @@ class IptablesDatapath(Datapath):
     # -- cleanup, stats, close ---------------------------------------------------------------
 
     def cleanup(self) -> None:
-        """Remove every jump and KUBE-* chain this mode installs, in nat and filter (idempotent).
+        """Remove every jump and KUBE-* chain this mode installs, in nat and filter (idempotent),
+        of this datapath's IP family (its iptables or ip6tables commands) only.
 
         Like `kube-proxy --cleanup`, plus KUBE-MARK-MASQ and KUBE-FIREWALL: the lab has no kubelet
         sharing them. A chain still referenced by a rule we do not own is left alone (flushing or
@@ -268,7 +276,8 @@ class IptablesDatapath(Datapath):
         self._state = None
 
     def installed(self) -> bool:
-        """Whether a chain this mode installs is there (ours, or kube-proxy's: the same names)."""
+        """Whether a chain this mode installs is there (ours, or kube-proxy's: the same names), in
+        this datapath's IP family."""
         existing = self._existing()
         return any(_ours(table, c) for table in TABLE_ORDER for c in existing.get(table, {}))
 

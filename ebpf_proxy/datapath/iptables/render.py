@@ -8,13 +8,18 @@ re-render only the services that changed and reuse the other fragments (kube-pro
 sync); `assemble` stitches fragments and the fixed chains into a `Ruleset`.
 
 Endpoint sets come from `model.categorize`, the one place both datapaths take them from.
-Only IPv4 is rendered (this is `iptables`, not `ip6tables`); IPv6 addresses are skipped.
+One IP family is rendered, the NodeConfig's (`iptables` for IPv4, `ip6tables` for IPv6), as
+kube-proxy runs one proxier per family: addresses and CIDRs of the other family are skipped, and
+a service whose cluster IP is of the other family renders nothing. The IPv6 rules differ from the
+IPv4 ones only where kube-proxy's do: no localhost NodePorts (so no route_localnet and no
+"block incoming localnet connections" rule; the match-all NodePorts jump excludes ::1/128), and
+REJECT as ip6tables-save prints it (icmp6-port-unreachable).
 """
 
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from ebpf_proxy.datapath.iptables import chains as ch
@@ -36,17 +41,20 @@ from ebpf_proxy.model import (
 LARGE_CLUSTER_ENDPOINTS_THRESHOLD = 1000
 
 LOOPBACK_NET = "127.0.0.0/8"
-_LOOPBACK_IP = ipaddress.ip_address("127.0.0.1")
+LOOPBACK_NET6 = "::1/128"
+_LOOPBACK_IP = {4: ipaddress.ip_address("127.0.0.1"), 6: ipaddress.ip_address("::1")}
+# REJECT's default, spelled out as iptables-save / ip6tables-save print it
+_REJECT_WITH = {4: "icmp-port-unreachable", 6: "icmp6-port-unreachable"}
 _NODEPORTS_JUMP_COMMENT = "kubernetes service nodeports; NOTE: this must be the last rule in this chain"
 
 
-def _is_ipv4(ip: str) -> bool:
-    return ipaddress.ip_address(ip).version == 4
+def _of_family(ips: Iterable[str], family: int) -> tuple[str, ...]:
+    return tuple(ip for ip in ips if ipaddress.ip_address(ip).version == family)
 
 
-def _ipv4_networks(cidrs: tuple[str, ...]) -> list[ipaddress.IPv4Network]:
+def _networks(cidrs: Iterable[str], family: int) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
     nets = (ipaddress.ip_network(c, strict=False) for c in cidrs)
-    return [n for n in nets if isinstance(n, ipaddress.IPv4Network)]
+    return [n for n in nets if n.version == family]
 
 
 @dataclass(frozen=True)
@@ -59,29 +67,39 @@ class RenderContext:
     if_local: tuple[str, ...] | None
     if_not_local: tuple[str, ...] | None
     masquerade_all: bool
-    localhost_nodeports: bool  # effective: the flag, and 127.0.0.1 within --nodeport-addresses
-    nodeport_match_all: bool  # no IPv4 --nodeport-addresses (or 0.0.0.0/0): every LOCAL address
+    # effective: the flag, and 127.0.0.1 within --nodeport-addresses; never for IPv6 (kube-proxy:
+    # localhost NodePorts cannot work there)
+    localhost_nodeports: bool
+    nodeport_match_all: bool  # no --nodeport-addresses of the family (or 0.0.0.0/0, ::/0): every LOCAL address
     nodeport_ips: tuple[str, ...]  # the addresses NodePorts answer on when not match-all
     node_ips: tuple[str, ...]
     drop_invalid: bool = True  # False when nf_conntrack_tcp_be_liberal is set, as kube-proxy
     large_cluster: bool = False
+    family: int = 4  # the one IP family rendered: 4 (iptables) or 6 (ip6tables)
 
     @classmethod
     def for_node(cls, node: NodeConfig, *, drop_invalid: bool = True, large_cluster: bool = False) -> RenderContext:
-        if_local, if_not_local = detector_matches(node.node_name, node.detector)
-        v4_nodeport = _ipv4_networks(node.nodeport_addresses)
-        match_all = not v4_nodeport or any(n.prefixlen == 0 for n in v4_nodeport)
-        localhost = node.localhost_nodeports and (match_all or any(_LOOPBACK_IP in n for n in v4_nodeport))
+        """kube-proxy's NewProxier and NewNodePortAddresses for the node's family: the
+        --nodeport-addresses of that family (none, or a zero CIDR: match-all), localhost NodePorts
+        only when IPv4 and 127.0.0.1 is within them, and the local detector of that family."""
+        family = node.family
+        if_local, if_not_local = detector_matches(node.node_name, node.detector, family)
+        nodeport_nets = node.networks(node.nodeport_addresses)
+        match_all = not nodeport_nets or any(n.prefixlen == 0 for n in nodeport_nets)
+        loopback = _LOOPBACK_IP[family]
+        localhost = family == 4 and node.localhost_nodeports and (
+            match_all or any(loopback in n for n in nodeport_nets))
+        node_ips = node.of_family(node.node_ips)
         nodeport_ips: list[str] = []
         if not match_all:
-            candidates = [ip for ip in node.node_ips if _is_ipv4(ip)]
-            if any(_LOOPBACK_IP in n for n in v4_nodeport):
-                candidates.append(str(_LOOPBACK_IP))
+            candidates = list(node_ips)
+            if any(loopback in n for n in nodeport_nets):
+                candidates.append(str(loopback))
             for ip in candidates:
                 addr = ipaddress.ip_address(ip)
-                if not any(addr in n for n in v4_nodeport) or ip in nodeport_ips:
+                if not any(addr in n for n in nodeport_nets) or ip in nodeport_ips:
                     continue
-                if addr.is_loopback and not localhost:
+                if addr.is_loopback and not localhost:  # always skipped for IPv6, as kube-proxy
                     continue
                 nodeport_ips.append(ip)
         return cls(
@@ -92,28 +110,31 @@ class RenderContext:
             localhost_nodeports=localhost,
             nodeport_match_all=match_all,
             nodeport_ips=tuple(nodeport_ips),
-            node_ips=tuple(ip for ip in node.node_ips if _is_ipv4(ip)),
+            node_ips=node_ips,
             drop_invalid=drop_invalid,
             large_cluster=large_cluster,
+            family=family,
         )
 
 
-def detector_matches(node_name: str, detector: LocalDetector) -> tuple[tuple[str, ...] | None, tuple[str, ...] | None]:
+def detector_matches(
+    node_name: str, detector: LocalDetector, family: int = 4
+) -> tuple[tuple[str, ...] | None, tuple[str, ...] | None]:
     """kube-proxy's LocalTrafficDetector as iptables matches: (IfLocal, IfNotLocal), or (None, None)
     for the no-op detector (pkg/proxy/util/localdetector.go): `-s CIDR` for ClusterCIDR and
     NodeCIDR, `-i BRIDGE` for BridgeInterface, `-i PREFIX+` for InterfaceNamePrefix. A CIDR
-    detector without an IPv4 CIDR is a no-op here: this is iptables, not ip6tables."""
+    detector takes the CIDR of `family` (the proxier's); without one it is a no-op."""
     if detector.by_cidr:
-        v4 = _ipv4_networks(detector.cidrs)
-        if len(v4) > 1:
+        nets = _networks(detector.cidrs, family)
+        if len(nets) > 1:
             source = "--cluster-cidr" if detector.mode is LocalMode.CLUSTER_CIDR else "spec.podCIDRs"
             raise ValueError(
-                f"node {node_name}: {source} {','.join(detector.cidrs)!r} holds more than one IPv4 CIDR; "
+                f"node {node_name}: {source} {','.join(detector.cidrs)!r} holds more than one IPv{family} CIDR; "
                 f"kube-proxy's {detector.mode.value} local-traffic detector takes one per IP family"
             )
-        if not v4:
+        if not nets:
             return None, None
-        return ("-s", str(v4[0])), ("!", "-s", str(v4[0]))
+        return ("-s", str(nets[0])), ("!", "-s", str(nets[0]))
     if detector.mode is LocalMode.BRIDGE_INTERFACE:
         return ("-i", detector.interface), ("!", "-i", detector.interface)
     if detector.mode is LocalMode.INTERFACE_NAME_PREFIX:
@@ -176,16 +197,18 @@ class _Builder:
 def render_service(
     ctx: RenderContext, svc: ServicePort, endpoints: tuple[Endpoint, ...], topology: NodeTopology = NodeTopology()
 ) -> ServiceRules | None:
-    """One service port's rules, or None when kube-proxy programs nothing for it (headless, IPv6)."""
-    if svc.cluster_ip is None or not _is_ipv4(svc.cluster_ip):
+    """One service port's rules, or None when kube-proxy programs nothing for it (headless, or a
+    cluster IP of the other family: that family's proxier programs it)."""
+    family = ctx.family
+    if svc.cluster_ip is None or ipaddress.ip_address(svc.cluster_ip).version != family:
         return None
     name = svc.name
     label = str(name)
     proto = svc.protocol.lower
     port = str(svc.port)
-    external_ips = tuple(ip for ip in svc.external_ips if _is_ipv4(ip))
-    lb_ips = tuple(ip for ip in svc.load_balancer_ips if _is_ipv4(ip))
-    sets = categorize(svc, tuple(ep for ep in endpoints if _is_ipv4(ep.ip)), topology)
+    external_ips = _of_family(svc.external_ips, family)
+    lb_ips = _of_family(svc.load_balancer_ips, family)
+    sets = categorize(svc, tuple(ep for ep in endpoints if ipaddress.ip_address(ep.ip).version == family), topology)
 
     cluster_chain, local_chain = ch.svc_chain(name), ch.svl_chain(name)
     uses_cluster_chain = bool(sets.cluster) and svc.uses_cluster_endpoints
@@ -204,7 +227,7 @@ def render_service(
     # The EXT chain is needed even without externally-usable endpoints: it holds the short-circuits
     # for pods and for the node itself (SEMANTICS rules 6 and 7).
     uses_external_chain = has_endpoints and svc.externally_accessible
-    source_ranges = tuple(str(n) for n in _ipv4_networks(svc.load_balancer_source_ranges))
+    source_ranges = tuple(str(n) for n in _networks(svc.load_balancer_source_ranges, family))
     fw = ch.fw_chain(name)
     uses_fw = has_endpoints and bool(lb_ips) and bool(source_ranges)
     lb_chain = fw if uses_fw else external_chain
@@ -217,8 +240,8 @@ def render_service(
         internal_comment = external_comment = f"{label} has no local endpoints"
 
     def verdict(target: str) -> tuple[str, ...]:
-        # REJECT's default is icmp-port-unreachable; spelled out as iptables-save prints it.
-        return ("-j", "REJECT", "--reject-with", "icmp-port-unreachable") if target == "REJECT" else ("-j", target)
+        # REJECT's default is icmp-port-unreachable (icmp6- for IPv6); spelled out as iptables-save prints it.
+        return ("-j", "REJECT", "--reject-with", _REJECT_WITH[family]) if target == "REJECT" else ("-j", target)
 
     nat = _Builder()
     filt = _Builder()
@@ -385,7 +408,7 @@ def _fixed_rules(ctx: RenderContext) -> tuple[dict[str, list[str]], dict[str, li
               "--ctstate", "RELATED,ESTABLISHED", "-j", "ACCEPT"),
     ]
     firewall = []
-    if ctx.localhost_nodeports:
+    if ctx.family == 4 and ctx.localhost_nodeports:
         # route_localnet=1 lets outsiders send to 127.0.0.0/8; only DNATed (NodePort) flows may pass.
         firewall.append(_line(ch.KUBE_FIREWALL, *_comment("block incoming localnet connections"),
                               "-d", LOOPBACK_NET, "!", "-s", LOOPBACK_NET, "-m", "conntrack",
@@ -399,7 +422,10 @@ def _nodeports_jumps(ctx: RenderContext) -> list[str]:
     comment = _comment(_NODEPORTS_JUMP_COMMENT)
     if ctx.nodeport_match_all:
         dest = ("-m", "addrtype", "--dst-type", "LOCAL")
-        if not ctx.localhost_nodeports:
+        # Block localhost NodePorts where they do not work: always on IPv6, on IPv4 unless enabled.
+        if ctx.family == 6:
+            dest += ("!", "-d", LOOPBACK_NET6)
+        elif not ctx.localhost_nodeports:
             dest += ("!", "-d", LOOPBACK_NET)
         return [_line(ch.KUBE_SERVICES, *comment, *dest, "-j", ch.KUBE_NODEPORTS)]
     return [_line(ch.KUBE_SERVICES, *comment, "-d", ip, "-j", ch.KUBE_NODEPORTS) for ip in ctx.nodeport_ips]
