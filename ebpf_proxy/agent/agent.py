@@ -21,6 +21,7 @@ import logging
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Collection, Mapping
 
 from ebpf_proxy.agent import handover, heap
@@ -29,13 +30,13 @@ from ebpf_proxy.agent.config import AgentConfig
 from ebpf_proxy.agent.health import ProxierHealth, ServiceHealthServers, healthz_server
 from ebpf_proxy.agent.httpserve import BackgroundHTTPServer
 from ebpf_proxy.agent.metrics import Metrics, metrics_server
-from ebpf_proxy.agent.nodeconfig import build_node_config, local_ipv4_addresses
+from ebpf_proxy.agent.nodeconfig import build_node_config, local_addresses, served_families
 from ebpf_proxy.agent.runner import BoundedFrequencyRunner, MonotonicClock
-from ebpf_proxy.datapath import Datapath, create_datapath, resolve_auto_mode
+from ebpf_proxy.datapath import Datapath, SyncResult, create_datapath, resolve_auto_mode
 from ebpf_proxy.k8s import convert
 from ebpf_proxy.k8s.invalid import Invalid
 from ebpf_proxy.k8s.watch import Backoff, Handler, ListWatch, Reflector, keep_version
-from ebpf_proxy.model import ChangeTracker, NodeConfig, ProxyState
+from ebpf_proxy.model import ChangeSet, ChangeTracker, NodeConfig, ProxyState
 
 log = logging.getLogger(__name__)
 
@@ -63,14 +64,15 @@ class _ServiceEvents(_Events):
     def on_delete(self, obj: dict) -> None:
         ref = convert.object_ref(obj)
         self.agent.metrics.service_changes.inc()
-        if ref and self.agent.tracker.delete_service(ref.namespace, ref.name):
+        if ref and _any([t.delete_service(ref.namespace, ref.name) for t in self.agent.trackers.values()]):
             self.agent.queue_sync()
 
     def _apply(self, obj: dict) -> None:
         ref = convert.object_ref(obj)
         self.agent.metrics.service_changes.inc()
-        ports = convert.service_ports(obj, self.agent.report_invalid)
-        if ref and self.agent.tracker.update_service(ref.namespace, ref.name, ports):
+        trackers = self.agent.trackers
+        by_family = convert.service_ports_by_family(obj, self.agent.report_invalid, tuple(trackers))
+        if ref and _any([t.update_service(ref.namespace, ref.name, by_family[f]) for f, t in trackers.items()]):
             self.agent.queue_sync()
 
 
@@ -78,20 +80,21 @@ class _SliceEvents(_Events):
     def on_delete(self, obj: dict) -> None:
         ref = convert.object_ref(obj)
         self.agent.metrics.endpoint_changes.inc()
-        if ref and self.agent.tracker.delete_slice(ref.namespace, ref.name):
+        if ref and _any([t.delete_slice(ref.namespace, ref.name) for t in self.agent.trackers.values()]):
             self.agent.queue_sync()
 
     def _apply(self, obj: dict) -> None:
         ref = convert.object_ref(obj)
         self.agent.metrics.endpoint_changes.inc()
-        sl = convert.endpoint_slice(obj, self.agent.node_name, self.agent.report_invalid)
+        trackers = self.agent.trackers
+        sl = convert.endpoint_slice(obj, self.agent.node_name, self.agent.report_invalid, tuple(trackers))
         if ref is None:
             return
-        if sl is None:  # nothing usable (invalid, IPv6): whatever an earlier version contributed goes
-            changed = self.agent.tracker.delete_slice(ref.namespace, ref.name)
-        else:
-            changed = self.agent.tracker.update_slice(sl.namespace, sl.name, sl.service, sl.endpoints,
-                                                      sl.trigger_time)
+        # nothing usable (invalid, FQDN, a family not served): whatever an earlier version
+        # contributed goes; else it goes to its family's tracker (addressType is immutable)
+        changed = _any([t.update_slice(sl.namespace, sl.name, sl.service, sl.endpoints, sl.trigger_time)
+                        if sl is not None and sl.family == family else t.delete_slice(ref.namespace, ref.name)
+                        for family, t in trackers.items()])
         if changed:
             self.agent.queue_sync()
 
@@ -100,7 +103,8 @@ class _NodeEvents(_Events):
     def on_delete(self, obj: dict) -> None:
         ref = convert.object_ref(obj)
         if ref and ref.name == self.agent.node_name:
-            self.agent.tracker.update_node(None)
+            for tracker in self.agent.trackers.values():
+                tracker.update_node(None)
             self.agent.health.sync_node(False)  # a deleted node is not eligible for traffic
             self._sync_if_topology_changed()
 
@@ -108,15 +112,43 @@ class _NodeEvents(_Events):
         node = convert.node_info(obj, self.agent.report_invalid)
         if node is None or node.name != self.agent.node_name:
             return
-        if self.agent.tracker.update_node(node):
+        if _any([t.update_node(node) for t in self.agent.trackers.values()]):
             self.agent.health.sync_node(node.eligible)
             self.agent.node_changed()
             self._sync_if_topology_changed()
 
     def _sync_if_topology_changed(self) -> None:
         # a new zone re-decides every service's endpoints: the tracker made the next sync full
-        if self.agent.tracker.pending:
+        if self.agent.pending:
             self.agent.queue_sync()
+
+
+def _health_check_hosts(node: NodeConfig | None) -> tuple[str, ...]:
+    """Where a family's health-check NodePorts listen: its node IPs within --nodeport-addresses,
+    or its unspecified address when the flag has none of the family (kube-proxy's per-family
+    NodePortAddresses)."""
+    assert node is not None
+    if node.networks(node.nodeport_addresses) and node.node_ips:
+        return node.node_ips
+    return ("0.0.0.0",) if node.family == 4 else ("::",)
+
+
+def _any(changed: list[bool]) -> bool:
+    """any() of a list built in full first: every tracker must hear the event, not just the first
+    that reports a change."""
+    return any(changed)
+
+
+@dataclass
+class FamilyProxier:
+    """What the agent keeps per IP family, as kube-proxy's metaproxier keeps one proxier per
+    family: the family's change tracker, NodeConfig and datapath (and that datapath's mode)."""
+
+    family: int
+    tracker: ChangeTracker
+    node_config: NodeConfig | None = None
+    datapath: Datapath | None = None
+    mode: str = ""
 
 
 class Agent:
@@ -124,7 +156,7 @@ class Agent:
 
     def __init__(self, config: AgentConfig, *, collections: Mapping[str, ListWatch] | None = None,
                  datapath_factory: Callable[..., Datapath] = create_datapath,
-                 local_addresses: Callable[[], list[str]] = local_ipv4_addresses,
+                 local_addresses: Callable[[], list[str]] = local_addresses,
                  metrics: Metrics | None = None, clock: MonotonicClock | None = None,
                  wall: Callable[[], float] = time.time, serve_http: bool = True,
                  health_check_server: Callable[..., Any] = BackgroundHTTPServer,
@@ -133,13 +165,15 @@ class Agent:
         self.node_name = config.node_name
         self.metrics = metrics or Metrics()
         self.wall = wall
-        self.tracker = ChangeTracker(start_time=wall(), node_name=config.node_name)
+        # one tracker per IP family; until the node's families are known (prepare_datapath) both
+        # listen, then only the served ones stay, the primary family first
+        self.proxiers: dict[int, FamilyProxier] = {
+            family: FamilyProxier(family, ChangeTracker(start_time=wall(), node_name=config.node_name))
+            for family in (4, 6)}
         self.health = ProxierHealth(timeout=2 * config.sync_period, clock=wall, on_probe=self._count_probe)
         self.runner = BoundedFrequencyRunner(self.sync, config.min_sync_period, config.sync_period, clock=clock,
                                              name="sync")
         self.mode: str = ""
-        self.node_config: NodeConfig | None = None
-        self.datapath: Datapath | None = None
         self.service_health: ServiceHealthServers | None = None
         self.reflectors: list[Reflector] = []
         self._collections = collections
@@ -165,6 +199,39 @@ class Agent:
         self._synced_rv = ""
         self.health.synced_resource_version = self.synced_resource_version
 
+    # ---- the family proxiers ---------------------------------------------------------------------
+
+    @property
+    def families(self) -> tuple[int, ...]:
+        """The IP families proxied, primary first (both until the node's are known)."""
+        return tuple(self.proxiers)
+
+    @property
+    def trackers(self) -> dict[int, ChangeTracker]:
+        return {family: p.tracker for family, p in self.proxiers.items()}
+
+    @property
+    def primary(self) -> FamilyProxier:
+        return next(iter(self.proxiers.values()))
+
+    @property
+    def tracker(self) -> ChangeTracker:
+        """The primary family's tracker (the Node, the zone: the same in every tracker)."""
+        return self.primary.tracker
+
+    @property
+    def datapath(self) -> Datapath | None:
+        """The primary family's datapath: what the drift audit and the counters read."""
+        return self.primary.datapath
+
+    @property
+    def node_config(self) -> NodeConfig | None:
+        return self.primary.node_config
+
+    @property
+    def pending(self) -> bool:
+        return any(p.tracker.pending for p in self.proxiers.values())
+
     # ---- events from the watches -----------------------------------------------------------------
 
     def report_invalid(self, problem: Invalid) -> None:
@@ -179,7 +246,7 @@ class Agent:
         """The Node object changed. The NodeConfig is built once, at start: say so if it would differ."""
         if self.node_config is None:
             return
-        fresh = self._build_node_config()
+        fresh = self._build_node_config(self.primary.family)
         if fresh != self.node_config:
             # kube-proxy exits when a NodeCIDR detector's podCIDRs change; we keep serving with the
             # programmed configuration and say what differs
@@ -243,94 +310,136 @@ class Agent:
             self._stop.wait(poll)
         return False
 
-    def _build_node_config(self) -> NodeConfig:
+    def _read_local_addresses(self) -> list[str]:
         try:
-            local = self._local_addresses()
+            return self._local_addresses()
         except Exception as exc:  # no netlink: fall back to the Node object's addresses
             log.warning("cannot read local addresses: %s", exc)
-            local = []
-        return build_node_config(self.config, local, self.tracker.node)
+            return []
+
+    def _build_node_config(self, family: int, local: list[str] | None = None) -> NodeConfig:
+        local = self._read_local_addresses() if local is None else local
+        return build_node_config(self.config, local, self.tracker.node, family)
+
+    def _mode_for(self, family: int) -> str:
+        """The datapath mode of a family. The eBPF datapath is IPv4-only for now, so in ebpf mode
+        the IPv6 family is served by ip6tables (this mode's fallback), and says so once."""
+        if family == 6 and self.mode == "ebpf":
+            log.warning("ebpf mode: IPv6 Services are served by ip6tables (the eBPF datapath is IPv4-only "
+                        "for now)", extra={"node": self.node_name, "family": "IPv6", "mode": "iptables"})
+            return "iptables"
+        return self.mode
 
     def _datapath_where(self) -> dict[str, str | None]:
         """Where a datapath of either mode finds its kernel objects (the cgroup, the bpffs)."""
         return {"cgroup_path": self.config.cgroup_path or None, "bpffs": self.config.bpffs or None}
 
     def prepare_datapath(self) -> Datapath:
-        """NodeConfig, datapath and health-check servers. Raises if the datapath cannot be created."""
-        self.node_config = self._build_node_config()
+        """The served families, their NodeConfigs and datapaths, the health-check servers. Raises
+        if a datapath cannot be created. Returns the primary family's datapath."""
+        local = self._read_local_addresses()
+        families = served_families(self.tracker.node, local)
+        self.proxiers = {family: self.proxiers[family] for family in families}
+        for proxier in self.proxiers.values():
+            self._prepare_family(proxier, local)
+        primary = self.primary
+        assert primary.datapath is not None and primary.node_config is not None
+        self.metrics.set_datapath(self.mode)
+        self.metrics.read_counters_from(primary.datapath)
+        hosts = tuple(host for p in self.proxiers.values() for host in _health_check_hosts(p.node_config))
+        self.service_health = ServiceHealthServers(hosts=hosts, proxy_healthy=self.health.live,
+                                                   server_factory=self._health_check_server)
+        return primary.datapath
+
+    def _prepare_family(self, proxier: FamilyProxier, local: list[str]) -> None:
+        node_config = proxier.node_config = self._build_node_config(proxier.family, local)
+        proxier.mode = self._mode_for(proxier.family)
         log.info("node configuration", extra={
-            "node": self.node_name, "mode": self.mode, "node_ips": ",".join(self.node_config.node_ips),
-            "cluster_cidrs": ",".join(self.node_config.cluster_cidrs),
-            "nodeport_addresses": ",".join(self.node_config.nodeport_addresses) or "all",
-            "masquerade_all": self.node_config.masquerade_all,
-            "detect_local": str(self.node_config.detector),
-            "localhost_nodeports": self.node_config.localhost_nodeports})
+            "node": self.node_name, "mode": proxier.mode, "family": f"IPv{proxier.family}",
+            "node_ips": ",".join(node_config.node_ips),
+            "cluster_cidrs": ",".join(node_config.cluster_cidrs),
+            "nodeport_addresses": ",".join(node_config.nodeport_addresses) or "all",
+            "masquerade_all": node_config.masquerade_all,
+            "detect_local": str(node_config.detector),
+            "localhost_nodeports": node_config.localhost_nodeports})
         where = self._datapath_where()
-        self.datapath = self._datapath_factory(self.mode, self.node_config, **where,
-                                               bpf_cache_dir=self.config.bpf_cache_dir or None,
-                                               max_entries=dict(self.config.bpf_map_sizes) or None,
-                                               xdp_mode=self.config.bpf_xdp_mode,
-                                               backend=self.config.iptables_backend or None)
-        if self.datapath.mode in handover.OTHER_MODE:  # a kernel datapath: is the other mode's still here?
-            self._handover_from = handover.previous_mode(self.mode, self.node_config, self._datapath_factory, **where)
+        datapath = proxier.datapath = self._datapath_factory(
+            proxier.mode, node_config, **where, bpf_cache_dir=self.config.bpf_cache_dir or None,
+            max_entries=dict(self.config.bpf_map_sizes) or None, xdp_mode=self.config.bpf_xdp_mode,
+            backend=self.config.iptables_backend or None)
+        # a kernel datapath: is the other mode's still here? Only where both modes serve the family
+        if datapath.mode in handover.OTHER_MODE and proxier.family == 4:
+            self._handover_from = handover.previous_mode(self.mode, node_config, self._datapath_factory, **where)
             if self._handover_from:
                 log.info("the %s datapath is in place: its connections move over after the first sync",
                          self._handover_from, extra={"from_mode": self._handover_from})
-                self.datapath.expect_handover()
-        self.datapath.progress = self.metrics.sync_progress.set
-        self.metrics.set_datapath(self.mode)
-        self.metrics.read_counters_from(self.datapath)
-        hosts = self.node_config.node_ips if self.node_config.nodeport_addresses else ("0.0.0.0",)
-        self.service_health = ServiceHealthServers(hosts=hosts or ("0.0.0.0",), proxy_healthy=self.health.live,
-                                                   server_factory=self._health_check_server)
-        return self.datapath
+                datapath.expect_handover()
+        datapath.progress = self.metrics.sync_progress.set
 
     def sync(self, full: bool) -> None:
-        """One sync (the runner's function): take from the tracker, program, commit or abort."""
-        if self.datapath is None:
+        """One sync (the runner's function): for each family, take from its tracker, program its
+        datapath, commit (or abort that family's changes: they are retried with the next sync).
+        A family that fails does not hold the others back, but the sync raises, and /healthz is
+        not refreshed, until every family programmed its state."""
+        if any(p.datapath is None for p in self.proxiers.values()):
             raise RuntimeError("sync before prepare_datapath(): no datapath yet")
         with self._sync_lock:
             observed_rv = self.observed_resource_version()
-            state, changes = self.tracker.take(full=full)
+            taken = {family: p.tracker.take(full=full) for family, p in self.proxiers.items()}
             self._syncing = True
+        any_full = any(changes.full for _state, changes in taken.values())
         started = time.monotonic()
-        self.metrics.sync_started(changes.full)
+        self.metrics.sync_started(any_full)
+        results: dict[int, SyncResult | None] = {}
+        failure: Exception | None = None
         try:
             with self._datapath_lock:
-                result = self.datapath.sync(state, changes)
-                if self._handover_from:  # the first sync is done: make before break
-                    previous, self._handover_from = self._handover_from, None
-                    self.handover = handover.hand_over(
-                        self.mode, previous, self.datapath, self.node_config, self._datapath_factory,
-                        **self._datapath_where())
-                    self.metrics.observe_handover(previous, self.handover.counts)
-        except Exception:
-            self.tracker.abort()
-            with self._sync_lock:
-                self._syncing = False
-            self.metrics.sync_errors.inc()
-            raise
+                for family, (state, changes) in taken.items():
+                    try:
+                        results[family] = self._sync_family(self.proxiers[family], state, changes)
+                    except Exception as exc:
+                        self.proxiers[family].tracker.abort()
+                        failure = failure or exc
+                        log.error("sync of the IPv%d datapath failed: %s", family, exc,
+                                  extra={"family": f"IPv{family}"})
         finally:
-            self.metrics.sync_ended(changes.full)
+            self.metrics.sync_ended(any_full)
         elapsed = time.monotonic() - started
-        triggers = self.tracker.commit()
+        triggers = [t for family in results for t in self.proxiers[family].tracker.commit()]
         with self._sync_lock:
             self._syncing = False
-            self._synced_rv = observed_rv
+            if failure is None:
+                self._synced_rv = observed_rv
+        if failure is not None:
+            self.metrics.sync_errors.inc()
+            raise failure
         now = self.wall()
-        self.metrics.observe_sync(elapsed, changes.full, now)
+        self.metrics.observe_sync(elapsed, any_full, now)
         self.metrics.observe_programming(triggers, now)
         self.health.updated()
         self._update_stats()
-        self._sync_service_health(state)
-        log.info("synced", extra={
-            "full": changes.full, "services": len(state.services), "changed": len(changes.services),
-            "stale_udp_endpoints": len(changes.stale_udp_endpoints), "duration_ms": round(elapsed * 1000, 1),
-            "counts": result.counts if result is not None else {}})
-        if changes.full and self._settle_heap:
-            del state, changes  # not kept alive by this frame through the collection
+        self._sync_service_health([state for state, _changes in taken.values()])
+        for family, (state, changes) in taken.items():
+            result = results[family]
+            log.info("synced", extra={
+                "family": f"IPv{family}", "full": changes.full, "services": len(state.services),
+                "changed": len(changes.services), "stale_udp_endpoints": len(changes.stale_udp_endpoints),
+                "duration_ms": round(elapsed * 1000, 1), "counts": result.counts if result is not None else {}})
+        if any_full and self._settle_heap:
+            del taken  # not kept alive by this frame through the collection
             seconds, frozen = heap.settle()
             log.debug("heap settled", extra={"duration_ms": round(seconds * 1000, 1), "objects": frozen})
+
+    def _sync_family(self, proxier: FamilyProxier, state: ProxyState, changes: ChangeSet) -> SyncResult | None:
+        assert proxier.datapath is not None and proxier.node_config is not None
+        result = proxier.datapath.sync(state, changes)
+        if self._handover_from and proxier.family == 4:  # the first sync is done: make before break
+            previous, self._handover_from = self._handover_from, None
+            self.handover = handover.hand_over(
+                self.mode, previous, proxier.datapath, proxier.node_config, self._datapath_factory,
+                **self._datapath_where())
+            self.metrics.observe_handover(previous, self.handover.counts)
+        return result
 
     def observed_resource_version(self) -> str:
         """The oldest resourceVersion among the watches: every event up to it was handed to the tracker.
@@ -352,23 +461,36 @@ class Agent:
         with self._sync_lock:
             if not self._synced_rv:
                 return ""
-            if not self._syncing and not self.tracker.pending:
+            if not self._syncing and not self.pending:
                 return self.observed_resource_version()
             return self._synced_rv
 
     def _update_stats(self) -> None:
+        """Each datapath's object counts; a secondary family's under an `ipv6_`/`ipv4_` prefix."""
+        stats: dict[str, int] = {}
         try:
-            self.metrics.set_datapath_stats(self.datapath.stats() if self.datapath else {})
+            for i, proxier in enumerate(self.proxiers.values()):
+                prefix = "" if i == 0 else f"ipv{proxier.family}_"
+                if proxier.datapath is not None:
+                    stats.update({prefix + k: v for k, v in proxier.datapath.stats().items()})
+            self.metrics.set_datapath_stats(stats)
         except Exception:
             log.warning("datapath stats failed", exc_info=True)
 
-    def _sync_service_health(self, state: ProxyState) -> None:
+    def _sync_service_health(self, states: list[ProxyState]) -> None:
+        """Health-check NodePorts of every family's Services. A dual-stack Service's pods are in
+        both families' slices: its local endpoints are counted in the family that has the most,
+        not summed (that would count each pod twice)."""
         if self.service_health is None:
             return
         ports = {(spn.namespace, spn.name): svc.health_check_node_port
-                 for spn, svc in state.services.items() if svc.health_check_node_port}
+                 for state in states for spn, svc in state.services.items() if svc.health_check_node_port}
         self.service_health.sync_services(ports)
-        self.service_health.sync_endpoints(local_ready_endpoints(state, ports))
+        counts: dict[tuple[str, str], int] = {}
+        for state in states:
+            for key, n in local_ready_endpoints(state, ports).items():
+                counts[key] = max(counts.get(key, 0), n)
+        self.service_health.sync_endpoints(counts)
 
     # ---- the whole run ---------------------------------------------------------------------------
 
@@ -420,11 +542,12 @@ class Agent:
         for server in self._servers:
             server.stop()
         self._servers.clear()
-        if self.datapath is not None:
-            try:
-                self.datapath.close()
-            except Exception:
-                log.exception("closing the datapath failed")
+        for proxier in self.proxiers.values():
+            if proxier.datapath is not None:
+                try:
+                    proxier.datapath.close()
+                except Exception:
+                    log.exception("closing the IPv%d datapath failed", proxier.family)
         log.info("stopped", extra={"node": self.node_name})
 
 

@@ -54,6 +54,10 @@ class BackgroundHTTPServer(ThreadingHTTPServer):
     def server_bind(self) -> None:
         # http.server's version resolves the host's FQDN (a reverse DNS lookup) just to fill
         # server_name: on a node whose resolver is unreachable that blocks start-up for seconds.
+        if self.address_family == socket.AF_INET6:
+            # IPv6 only, whatever net.ipv6.bindv6only says: a dual-stack node binds "::" beside
+            # "0.0.0.0" on the same port, one server per family, as kube-proxy's per-family proxiers
+            self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         socketserver.TCPServer.server_bind(self)
         self.server_name, self.server_port = str(self.server_address[0]), self.server_address[1]
 

@@ -2,15 +2,16 @@
 
 kube-proxy's iptables mode matches NodePorts with `-m addrtype --dst-type LOCAL`, i.e. *every*
 address of the node, whatever its Node object lists. So the node IPs come from the node's own
-interfaces (pyroute2), not from the API:
-
-- `node_ips`: every local IPv4 address except loopback, kept only if inside --nodeport-addresses
+interfaces (pyroute2), not from the API. One NodeConfig per IP family the node serves
+(`served_families`), as kube-proxy runs a proxier per family; each holds that family's addresses:
+- `node_ips`: every local address of the family except loopback, kept only if inside --nodeport-addresses
   when that flag is set. Loopback is left out on purpose: NodePorts on 127.0.0.0/8 are their own
   rule (SEMANTICS rule 8) and are expressed by `localhost_nodeports`.
 - `localhost_nodeports`: kube-proxy's --iptables-localhost-nodeports, and only when
-  --nodeport-addresses is unset or includes 127.0.0.1 (as kube-proxy decides).
+  --nodeport-addresses is unset or includes 127.0.0.1 (as kube-proxy decides); never for IPv6,
+  where localhost NodePorts do not exist.
 - `--nodeport-addresses primary`: the node's primary IP from its Node object (first InternalIP),
-  as /32; if the Node object is unknown, every local address, with a warning.
+  of the family, as /32 or /128; if the Node object has none, every local address, with a warning.
 - If the interfaces cannot be read (no netlink), the Node object's InternalIP/ExternalIP are the
   fallback, with a warning.
 """
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import socket
 from typing import Sequence
 
 from ebpf_proxy.agent.config import PRIMARY, AgentConfig
@@ -33,20 +33,42 @@ _LOCALHOST = ipaddress.ip_address("127.0.0.1")
 
 def local_ipv4_addresses() -> list[str]:
     """Every IPv4 address on this network namespace's interfaces (raises OSError without netlink)."""
+    return [ip for ip in local_addresses() if ipaddress.ip_address(ip).version == 4]
+
+
+def local_addresses() -> list[str]:
+    """Every IPv4 and IPv6 address on this network namespace's interfaces, IPv6 link-local ones
+    left out (no NodePort is reached through them); raises OSError without netlink."""
     from pyroute2 import IPRoute  # imported here: only the real agent needs netlink
 
     with IPRoute() as ipr:
-        addrs = [msg.get("IFA_LOCAL") or msg.get("IFA_ADDRESS") for msg in ipr.get_addr(family=socket.AF_INET)]
-    return list(dict.fromkeys(a for a in addrs if a))
+        addrs = [msg.get("IFA_LOCAL") or msg.get("IFA_ADDRESS") for msg in ipr.get_addr()]
+    return list(dict.fromkeys(a for a in addrs if a and not ipaddress.ip_address(a).is_link_local))
 
 
-def nodeport_cidrs(config: AgentConfig, node: NodeState | None) -> tuple[str, ...]:
+def served_families(node: NodeState | None, local_ips: Sequence[str]) -> tuple[int, ...]:
+    """The IP families this node proxies, primary first: those of its Node object's addresses
+    (kubelet's --node-ip, as kube-proxy takes its primary family from the NodeIPs), else of its
+    own non-loopback addresses, else IPv4.
+
+    kube-proxy runs a proxier for every family the host's iptables supports, whatever the node's
+    addresses; one for a family the node has no address of would program nothing reachable but
+    its cluster IPs, and only on a dual-stack cluster, which gives its nodes both families."""
+    if node is not None and node.families:
+        return node.families
+    local = [ipaddress.ip_address(ip) for ip in local_ips]
+    families = tuple(dict.fromkeys(ip.version for ip in local if not ip.is_loopback))
+    return families or (4,)
+
+
+def nodeport_cidrs(config: AgentConfig, node: NodeState | None, family: int = 4) -> tuple[str, ...]:
     if config.nodeport_addresses != (PRIMARY,):
         return config.nodeport_addresses
-    if node is not None and node.primary_ip:
-        return (f"{node.primary_ip}/32",)
-    log.warning("--nodeport-addresses primary: this node's Node object has no InternalIP/ExternalIP yet; "
-                "using every local address", extra={"field": config.source_of("nodeport_addresses")})
+    primary = node.primary_of(family) if node is not None else None
+    if primary:
+        return (f"{primary}/{32 if family == 4 else 128}",)
+    log.warning(f"--nodeport-addresses primary: this node's Node object has no IPv{family} InternalIP/ExternalIP "
+                "yet; using every local address", extra={"field": config.source_of("nodeport_addresses")})
     return ()
 
 
@@ -89,9 +111,13 @@ def first_per_family(cidrs: Sequence[str], node_name: str) -> tuple[str, ...]:
     return tuple(first.values())
 
 
-def build_node_config(config: AgentConfig, local_ips: Sequence[str], node: NodeState | None) -> NodeConfig:
-    cidrs = nodeport_cidrs(config, node)
-    networks = [ipaddress.ip_network(c, strict=False) for c in cidrs]
+def build_node_config(config: AgentConfig, local_ips: Sequence[str], node: NodeState | None,
+                      family: int = 4) -> NodeConfig:
+    """The NodeConfig of the `family` proxier: that family's addresses only."""
+    cidrs = nodeport_cidrs(config, node, family)
+    # only this family's CIDRs count: with none of them, every address of the family matches
+    # (kube-proxy's NewNodePortAddresses filters the flag per family the same way)
+    networks = [n for n in (ipaddress.ip_network(c, strict=False) for c in cidrs) if n.version == family]
     candidates = list(local_ips)
     if not candidates and node is not None:
         log.warning("no local addresses read from the interfaces; using the Node object's addresses",
@@ -100,15 +126,17 @@ def build_node_config(config: AgentConfig, local_ips: Sequence[str], node: NodeS
     node_ips = []
     for text in candidates:
         ip = ipaddress.ip_address(text)
-        if ip.version != 4 or ip.is_loopback:
+        if ip.version != family or ip.is_loopback or ip.is_link_local and family == 6:
             continue
         if networks and not any(ip in net for net in networks):
             continue
         if text not in node_ips:
             node_ips.append(text)
-    localhost = config.localhost_nodeports and (not networks or any(_LOCALHOST in net for net in networks))
+    localhost = family == 4 and config.localhost_nodeports and (
+        not networks or any(_LOCALHOST in net for net in networks))
     return NodeConfig(
         node_name=config.node_name,
+        family=family,
         node_ips=tuple(node_ips),
         cluster_cidrs=config.cluster_cidrs,
         nodeport_addresses=cidrs,

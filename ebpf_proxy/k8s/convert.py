@@ -13,8 +13,10 @@ endpointslicecache.go):
 - EndpointSlices: a port without a number, or an endpoint without a usable address, drops just
   that port or endpoint (kube-proxy's "ignoring invalid endpoint port"); a slice without the
   `kubernetes.io/service-name` label or with a broken structure is dropped whole.
-IPv4 only for now: IPv6 cluster IPs, addresses and slices are skipped with a debug/info log, not
-counted as invalid (they are valid, just not ours yet).
+Families: one conversion per IP family proxier, as kube-proxy's metaproxier: a Service gives each
+family its cluster IP of that family and the addresses of that family; an EndpointSlice belongs to
+the family of its addressType. What belongs to a family not served is skipped with a debug log,
+never counted as invalid.
 """
 
 from __future__ import annotations
@@ -227,38 +229,51 @@ def _port_name(obj: dict, path: str) -> str:
 # ---- Services ------------------------------------------------------------------------------------
 
 
-def service_ports(svc: Any, reporter: Reporter | None = None) -> list[ServicePort]:
-    """Every programmable (IPv4) port of a Service; [] when it is not proxied or is invalid."""
+def service_ports(svc: Any, reporter: Reporter | None = None, family: int = 4) -> list[ServicePort]:
+    """Every programmable port of a Service in IP `family`; [] when it is not proxied in that
+    family (no cluster IP of it), or is invalid."""
+    return service_ports_by_family(svc, reporter, (family,))[family]
+
+
+def service_ports_by_family(svc: Any, reporter: Reporter | None = None,
+                            families: tuple[int, ...] = (4,)) -> dict[int, list[ServicePort]]:
+    """A Service's ports for each IP family proxier, as kube-proxy's metaproxier hands one Service
+    to the IPv4 and the IPv6 proxier, each taking its family's cluster IP, external IPs, load-balancer
+    IPs and source ranges (serviceport.go newBaseServiceInfo). The object is read and reported on
+    once, whatever the number of families."""
+    empty: dict[int, list[ServicePort]] = {f: [] for f in families}
     ref = _require_ref(svc, "Service", reporter)
     if ref is None:
-        return []
+        return empty
     try:
-        return _service_ports(svc, ref, reporter)
+        return _service_ports(svc, ref, reporter, families)
     except _Reject as err:
         _reject(reporter, "Service", str(ref), err, "object")
-        return []
+        return empty
 
 
-def _service_ports(svc: dict, ref: ObjectRef, reporter: Reporter | None) -> list[ServicePort]:
+def _service_ports(svc: dict, ref: ObjectRef, reporter: Reporter | None,
+                   families: tuple[int, ...]) -> dict[int, list[ServicePort]]:
+    out: dict[int, list[ServicePort]] = {f: [] for f in families}
     spec = _get(svc, "spec", "spec", dict)
     svc_type = _choice(spec, "type", "spec.type", SERVICE_TYPES, "ClusterIP")
     if svc_type == "ExternalName":
         log.debug("skipping ExternalName service", extra={"object": str(ref)})
-        return []
-    cluster_ip = _cluster_ipv4(spec, ref)
-    if cluster_ip is None:
-        return []
+        return out
+    cluster_ips = _cluster_ips(spec, ref)
+    wanted = [f for f in families if f in cluster_ips]
+    if not wanted:
+        if cluster_ips:
+            log.debug("service has no cluster IP of the families served here",
+                      extra={"object": str(ref), "families": ",".join(map(str, families))})
+        return out
 
     external_ips = _service_ips(_get(spec, "externalIPs", "spec.externalIPs", list, []), "spec.externalIPs",
                                 ref, reporter)
     status = _get(svc, "status", "status", dict, {})
     lb = _get(status, "loadBalancer", "status.loadBalancer", dict, {})
     lb_ips = _ingress_ips(_get(lb, "ingress", "status.loadBalancer.ingress", list, []), ref, reporter)
-    source_ranges = _source_ranges(spec, ref)
-    if source_ranges is None:  # ranges given, none IPv4: no IPv4 source may reach the LB IPs
-        log.info("service has only non-IPv4 loadBalancerSourceRanges: not programming its IPv4 load-balancer IPs",
-                 extra={"object": str(ref), "field": "spec.loadBalancerSourceRanges"})
-        lb_ips, source_ranges = (), ()
+    source_ranges = _source_ranges(spec)
 
     etp = _choice(spec, "externalTrafficPolicy", "spec.externalTrafficPolicy", TRAFFIC_POLICIES, "Cluster")
     itp = _choice(spec, "internalTrafficPolicy", "spec.internalTrafficPolicy", TRAFFIC_POLICIES, "Cluster")
@@ -274,8 +289,29 @@ def _service_ports(svc: dict, ref: ObjectRef, reporter: Reporter | None) -> list
             log.error("service needs a health check but has no healthCheckNodePort",
                       extra={"object": str(ref), "field": "spec.healthCheckNodePort"})
 
-    ports = _get(spec, "ports", "spec.ports", list, [])
-    result: list[ServicePort] = []
+    ports = _service_port_numbers(_get(spec, "ports", "spec.ports", list, []), ref)
+    for family in wanted:
+        family_lb_ips = _of_family(lb_ips, family)
+        family_ranges = tuple(r for r in source_ranges if ipaddress.ip_network(r).version == family)
+        if source_ranges and not family_ranges and family_lb_ips:
+            # ranges given, none of this family: no source of this family may reach its LB IPs
+            log.info(f"service has no IPv{family} loadBalancerSourceRanges: not programming its IPv{family} "
+                     "load-balancer IPs", extra={"object": str(ref), "field": "spec.loadBalancerSourceRanges"})
+            family_lb_ips = ()
+        family_external_ips = _of_family(external_ips, family)
+        out[family] = [ServicePort(
+            name=spn, cluster_ip=cluster_ips[family], port=number, protocol=spn.protocol, node_port=node_port,
+            external_ips=family_external_ips, load_balancer_ips=family_lb_ips,
+            load_balancer_source_ranges=family_ranges, external_policy_local=external_local,
+            internal_policy_local=itp == "Local", affinity_timeout_seconds=affinity_timeout,
+            health_check_node_port=health_port,
+        ) for spn, number, node_port in ports]
+    return out
+
+
+def _service_port_numbers(ports: list, ref: ObjectRef) -> list[tuple[ServicePortName, int, int]]:
+    """(name, port, nodePort) of each spec.ports entry; any broken entry rejects the Service."""
+    result: list[tuple[ServicePortName, int, int]] = []
     seen: set[ServicePortName] = set()
     for i, port in enumerate(ports):
         path = f"spec.ports[{i}]"
@@ -289,17 +325,18 @@ def _service_ports(svc: dict, ref: ObjectRef, reporter: Reporter | None) -> list
         if spn in seen:
             raise _Reject(f"{path}.name", inv.INVALID_VALUE, f"duplicate port name {port_name!r}/{protocol.value}")
         seen.add(spn)
-        result.append(ServicePort(
-            name=spn, cluster_ip=cluster_ip, port=number, protocol=protocol, node_port=node_port,
-            external_ips=external_ips, load_balancer_ips=lb_ips, load_balancer_source_ranges=source_ranges,
-            external_policy_local=external_local, internal_policy_local=itp == "Local",
-            affinity_timeout_seconds=affinity_timeout, health_check_node_port=health_port,
-        ))
+        result.append((spn, number, node_port))
     return result
 
 
-def _cluster_ipv4(spec: dict, ref: ObjectRef) -> str | None:
-    """The service's IPv4 cluster IP; None for headless/unallocated or IPv6-only services."""
+def _of_family(ips: tuple[str, ...], family: int) -> tuple[str, ...]:
+    return tuple(ip for ip in ips if ipaddress.ip_address(ip).version == family)
+
+
+def _cluster_ips(spec: dict, ref: ObjectRef) -> dict[int, str]:
+    """The service's cluster IP per family ({} for headless/unallocated services), as kube-proxy's
+    GetClusterIPByFamily reads spec.clusterIPs (spec.clusterIP on objects from before dual-stack).
+    Every listed address must parse: a broken one rejects the Service."""
     ips = _get(spec, "clusterIPs", "spec.clusterIPs", list, [])
     paths = [f"spec.clusterIPs[{i}]" for i in range(len(ips))]
     if not ips:  # clusterIPs is newer (dual-stack); older objects only have clusterIP
@@ -307,35 +344,31 @@ def _cluster_ipv4(spec: dict, ref: ObjectRef) -> str | None:
         ips, paths = ([single] if single else []), ["spec.clusterIP"]
     if not ips or ips[0] in ("None", ""):
         log.debug("skipping service without a cluster IP (headless)", extra={"object": str(ref)})
-        return None
-    parsed = [_ip(ip, path) for ip, path in zip(ips, paths)]
-    for ip in parsed:
-        if ip.version == 4:
-            return str(ip)
-    log.info("skipping IPv6-only service (IPv4 only for now)", extra={"object": str(ref), "field": paths[0]})
-    return None
+        return {}
+    by_family: dict[int, str] = {}
+    for ip, path in zip(ips, paths):
+        parsed = _ip(ip, path)
+        by_family.setdefault(parsed.version, str(parsed))
+    return by_family
 
 
 def _service_ips(values: list, path: str, ref: ObjectRef, reporter: Reporter | None) -> tuple[str, ...]:
     ips: dict[str, None] = {}  # ordered set: a list's `in` made 80,000 IPs (the object size limit) quadratic
     for i, value in enumerate(values):
-        ip = _service_ipv4(value, f"{path}[{i}]", ref, reporter)
+        ip = _service_ip(value, f"{path}[{i}]", ref, reporter)
         if ip is not None:
             ips[ip] = None
     return tuple(ips)
 
 
-def _service_ipv4(value: Any, path: str, ref: ObjectRef, reporter: Reporter | None) -> str | None:
-    """One external or load-balancer IP: the IPv4 address, or None (reported when invalid)."""
+def _service_ip(value: Any, path: str, ref: ObjectRef, reporter: Reporter | None) -> str | None:
+    """One external or load-balancer IP, canonical; None (reported) when invalid. Each family's
+    proxier keeps its own (kube-proxy's MapIPsByIPFamily)."""
     try:
-        ip = _ip(value, path)
+        return str(_ip(value, path))
     except _Reject as err:
         _reject(reporter, "Service", str(ref), err, "ip")
         return None
-    if ip.version != 4:
-        log.debug("ignoring IPv6 address of service", extra={"object": str(ref), "field": path})
-        return None
-    return str(ip)
 
 
 def _ingress_ips(ingress: list, ref: ObjectRef, reporter: Reporter | None) -> tuple[str, ...]:
@@ -351,14 +384,14 @@ def _ingress_ips(ingress: list, ref: ObjectRef, reporter: Reporter | None) -> tu
         if entry.get("ipMode") == "Proxy":
             # The load balancer proxies to the nodes itself; kube-proxy does not capture its IP.
             continue
-        ip = _service_ipv4(entry["ip"], f"{path}.ip", ref, reporter)  # the report names ingress[i].ip itself
+        ip = _service_ip(entry["ip"], f"{path}.ip", ref, reporter)  # the report names ingress[i].ip itself
         if ip is not None:
             ips[ip] = None
     return tuple(ips)
 
 
-def _source_ranges(spec: dict, ref: ObjectRef) -> tuple[str, ...] | None:
-    """IPv4 source ranges; None when ranges are set but none is IPv4 (then nothing IPv4 is admitted).
+def _source_ranges(spec: dict) -> tuple[str, ...]:
+    """Every source range, canonical, all families (each proxier keeps its own).
 
     An unparsable range rejects the whole Service: dropping it would widen who can reach the
     load balancer, which is the opposite of what the user asked for."""
@@ -372,11 +405,7 @@ def _source_ranges(spec: dict, ref: ObjectRef) -> tuple[str, ...] | None:
         parsed = ipsloppy.parse_cidr(value.strip())
         if parsed is None:
             raise _Reject(path, inv.INVALID_CIDR, f"{value!r} is not a CIDR")
-        net = parsed[1]
-        if net.version == 4:
-            ranges[str(net)] = None
-    if values and not ranges:
-        return None
+        ranges[str(parsed[1])] = None
     return tuple(ranges)
 
 
@@ -405,27 +434,35 @@ class SliceEndpoints:
     service: str  # the owning Service's name (label kubernetes.io/service-name)
     endpoints: dict[ServicePortName, tuple[Endpoint, ...]]
     trigger_time: float | None = None  # epoch seconds of the change that caused this slice version
+    family: int = 4  # addressType IPv4 or IPv6: the one proxier it belongs to
 
     @property
     def service_key(self) -> str:
         return f"{self.namespace}/{self.service}"
 
 
-def endpoint_slice(obj: Any, node_name: str, reporter: Reporter | None = None) -> SliceEndpoints | None:
-    """The slice's IPv4 endpoints by service port; None when the slice contributes nothing.
+def endpoint_slice(obj: Any, node_name: str, reporter: Reporter | None = None,
+                   families: tuple[int, ...] = (4,)) -> SliceEndpoints | None:
+    """The slice's endpoints by service port; None when the slice contributes nothing here: it is
+    invalid, FQDN, or of an address family not in `families` (kube-proxy's EndpointSliceCache of
+    each family proxier only takes slices of its addressType).
 
     `node_name` is this node: endpoints whose nodeName matches are local (eTP/iTP=Local)."""
     ref = _require_ref(obj, "EndpointSlice", reporter)
     if ref is None:
         return None
     try:
-        return _endpoint_slice(obj, ref, node_name, reporter)
+        return _endpoint_slice(obj, ref, node_name, reporter, families)
     except _Reject as err:
         _reject(reporter, "EndpointSlice", str(ref), err, "object")
         return None
 
 
-def _endpoint_slice(obj: dict, ref: ObjectRef, node_name: str, reporter: Reporter | None) -> SliceEndpoints | None:
+_FAMILY_OF_ADDRESS_TYPE = {"IPv4": 4, "IPv6": 6}
+
+
+def _endpoint_slice(obj: dict, ref: ObjectRef, node_name: str, reporter: Reporter | None,
+                    families: tuple[int, ...]) -> SliceEndpoints | None:
     meta = obj["metadata"]
     labels = _get(meta, "labels", "metadata.labels", dict, {})
     service = labels.get(SERVICE_NAME_LABEL)
@@ -437,12 +474,14 @@ def _endpoint_slice(obj: dict, ref: ObjectRef, node_name: str, reporter: Reporte
     address_type = _get(obj, "addressType", "addressType", str)
     if address_type not in ADDRESS_TYPES:
         raise _Reject("addressType", inv.INVALID_VALUE, f"{address_type!r} is not one of {', '.join(ADDRESS_TYPES)}")
-    if address_type != "IPv4":
-        log.debug("ignoring non-IPv4 endpoint slice", extra={"object": str(ref), "field": "addressType"})
+    family = _FAMILY_OF_ADDRESS_TYPE.get(address_type)
+    if family not in families:
+        log.debug("ignoring endpoint slice of an address type not served here",
+                  extra={"object": str(ref), "field": "addressType", "address_type": address_type})
         return None
 
     ports = _slice_ports(_get(obj, "ports", "ports", list, []), ref, reporter)
-    endpoints = _slice_endpoints(_get(obj, "endpoints", "endpoints", list, []), ref, node_name, reporter)
+    endpoints = _slice_endpoints(_get(obj, "endpoints", "endpoints", list, []), ref, node_name, reporter, family)
     by_port: dict[ServicePortName, tuple[Endpoint, ...]] = {}
     for port_name, protocol, number in ports:
         spn = ServicePortName(ref.namespace, service, port_name, protocol)
@@ -453,7 +492,7 @@ def _endpoint_slice(obj: dict, ref: ObjectRef, node_name: str, reporter: Reporte
         )
     annotations = _get(meta, "annotations", "metadata.annotations", dict, {})
     return SliceEndpoints(namespace=ref.namespace, name=ref.name, service=service, endpoints=by_port,
-                          trigger_time=_trigger_time(annotations.get(TRIGGER_TIME_ANNOTATION), ref))
+                          trigger_time=_trigger_time(annotations.get(TRIGGER_TIME_ANNOTATION), ref), family=family)
 
 
 def _slice_ports(ports: list, ref: ObjectRef, reporter: Reporter | None) -> list[tuple[str, Protocol, int]]:
@@ -477,26 +516,28 @@ def _slice_ports(ports: list, ref: ObjectRef, reporter: Reporter | None) -> list
     return result
 
 
-def _slice_endpoints(endpoints: list, ref: ObjectRef, node_name: str, reporter: Reporter | None) -> list[tuple]:
+def _slice_endpoints(endpoints: list, ref: ObjectRef, node_name: str, reporter: Reporter | None,
+                     family: int) -> list[tuple]:
     result = []
     for i, ep in enumerate(endpoints):
         path = f"endpoints[{i}]"
         try:
-            result.append(_slice_endpoint(ep, path, node_name) + _endpoint_hints(ep, path, ref, reporter))
+            result.append(_slice_endpoint(ep, path, node_name, family) + _endpoint_hints(ep, path, ref, reporter))
         except _Reject as err:
             _reject(reporter, "EndpointSlice", str(ref), err, "endpoint")
     return result
 
 
-def _slice_endpoint(ep: Any, path: str, node_name: str) -> tuple:
+def _slice_endpoint(ep: Any, path: str, node_name: str, family: int) -> tuple:
     if not isinstance(ep, dict):
         raise _Reject(path, inv.WRONG_TYPE, f"expected object, got {_describe(ep)}")
     addresses = _get(ep, "addresses", f"{path}.addresses", list)
     if not addresses:
         raise _Reject(f"{path}.addresses", inv.MISSING_FIELD, "is empty")
     ip = _ip(addresses[0], f"{path}.addresses[0]")  # kube-proxy uses the first address only
-    if ip.version != 4:
-        raise _Reject(f"{path}.addresses[0]", inv.WRONG_FAMILY, f"{addresses[0]!r} is not IPv4 in an IPv4 slice")
+    if ip.version != family:
+        raise _Reject(f"{path}.addresses[0]", inv.WRONG_FAMILY,
+                      f"{addresses[0]!r} is not IPv{family} in an IPv{family} slice")
     conditions = _get(ep, "conditions", f"{path}.conditions", dict, {})
     # EndpointSlice defaulting: ready nil → true; serving nil → ready; terminating nil → false.
     ready = _get(conditions, "ready", f"{path}.conditions.ready", bool, True)
@@ -576,7 +617,7 @@ def slice_service_key(obj: Any) -> str | None:
 
 
 def node_info(obj: Any, reporter: Reporter | None = None) -> NodeState | None:
-    """The Node's IPv4 addresses and whether it is eligible for traffic; None if malformed."""
+    """The Node's addresses (every family) and whether it is eligible for traffic; None if malformed."""
     ref = _require_ref(obj, "Node", reporter)
     if ref is None:
         return None
@@ -600,8 +641,7 @@ def _node_info(obj: dict, ref: ObjectRef, reporter: Reporter | None) -> NodeStat
         except _Reject as err:
             _reject(reporter, "Node", str(ref), err, "ip")
             continue
-        if ip.version == 4:
-            (internal if entry["type"] == "InternalIP" else external).append(str(ip))
+        (internal if entry["type"] == "InternalIP" else external).append(str(ip))
     addresses = tuple(dict.fromkeys(internal + external))
     primary = internal[0] if internal else (external[0] if external else None)
 

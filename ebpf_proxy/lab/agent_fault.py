@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 
 from ebpf_proxy.lab import naming
-from ebpf_proxy.lab.cluster import AGENT_METRICS_PORT, Lab, LabError, _alive
+from ebpf_proxy.lab.cluster import AGENT_METRICS_PORT, Lab, LabError, _alive, host_port
 from ebpf_proxy.lab.nshttp import http_get
 
 DURING = ("full-sync", "sync")  # what `--during` accepts: a full sync only, or any sync
@@ -60,7 +60,7 @@ def parse_progress(metrics_text: str) -> SyncProgress:
 def sync_progress(lab: Lab, node: str) -> SyncProgress | None:
     """Ask `node`'s agent how far its sync is; None when it does not answer."""
     status, body = http_get(naming.node_netns(lab.name, node),
-                            f"http://{lab.topology.node(node).ip}:{AGENT_METRICS_PORT}/metrics", timeout=1.0)
+                            f"http://{host_port(lab.topology.node(node).ip, AGENT_METRICS_PORT)}/metrics", timeout=1.0)
     return parse_progress(body) if status == 200 else None
 
 

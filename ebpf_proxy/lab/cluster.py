@@ -157,7 +157,7 @@ class Lab:
         argv = [
             sys.executable, "-m", "ebpf_proxy.lab.apiserver_main",
             "--listen", local,
-            "--listen-netns", f"{underlay}={_host_port(self.topology.api_server_ip, API_PORT)}",
+            "--listen-netns", f"{underlay}={host_port(self.topology.api_server_ip, API_PORT)}",
             "--service-cidr", ",".join(self.topology.service_cidrs),  # a pair: dual-stack Services
             "--service-node-port-range", self.topology.service_node_port_range,
             "--state-file", str(self.apiserver_state_file),
@@ -171,7 +171,7 @@ class Lab:
         self.data["apiserver"] = {
             "pid": proc.pid,
             "url": f"http://127.0.0.1:{local_port}",
-            "node_url": f"http://{_host_port(self.topology.api_server_ip, API_PORT)}",
+            "node_url": f"http://{host_port(self.topology.api_server_ip, API_PORT)}",
         }
         self._write_kubeconfig(self.dir / "kubeconfig", self.data["apiserver"]["url"])
         self._write_kubeconfig(self.dir / "kubeconfig-node", self.data["apiserver"]["node_url"])
@@ -412,7 +412,7 @@ class Lab:
             "run", "--mode", mode,
             "--hostname-override", node.name,
             "--kubeconfig", str(self.dir / "kubeconfig-node"),
-            "--metrics-bind-address", f"{node.ip}:{AGENT_METRICS_PORT}",
+            "--metrics-bind-address", host_port(node.ip, AGENT_METRICS_PORT),
             "--healthz-bind-address", f"0.0.0.0:{AGENT_HEALTHZ_PORT}",
             "--cgroup-path", naming.node_cgroup(self.name, node.name),
             "--bpffs", str(self.dir / "bpffs" / node.name),
@@ -612,6 +612,6 @@ def destroy_all() -> list[str]:
     return names
 
 
-def _host_port(ip: str, port: int) -> str:
+def host_port(ip: str, port: int) -> str:
     """`IP:PORT`, an IPv6 address in brackets (an IPv6-only lab's API server)."""
     return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"

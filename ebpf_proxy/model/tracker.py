@@ -19,6 +19,8 @@ Pure Python and thread-safe: the watch threads feed it, the runner thread takes 
 
 from __future__ import annotations
 
+import ipaddress
+
 import threading
 from dataclasses import dataclass
 from typing import Iterable, Mapping
@@ -46,11 +48,22 @@ class NodeState:
     """
 
     name: str
-    addresses: tuple[str, ...] = ()  # IPv4 InternalIPs, then ExternalIPs
-    primary_ip: str | None = None  # first IPv4 InternalIP, else first IPv4 ExternalIP
+    addresses: tuple[str, ...] = ()  # InternalIPs, then ExternalIPs, every family, as listed
+    primary_ip: str | None = None  # first InternalIP, else first ExternalIP: its family is the primary one
     eligible: bool = True  # False while the node is being deleted: /healthz then answers 503
     pod_cidrs: tuple[str, ...] = ()  # spec.podCIDRs: what --detect-local-mode NodeCIDR matches
     zone: str = ""  # label topology.kubernetes.io/zone ("" without it): which zone hints apply here
+
+    def primary_of(self, family: int) -> str | None:
+        """This family's primary address (first InternalIP of it, else first ExternalIP), as
+        kubelet's --node-ip pair names one per family; None when the Node has none of it."""
+        return next((ip for ip in self.addresses if ipaddress.ip_address(ip).version == family), None)
+
+    @property
+    def families(self) -> tuple[int, ...]:
+        """The IP families of the Node's addresses, the primary one first."""
+        ordered = ([self.primary_ip] if self.primary_ip else []) + list(self.addresses)
+        return tuple(dict.fromkeys(ipaddress.ip_address(ip).version for ip in ordered))
 
 
 @dataclass(frozen=True, slots=True)

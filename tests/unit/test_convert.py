@@ -65,13 +65,51 @@ def test_dual_stack_uses_the_ipv4_cluster_ip():
     assert sp.cluster_ip == "10.96.0.10"
 
 
-def test_ipv6_only_service_is_skipped_with_a_log_not_an_invalid(caplog):
+def test_ipv6_only_service_is_not_the_ipv4_proxiers_and_not_an_invalid():
     obj = service(cluster_ip="fd00::10")
     reports = Reports()
-    with caplog.at_level(logging.INFO):
-        assert convert.service_ports(obj, reports) == []
+    assert convert.service_ports(obj, reports) == []
+    (sp,) = convert.service_ports(obj, reports, family=6)
+    assert sp.cluster_ip == "fd00::10"
     assert reports == []
-    assert any("IPv6" in r.getMessage() and r.object == "default/web" for r in caplog.records)
+
+
+def test_each_family_takes_its_own_addresses():
+    """kube-proxy's newBaseServiceInfo per family: the family's cluster IP, external IPs,
+    load-balancer IPs and source ranges (upstream serviceport_test / TestServiceToServiceMap
+    "dual stack" cases: each proxier sees its family's IPs only)."""
+    obj = service(svc_type="LoadBalancer")
+    obj["spec"]["clusterIPs"] = ["10.96.0.10", "fd00:10:96::a"]
+    obj["spec"]["externalIPs"] = ["203.0.113.9", "2001:db8::9"]
+    obj["spec"]["loadBalancerSourceRanges"] = ["198.51.100.0/24", "2001:db8:1::/48"]
+    obj["status"] = {"loadBalancer": {"ingress": [{"ip": "192.0.2.1"}, {"ip": "2001:db8:2::1"}]}}
+    reports = Reports()
+    by_family = convert.service_ports_by_family(obj, reports, (4, 6))
+    (v4,), (v6,) = by_family[4], by_family[6]
+    assert (v4.cluster_ip, v4.external_ips, v4.load_balancer_ips, v4.load_balancer_source_ranges) == (
+        "10.96.0.10", ("203.0.113.9",), ("192.0.2.1",), ("198.51.100.0/24",))
+    assert (v6.cluster_ip, v6.external_ips, v6.load_balancer_ips, v6.load_balancer_source_ranges) == (
+        "fd00:10:96::a", ("2001:db8::9",), ("2001:db8:2::1",), ("2001:db8:1::/48",))
+    assert v4.name == v6.name and v4.node_port == v6.node_port
+    assert reports == []
+
+
+def test_source_ranges_of_the_other_family_only_close_this_familys_load_balancer():
+    obj = service(svc_type="LoadBalancer")
+    obj["spec"]["clusterIPs"] = ["10.96.0.10", "fd00:10:96::a"]
+    obj["spec"]["loadBalancerSourceRanges"] = ["198.51.100.0/24"]
+    obj["status"] = {"loadBalancer": {"ingress": [{"ip": "192.0.2.1"}, {"ip": "2001:db8:2::1"}]}}
+    by_family = convert.service_ports_by_family(obj, None, (4, 6))
+    assert by_family[4][0].load_balancer_ips == ("192.0.2.1",)
+    assert by_family[6][0].load_balancer_ips == ()
+
+
+def test_a_broken_service_is_reported_once_whatever_the_families():
+    obj = service()
+    obj["spec"]["externalIPs"] = ["not-an-ip"]
+    reports = Reports()
+    convert.service_ports_by_family(obj, reports, (4, 6))
+    assert len(reports) == 1
 
 
 def test_old_objects_with_only_cluster_ip():
@@ -293,10 +331,28 @@ def test_empty_slice_has_ports_but_no_endpoints():
 
 
 @pytest.mark.parametrize("address_type", ["IPv6", "FQDN"])
-def test_non_ipv4_slices_contribute_nothing_and_are_not_invalid(address_type):
+def test_slices_of_a_family_not_served_contribute_nothing_and_are_not_invalid(address_type):
     reports = Reports()
     assert convert.endpoint_slice(endpoint_slice(address_type=address_type), "n1", reports) is None
     assert reports == []
+
+
+def test_fqdn_slices_belong_to_no_family():
+    assert convert.endpoint_slice(endpoint_slice(address_type="FQDN"), "n1", None, (4, 6)) is None
+
+
+def test_an_ipv6_slice_belongs_to_the_ipv6_proxier():
+    obj = endpoint_slice(address_type="IPv6", endpoints=[endpoint("fd00:10:244:1::5", "n1"),
+                                                         endpoint("10.244.1.6", "n2"),
+                                                         endpoint("FD00:10:244:2::0006", "n2")])
+    reports = Reports()
+    sl = convert.endpoint_slice(obj, "n1", reports, families=(4, 6))
+    assert sl.family == 6
+    assert [(ep.ip, ep.is_local) for ep in sl.endpoints[spn()]] == [("fd00:10:244:1::5", True),
+                                                                      ("fd00:10:244:2::6", False)]
+    assert [(r.field, r.reason) for r in reports] == [("endpoints[1].addresses[0]", "wrong_family")]
+    assert "is not IPv6 in an IPv6 slice" in reports[0].detail
+    assert convert.endpoint_slice(obj, "n1", None, families=(4,)) is None
 
 
 def test_change_trigger_time_annotation():
@@ -387,8 +443,11 @@ def test_slice_service_key_for_deletes():
 def test_node_addresses_primary_and_eligibility():
     obj = node("n1", internal="192.168.1.10", external="203.0.113.10")
     obj["status"]["addresses"].insert(0, {"type": "InternalIP", "address": "fd00::10"})
-    assert convert.node_info(obj) == NodeState(name="n1", addresses=("192.168.1.10", "203.0.113.10"),
-                                               primary_ip="192.168.1.10", eligible=True)
+    info = convert.node_info(obj)
+    assert info == NodeState(name="n1", addresses=("fd00::10", "192.168.1.10", "203.0.113.10"),
+                             primary_ip="fd00::10", eligible=True)
+    # an IPv6-primary dual-stack node: each family's own primary, the IPv6 proxier first
+    assert (info.primary_of(4), info.primary_of(6), info.families) == ("192.168.1.10", "fd00::10", (6, 4))
     assert convert.node_info(node("n1", internal=None, external="203.0.113.10")).primary_ip == "203.0.113.10"
 
 

@@ -542,7 +542,7 @@ def test_the_reflector_oracle_catches_a_handler_that_raises(monkeypatch):
     def broken(*args, **kwargs):
         raise KeyError("spec")
 
-    monkeypatch.setattr(convert, "service_ports", broken)
+    monkeypatch.setattr(convert, "service_ports_by_family", broken)
     with pytest.raises(AssertionError, match="handler failed"):
         check_reflector("Service", [kobjects.service()], [{"type": "MODIFIED", "object": kobjects.service(rv="2")}])
 

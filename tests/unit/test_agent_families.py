@@ -1,0 +1,159 @@
+"""The agent on dual-stack and IPv6-only nodes: one tracker, NodeConfig and datapath per IP family,
+as kube-proxy's metaproxier runs one proxier per family (pkg/proxy/metaproxier/meta_proxier.go:
+every Service event goes to both proxiers, each EndpointSlice to the one of its addressType)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.unit.kobjects import endpoint, endpoint_slice, node, port, service
+from tests.unit.test_agent import NODE, WEB, RecordingDatapath, agent_parts, listed  # noqa: F401 (fixture)
+
+__all__ = ["agent_parts"]
+
+V4_IP, V6_IP = "192.168.1.10", "fd00:20::10"
+
+
+def dual_node(**meta) -> dict:
+    obj = node(NODE, internal=V4_IP, **meta)
+    obj["status"]["addresses"].append({"type": "InternalIP", "address": V6_IP})
+    return obj
+
+
+def dual_service(name="web", **spec) -> dict:
+    obj = service(name, ports=[port("http", 80, "TCP")], svc_type="NodePort", **spec)
+    obj["spec"]["ports"][0]["nodePort"] = 30080
+    obj["spec"]["clusterIPs"] = ["10.96.0.10", "fd00:10:96::a"]
+    return obj
+
+
+def slices() -> list[dict]:
+    ports = [{"name": "http", "port": 8080, "protocol": "TCP"}]
+    return [endpoint_slice("web-v4", endpoints=[endpoint("10.244.1.5", NODE)], ports=ports),
+            endpoint_slice("web-v6", address_type="IPv6", endpoints=[endpoint("fd00:10:244:1::5", NODE)],
+                           ports=ports)]
+
+
+def local_dual():
+    return ["127.0.0.1", "::1", V4_IP, V6_IP, "fe80::1"]
+
+
+def by_family():
+    return {dp.node.family: dp for dp in RecordingDatapath.created}
+
+
+def test_a_dual_stack_node_programs_each_family_with_its_own_addresses(agent_parts):
+    make, _, _ = agent_parts
+    agent = make(local_addresses=local_dual)
+    agent.resolve_mode()
+    listed(agent, nodes=[dual_node()], services=[dual_service()], slices=slices())
+    agent.prepare_datapath()
+    assert agent.families == (4, 6)
+    agent.sync(full=True)
+    v4, v6 = by_family()[4], by_family()[6]
+    assert v4.node.node_ips == (V4_IP,) and v6.node.node_ips == (V6_IP,)  # no loopback, no link-local
+    assert not v6.node.localhost_nodeports  # never on IPv6 (kube-proxy)
+    assert v4.last_state.services[WEB].cluster_ip == "10.96.0.10"
+    assert v6.last_state.services[WEB].cluster_ip == "fd00:10:96::a"
+    assert [ep.ip for ep in v4.last_state.endpoints_of(WEB)] == ["10.244.1.5"]
+    assert [ep.ip for ep in v6.last_state.endpoints_of(WEB)] == ["fd00:10:244:1::5"]
+    assert agent.datapath is v4  # the primary family: the first of the Node's addresses
+
+
+def test_an_ipv6_primary_node_lists_ipv6_first_and_ipv4_only_nodes_get_no_ipv6_proxier(agent_parts):
+    make, _, _ = agent_parts
+    agent = make(local_addresses=local_dual)
+    agent.resolve_mode()
+    v6_first = node(NODE, internal=V6_IP)
+    v6_first["status"]["addresses"].append({"type": "InternalIP", "address": V4_IP})
+    listed(agent, nodes=[v6_first])
+    agent.prepare_datapath()
+    assert agent.families == (6, 4)
+    assert agent.datapath.node.family == 6
+
+    RecordingDatapath.created = []
+    v4_only = make(local_addresses=lambda: ["127.0.0.1", V4_IP])
+    v4_only.resolve_mode()
+    listed(v4_only, nodes=[node(NODE, internal=V4_IP)], services=[dual_service()], slices=slices())
+    v4_only.prepare_datapath()
+    assert v4_only.families == (4,)
+    assert [dp.node.family for dp in RecordingDatapath.created] == [4]
+
+
+def test_events_after_start_reach_only_the_served_families(agent_parts):
+    make, _, _ = agent_parts
+    agent = make(local_addresses=lambda: ["127.0.0.1", V4_IP])
+    agent.resolve_mode()
+    listed(agent, nodes=[node(NODE, internal=V4_IP)], services=[dual_service()], slices=slices())
+    agent.prepare_datapath()
+    agent.sync(full=True)
+    handlers = agent.handlers()
+    handlers["EndpointSlice"].on_add(endpoint_slice("web-v6b", address_type="IPv6",
+                                                    endpoints=[endpoint("fd00:10:244:1::9", NODE)]))
+    assert not agent.pending  # the IPv6 slice has no proxier here
+    handlers["Service"].on_delete(dual_service())
+    assert agent.pending
+
+
+def test_ebpf_mode_serves_ipv6_with_ip6tables_until_the_ebpf_datapath_has_ipv6(agent_parts, caplog):
+    make, _, _ = agent_parts
+    agent = make({"mode": "ebpf"}, local_addresses=local_dual)
+    agent.resolve_mode()
+    listed(agent, nodes=[dual_node()])
+    agent.prepare_datapath()
+    assert {f: p.mode for f, p in agent.proxiers.items()} == {4: "ebpf", 6: "iptables"}
+    assert {dp.node.family: dp.opts["mode"] for dp in RecordingDatapath.created} == {4: "ebpf", 6: "iptables"}
+    assert any("IPv6 Services are served by ip6tables" in r.getMessage() for r in caplog.records)
+
+
+def test_a_family_that_fails_keeps_its_changes_and_fails_the_sync_without_holding_back_the_other(agent_parts):
+    make, _, _ = agent_parts
+    agent = make(local_addresses=local_dual)
+    agent.resolve_mode()
+    listed(agent, nodes=[dual_node()], services=[dual_service()], slices=slices())
+    agent.prepare_datapath()
+    by_family()[6].fail_next(1)
+    with pytest.raises(RuntimeError):
+        agent.sync(full=True)
+    assert WEB in by_family()[4].last_state.services  # IPv4 programmed and committed
+    assert agent.proxiers[6].tracker.pending and not agent.proxiers[4].tracker.pending
+    agent.sync(full=False)
+    assert WEB in by_family()[6].last_state.services
+
+
+def test_health_check_counts_a_dual_stack_pod_once(agent_parts):
+    make, _, _ = agent_parts
+    agent = make(local_addresses=local_dual)
+    agent.resolve_mode()
+    lb = dual_service(externalTrafficPolicy="Local", healthCheckNodePort=32000)
+    lb["spec"]["type"] = "LoadBalancer"
+    listed(agent, nodes=[dual_node()], services=[lb], slices=slices())
+    agent.prepare_datapath()
+    assert agent.service_health.hosts == ("0.0.0.0", "::")  # one server per family
+    agent.sync(full=True)
+    _status, _ctype, body, _headers = agent.service_health.respond(("default", "web"), "/")
+    assert json.loads(body)["localEndpoints"] == 1
+
+
+
+def test_nodeport_addresses_are_taken_per_family(agent_parts):
+    """kube-proxy's NewNodePortAddresses(family, cidrs): each family keeps its own CIDRs, and one
+    given none of its family matches all its addresses; `primary` is each family's primary IP."""
+    make, _, _ = agent_parts
+    agent = make({"nodeport_addresses": "192.168.1.0/24"}, local_addresses=local_dual)
+    agent.resolve_mode()
+    listed(agent, nodes=[dual_node()])
+    agent.prepare_datapath()
+    v4, v6 = agent.proxiers[4].node_config, agent.proxiers[6].node_config
+    assert (v4.node_ips, v6.node_ips) == ((V4_IP,), (V6_IP,))
+    assert agent.service_health.hosts == (V4_IP, "::")  # IPv6: no CIDR of its family, so all
+
+    RecordingDatapath.created = []
+    agent = make({"nodeport_addresses": "primary"}, local_addresses=local_dual)
+    agent.resolve_mode()
+    listed(agent, nodes=[dual_node()])
+    agent.prepare_datapath()
+    assert agent.proxiers[4].node_config.nodeport_addresses == (f"{V4_IP}/32",)
+    assert agent.proxiers[6].node_config.nodeport_addresses == (f"{V6_IP}/128",)
