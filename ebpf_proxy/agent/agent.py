@@ -193,7 +193,8 @@ class Agent:
         self._datapath_lock = threading.Lock()  # one of sync or drift audit at a time
         self._handover_from: str | None = None  # the other mode, still in place until the first sync
         self.handover: handover.HandoverResult | None = None  # what that first sync moved over
-        self.auditor = DriftAuditor(lambda: self.datapath, self._datapath_lock, self.metrics,
+        self.auditor = DriftAuditor(lambda: [(f, p.datapath) for f, p in self.proxiers.items()],
+                                    self._datapath_lock, self.metrics,
                                     period=config.audit_period, repair=config.audit_repair)
         self._syncing = False
         self._synced_rv = ""

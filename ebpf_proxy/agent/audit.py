@@ -14,42 +14,48 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from ebpf_proxy.agent.metrics import Metrics
-from ebpf_proxy.explain.audit import AuditReport, AuditUnavailable, Drift, audit
+from ebpf_proxy.explain.audit import AuditReport, AuditUnavailable, Drift, audit, merge
 
 log = logging.getLogger(__name__)
 
 
 class DriftAuditor:
-    """Runs audits of the datapath `datapath()` returns, under `lock` (the one syncs hold)."""
+    """Runs audits of the datapaths `datapaths()` returns, as (IP family, datapath) pairs with the
+    primary family first (one per family proxier), under `lock` (the one syncs hold); their
+    reports are merged into one (explain.audit.merge)."""
 
-    def __init__(self, datapath: Callable[[], object | None], lock: threading.Lock, metrics: Metrics,
-                 *, period: float, repair: bool) -> None:
-        self._datapath = datapath
+    def __init__(self, datapaths: Callable[[], Sequence[tuple[int, object | None]]], lock: threading.Lock,
+                 metrics: Metrics, *, period: float, repair: bool) -> None:
+        self._datapaths = datapaths
         self._lock = lock
         self._metrics = metrics
         self.period = period
         self.repair = repair
         self._logged: set[Drift] = set()  # drifts already logged, until they are gone
-        self._memo: dict = {}  # what the audit keeps between runs (explain.audit.audit's memo)
-        self._memo_of: object | None = None  # the datapath the memo is about
+        # what the audit keeps between runs of one datapath (explain.audit.audit's memo), by family,
+        # with the datapath it is about
+        self._memos: dict[int, tuple[object, dict]] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
     def run_once(self, repair: bool | None = None) -> AuditReport:
         """One audit (repairing per `repair`, default the agent's setting). Raises AuditUnavailable
         before the first sync."""
-        datapath = self._datapath()
-        if datapath is None:
+        datapaths = list(self._datapaths())
+        if not datapaths or any(dp is None for _family, dp in datapaths):
             raise AuditUnavailable("no datapath yet: the agent is still starting")
         do_repair = self.repair if repair is None else repair
         try:
             with self._lock:
-                if datapath is not self._memo_of:
-                    self._memo, self._memo_of = {}, datapath
-                report = audit(datapath, repair=do_repair, memo=self._memo)
+                reports = []
+                for family, datapath in datapaths:
+                    if self._memos.get(family, (None,))[0] is not datapath:
+                        self._memos[family] = (datapath, {})
+                    reports.append((family, audit(datapath, repair=do_repair, memo=self._memos[family][1])))
+                report = merge(reports)
         except AuditUnavailable:
             raise
         except Exception:

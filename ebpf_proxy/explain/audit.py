@@ -87,6 +87,23 @@ class AuditUnavailable(RuntimeError):
     """The datapath has nothing to compare yet (no sync has completed) or cannot be read."""
 
 
+def merge(reports: list[tuple[int, AuditReport]]) -> AuditReport:
+    """One report for a node's family datapaths, primary first: the secondary family's objects
+    and drifts named with its family ("IPv6 iptables rule"), so a dual-stack node's audit says
+    which family drifted. One report is returned as it is."""
+    if len(reports) == 1:
+        return reports[0][1]
+    merged = AuditReport(mode=" + ".join(f"{r.mode} (IPv{family})" for family, r in reports))
+    for i, (family, report) in enumerate(reports):
+        prefix = "" if i == 0 else f"IPv{family} "
+        for what, n in report.checked.items():
+            merged.checked[prefix + what] = merged.checked.get(prefix + what, 0) + n
+        merged.drifts += [Drift(d.kind, prefix + d.what, d.key, d.detail) for d in report.drifts]
+        merged.repaired = merged.repaired or report.repaired
+        merged.writes += report.writes
+    return merged
+
+
 def audit(datapath: object, repair: bool = False, memo: dict | None = None) -> AuditReport:
     """Audit `datapath` (an EbpfDatapath or IptablesDatapath after a sync), repairing with `repair`;
     `memo` is a dict the caller keeps between audits of one datapath, to skip what was proven.

@@ -132,3 +132,25 @@ def test_a_service_without_endpoints_is_rejected(lab):
         for source in ("worker2", "my-nginx-1"):
             report = lab.probe(source, _target(_cluster_ip(lab, "empty", family), 80), count=2, timeout=3.0)
             assert report.outcomes == {"refused"}, (family, source, report.to_json())
+
+
+def test_the_audit_finds_and_repairs_drift_of_the_ipv6_rules(lab):
+    """A flushed ip6tables chain is drift of the IPv6 proxier: `lab audit` names it (as IPv6 on a
+    dual-stack node, whose primary family is IPv4), repairs it, and the NodePort answers again."""
+    from ebpf_proxy.lab import audit as lab_audit
+
+    shape, lab = lab
+    backend = next(b for b in ("legacy", "nft")
+                   if "KUBE-NODEPORTS -" in lab.exec("worker1", [f"ip6tables-{b}-save", "-t", "nat"],
+                                                      capture_output=True, text=True).stdout)
+    lab.exec("worker1", [f"ip6tables-{backend}", "-t", "nat", "-F", "KUBE-NODEPORTS"], check=True)
+    target = _target(_node_ip(lab, "worker1", 6), NODE_PORT)
+    assert lab.probe("outside", target).outcomes == {"refused"}  # to the node itself: nothing listens
+
+    report = lab_audit.run(lab, nodes=["worker1"], repair=True)["worker1"]
+    drifted = {(d["kind"], d["what"]) for d in report["drifts"]}
+    prefix = "IPv6 " if shape == "dual" else ""
+    assert drifted == {("missing", f"{prefix}iptables rule")}, report
+    assert report["repaired"] and report["exit"] == 1, report
+    assert lab_audit.run(lab, nodes=["worker1"])["worker1"]["exit"] == 0
+    assert lab.probe("outside", target).all_ok

@@ -36,7 +36,7 @@ class _Scripted:
 def _auditor(monkeypatch, script, repair=False, datapath=object()):
     monkeypatch.setattr(agent_audit, "audit", script)
     metrics = Metrics()
-    return DriftAuditor(lambda: datapath, threading.Lock(), metrics, period=60, repair=repair), metrics
+    return DriftAuditor(lambda: [(4, datapath)], threading.Lock(), metrics, period=60, repair=repair), metrics
 
 
 def _gauge(metrics, kind):
@@ -130,3 +130,34 @@ def test_topology_agent_args():
     assert parse_topology(topo.to_dict()) == topo
     with pytest.raises(TopologyError, match=r"agentArgs\[1\]"):
         parse_topology({**base, "agentArgs": ["--audit-period", 10]})
+
+
+def test_a_dual_stack_node_audits_each_family_and_names_the_secondary_ones_drifts(monkeypatch):
+    """One report for both family datapaths (kube-proxy's per-family proxiers each have their
+    rules); a drift of the IPv6 ip6tables rules says IPv6, each family keeps its own memo."""
+    v4, v6 = object(), object()
+    memos = {}
+
+    def scripted(datapath, repair=False, memo=None):
+        memos.setdefault(id(datapath), memo)
+        assert memos[id(datapath)] is memo  # the same memo every time for the same datapath
+        drifts = [GONE] if datapath is v6 else []
+        return AuditReport(mode="ebpf" if datapath is v4 else "iptables", drifts=drifts, repaired=repair,
+                           writes=1 if repair and drifts else 0, checked={"rules": 10})
+
+    monkeypatch.setattr(agent_audit, "audit", scripted)
+    metrics = Metrics()
+    auditor = DriftAuditor(lambda: [(4, v4), (6, v6)], threading.Lock(), metrics, period=60, repair=True)
+    report = auditor.run_once()
+    auditor.run_once()
+    assert report.mode == "ebpf (IPv4) + iptables (IPv6)"
+    assert [str(d) for d in report.drifts] == [f"missing IPv6 iptables rule {GONE.key}: {GONE.detail}"]
+    assert report.checked == {"rules": 10, "IPv6 rules": 10} and report.writes == 1 and report.repaired
+    assert _gauge(metrics, MISSING) == 1
+
+
+def test_no_audit_before_every_family_has_its_datapath(monkeypatch):
+    monkeypatch.setattr(agent_audit, "audit", _Scripted([]))
+    auditor = DriftAuditor(lambda: [(4, object()), (6, None)], threading.Lock(), Metrics(), period=60, repair=False)
+    with pytest.raises(AuditUnavailable, match="still starting"):
+        auditor.run_once()
