@@ -187,6 +187,32 @@ def _bpf_cost_section(doc: dict, idx: dict) -> list[str]:
                           _bpf_rows(idx, LOAD_PATH_TITLES, sizes, lambda r: f"{_fmt(r['value'])} {_pm(r)}"))
 
 
+XDP_PATH_TITLES = {"xdp-native": "ebpf, XDP native", "xdp-generic": "ebpf, XDP generic",
+                   "tc-only": "ebpf, TC only (XDP off)", "netfilter": "iptables (filter KUBE-EXTERNAL-SERVICES)"}
+
+
+def _xdp_section(doc: dict, idx: dict) -> list[str]:
+    rows = [r for r in idx.values() if r["metric"] == "xdp_pps"]
+    if not rows:
+        return []
+    sizes = sorted({r["services"] for r in rows})
+    lines = ["## NodePort flood: packets dropped per second", "",
+             "A SYN flood (bench/pktgen.c, one thread, raw frames to the node's MAC, a new connection each) "
+             "from outside to an externalTrafficPolicy=Local NodePort of a node without its endpoint; "
+             "packets/s the node counted as dropped for that reason, by where it dropped them, and "
+             "(in brackets) what the generator sent. On veths the receiver's work runs on the sender's "
+             "CPU, so a cheaper drop shows as a higher rate (bench/xdppps.py).", ""]
+    table = []
+    for path, title in XDP_PATH_TITLES.items():
+        cells = []
+        for n in sizes:
+            r = next((r for r in rows if r["path"] == path and r["services"] == n), None)
+            cells.append(f"{_fmt(r['value'])} ({_fmt(r.get('sent_pps'))}) {_pm(r)}" if r else "–")
+        if any(c != "–" for c in cells):
+            table.append([title] + cells)
+    return lines + _table(["dropped at"] + [f"{n:,} services: pps (sent)" for n in sizes], table)
+
+
 def _control_section(doc: dict, idx: dict) -> list[str]:
     modes, sizes = _proxy_modes(doc), _sizes(doc)
     if not modes:
@@ -371,7 +397,8 @@ def write_plots(doc: dict, out_dir: Path) -> list[str]:
 
 def render_markdown(doc: dict, plots: list[str], plot_error: str | None = None) -> str:
     idx = _index(doc.get("summary", []))
-    lines = _header(doc) + _datapath_section(doc, idx) + _bpf_cost_section(doc, idx) + _control_section(doc, idx) \
+    lines = _header(doc) + _datapath_section(doc, idx) + _bpf_cost_section(doc, idx) + _xdp_section(doc, idx) \
+        + _control_section(doc, idx) \
         + _kernel_section(doc) \
         + _installs_section(doc) + _unavailable_section(doc)
     if plots:

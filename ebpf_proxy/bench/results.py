@@ -28,7 +28,10 @@ time in ns (median over repeats of each repeat's median and p99; bench/bpfcost.p
 ClusterIP load entered, from the kernel's BPF statistics, bench/livecost.py: no percentiles), and
 null for the rest. cpu_per_conn / cpu_per_req (one per conn_rate / udp_rate point) are the machine's
 kernel CPU time (system + irq + softirq of every CPU; the lab's nodes share one kernel) over each
-run's measured window divided by the operations it completed, in µs. Rate rows also carry
+run's measured window divided by the operations it completed, in µs. xdp_pps rows (bench/xdppps.py)
+are the packets per second an eTP=Local NodePort's node dropped for lack of a local endpoint under
+a SYN flood, by where it dropped them (path xdp-native, xdp-generic, tc-only: ebpf; netfilter:
+iptables), and carry `sent_pps`, what the generator sent. Rate rows also carry
 `p90` and `latency_unit`; rss rows carry `by_phase` (MiB) and `cpu_seconds_by_phase`.
 """
 
@@ -50,13 +53,14 @@ from ebpf_proxy.bench.stats import is_figure, median, percentile, spread
 
 SCHEMA = 1
 SUMMARY_KEYS = ("metric", "path", "mode", "services", "value", "unit", "p50", "p99", "repeats", "spread")
-METRICS = ("conn_rate", "udp_rate", "cpu_per_conn", "cpu_per_req", "bpf_ns_per_packet", "update_latency", "full_sync",
-           "burst_converge", "rss")
+METRICS = ("conn_rate", "udp_rate", "cpu_per_conn", "cpu_per_req", "bpf_ns_per_packet", "xdp_pps", "update_latency",
+           "full_sync", "burst_converge", "rss")
+XDP_PATHS = ("xdp-native", "xdp-generic", "tc-only", "netfilter")  # where the node drops (bench/xdppps.py)
 PATHS = ("clusterip", "nodeport-cluster", "nodeport-local", "direct", "clusterip_syn", "established", "nodeport",
-         "load_tc_ingress", "load_tc_egress", None)
+         "load_tc_ingress", "load_tc_egress", *XDP_PATHS, None)
 MODES = ("direct", "iptables", "ebpf")
 RATE_METRICS = ("conn_rate", "udp_rate")
-HIGHER_IS_BETTER = frozenset(RATE_METRICS)
+HIGHER_IS_BETTER = frozenset((*RATE_METRICS, "xdp_pps"))
 
 
 def _round(x: float, digits: int = 4) -> float:
@@ -87,6 +91,8 @@ def summarize_point(point: dict[str, Any]) -> dict[str, Any]:
     elif metric == "bpf_ns_per_packet" and all("p99" in r for r in point["runs"]):  # crafted packets
         row["p50"] = row["value"]
         row["p99"] = _round(median([r["p99"] for r in point["runs"]]))
+    elif metric == "xdp_pps":
+        row["sent_pps"] = _round(median([r["sent_pps"] for r in point["runs"]]))
     elif metric == "rss":
         row["value"] = _round(max(values))  # the peak: the most memory the agent needed
         row["by_phase"] = point.get("by_phase", {})

@@ -30,7 +30,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from ebpf_proxy.bench import bpfcost, controlplane, kernelstate, livecost, loadgen, ports, procstat, report, traffic
+from ebpf_proxy.bench import (
+    bpfcost,
+    controlplane,
+    kernelstate,
+    livecost,
+    loadgen,
+    ports,
+    procstat,
+    report,
+    traffic,
+    xdppps,
+)
 from ebpf_proxy.bench.display import Display
 from ebpf_proxy.bench.results import Results, check
 from ebpf_proxy.bench.rest import Rest, RestError
@@ -48,7 +59,7 @@ OBSERVED_NODE = traffic.ENTRY_NODE  # the node whose agent restarts and whose ke
 # The reference mode: if its agents do not start, that is a failure, not "not available here".
 MUST_RUN = ("iptables",)
 MEASUREMENT_ERRORS = (controlplane.ControlPlaneError, kernelstate.KernelStateError, loadgen.LoadgenError,
-                      LabError, RestError, subprocess.TimeoutExpired, OSError, bpfcost.BpfCostError,
+                      LabError, RestError, subprocess.TimeoutExpired, OSError, bpfcost.BpfCostError, xdppps.XdpPpsError,
                       bpfcost.loader.LoadError, livecost.LiveCostError)
 
 
@@ -73,6 +84,7 @@ class BenchConfig:
     writers: int = 4
     bpf_samples: int = 1000  # test runs per path and repeat of bpf_ns_per_packet
     bpf_endpoints: int = 10  # backends per Service in bpf_ns_per_packet's maps
+    xdp_seconds: float = 2.0  # each xdp_pps run's flood (0: no xdp_pps rows)
 
     def parameters(self) -> dict[str, Any]:
         d = asdict(self)
@@ -133,6 +145,8 @@ def mode_unavailable_reason(mode: str) -> str | None:
 
 def total_steps(config: BenchConfig, modes: list[str]) -> int:
     per_size = 1 + sum(2 if m == "direct" else 9 if m == "ebpf" else 8 for m in modes)
+    if config.xdp_seconds > 0:
+        per_size += sum(len(xdppps.VARIANTS.get(m, ())) for m in modes)
     return per_size * len(config.services)
 
 
@@ -310,6 +324,8 @@ class Bench:
             with self._guard("bpf_ns_per_packet", mode, size, "load_tc_ingress"):
                 self._live_cost(points[0], size)  # the ClusterIP connection load
         phases["datapath"] = meter.stop()
+        if cfg.xdp_seconds > 0:
+            self._xdp_pps(mode, size)
 
         observer = controlplane.Observer(self.lab, OBSERVED_NODE, mode)
         meter = procstat.PhaseMeter(self._agent_pids())
@@ -326,6 +342,31 @@ class Bench:
         self.ui.advance()
 
         self._resources(mode, size, phases)
+
+    def _xdp_pps(self, mode: str, size: int) -> None:
+        """xdp_pps rows: each variant's agents (bench/xdppps.py), then this mode's agents back as
+        they were, so the control-plane figures that follow are measured as always."""
+        try:
+            binary = xdppps.build()
+            node_port = xdppps.install(self.services.rest, self.lab)
+        except (xdppps.XdpPpsError, RestError) as exc:
+            self.results.add_failure(mode, "xdp_pps", size, None, str(exc))
+            return
+        try:
+            for variant in xdppps.VARIANTS.get(mode, ()):
+                self.ui.step(f"{size:,} services, {mode}: xdp_pps {variant.name}")
+                self.ui.advance()
+                with self._guard("xdp_pps", mode, size, variant.name):
+                    restart_agents(self.lab, mode, self.config.sync_timeout,
+                                   [*self._agent_args(mode), *variant.agent_args])
+                    runs = [xdppps.measure(self.lab, binary, variant, node_port, self.config.xdp_seconds)
+                            for _ in range(self.config.repeats)]
+                    self._point({"metric": "xdp_pps", "path": variant.name, "mode": mode, "services": size,
+                                 "unit": "pps", "node": xdppps.TARGET_NODE, "values": [r["pps"] for r in runs],
+                                 "runs": runs})
+        finally:
+            xdppps.remove(self.services.rest)
+            restart_agents(self.lab, mode, self.config.sync_timeout, self._agent_args(mode))
 
     def _start_agents(self, mode: str) -> None:
         start_agents(self.lab, mode, self.config.sync_timeout, self._agent_args(mode))
@@ -444,6 +485,13 @@ class Bench:
             "cpu_seconds_by_phase": {ph: round(sum(u["cpu_seconds"] for u in nodes.values()), 3)
                                      for ph, nodes in phases.items()},
         })
+
+
+def restart_agents(lab: Lab, mode: str, timeout: float, agent_args: Sequence[str] = ()) -> None:
+    """start_agents with `agent_args` (from a clean kernel: XDP's attach mode changes only so),
+    then converged."""
+    start_agents(lab, mode, timeout, agent_args)
+    lab.wait_converged(timeout=timeout)
 
 
 def start_agents(lab: Lab, mode: str, timeout: float, agent_args: Sequence[str] = ()) -> None:

@@ -28,6 +28,7 @@ PROFILES = {
     "repeats": (3, 3),
     "update_changes": (20, 10),
     "burst_changes": (1000, 1000),
+    "xdp_duration": ("2s", "0s"),  # the CI profile has no xdp_pps rows: 4 agent restarts per size
 }
 
 
@@ -112,6 +113,7 @@ def _print_compare(old_path: str, new_path: str) -> None:
 @click.option("--burst-changes", type=click.IntRange(1, 100000), help="Changes in one burst. [default: 1000]")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Where results.json, report.md and the plots go. [default: bench-results/<time>]")
+@click.option("--xdp-duration", help="Each xdp_pps run's SYN flood; 0 measures no xdp_pps. [default: 2s; --quick: 0s]")
 @click.option("--quick", is_flag=True, help="The CI profile: 1 and 1,000 services, 1 s runs.")
 @click.option("--lab", "lab_name", help="Reuse this lab (built from the bench topology) instead of building one.")
 @click.option("--topology", "topology_path", type=click.Path(exists=True, dir_okay=False),
@@ -121,12 +123,13 @@ def _print_compare(old_path: str, new_path: str) -> None:
 @click.option("--report-from", type=click.Path(exists=True, dir_okay=False),
               help="Rebuild report.md and the plots from a results.json (into --out, default its directory).")
 def bench(modes, services, endpoints_per_service, duration, warmup, repeats, concurrency, client_threads, update_changes,
-          burst_changes, out_dir, quick, lab_name, topology_path, compare_paths, report_from) -> None:
+          burst_changes, xdp_duration, out_dir, quick, lab_name, topology_path, compare_paths, report_from) -> None:
     """Measure each mode's data path and control plane in one run, side by side.
 
     Data path: new TCP connections/s and latency through a ClusterIP (from a pod), a NodePort with
     externalTrafficPolicy Cluster and Local (from outside), and straight to the pod IPs; UDP
-    request rate through a ClusterIP. Control plane: full sync, single endpoint change to kernel,
+    request rate through a ClusterIP. XDP: packets/s an eTP=Local NodePort's node drops under a SYN
+    flood, per drop point (XDP native, generic, TC, netfilter). Control plane: full sync, single endpoint change to kernel,
     a 1,000-change burst, agent CPU and RSS. Kernel state size per number of Services. Writes
     results.json, report.md and PNG plots.
     """
@@ -156,6 +159,7 @@ def bench(modes, services, endpoints_per_service, duration, warmup, repeats, con
         client_threads=client_threads,
         update_changes=_pick("update_changes", update_changes, quick),
         burst_changes=_pick("burst_changes", burst_changes, quick),
+        xdp_seconds=_seconds(_pick("xdp_duration", xdp_duration, quick), "--xdp-duration", allow_zero=True),
         lab_name=lab_name,
         topology_path=topology_path,
         quick=quick,
