@@ -72,7 +72,9 @@ struct pod_count { char name[64]; uint64_t n; };
 
 /* Set by main before the threads start, read-only afterwards. */
 static enum proto proto = TCP;
-static struct sockaddr_in targets[MAX_TARGETS];
+static struct sockaddr_storage targets[MAX_TARGETS]; /* sockaddr_in or sockaddr_in6, one family */
+static socklen_t target_len;
+static int target_family;
 static int n_targets;
 static double duration = 1.0, warmup = 0.0;
 static int concurrency = 16, threads = 1;
@@ -142,20 +144,54 @@ static void usage(const char *msg) {
     exit(2);
 }
 
+/* IPV4:PORT or [IPV6]:PORT; every target of one run is of one family. */
 static void parse_target(const char *text) {
     char host[64];
     const char *colon = strrchr(text, ':');
-    if (!colon || colon == text || (size_t)(colon - text) >= sizeof host) usage("--target: expected IP:PORT");
-    memcpy(host, text, (size_t)(colon - text));
-    host[colon - text] = 0;
+    const char *start = text, *end = colon;
+    if (text[0] == '[') {
+        start = text + 1;
+        end = colon && colon > text && colon[-1] == ']' ? colon - 1 : NULL;
+    }
+    if (!colon || !end || end <= start || (size_t)(end - start) >= sizeof host)
+        usage("--target: expected IPV4:PORT or [IPV6]:PORT");
+    memcpy(host, start, (size_t)(end - start));
+    host[end - start] = 0;
     long port = strtol(colon + 1, NULL, 10);
     if (port < 1 || port > 65535) usage("--target: port out of range");
     if (n_targets == MAX_TARGETS) usage("--target: too many targets");
-    struct sockaddr_in *sa = &targets[n_targets++];
-    memset(sa, 0, sizeof *sa);
-    sa->sin_family = AF_INET;
-    sa->sin_port = htons((uint16_t)port);
-    if (inet_pton(AF_INET, host, &sa->sin_addr) != 1) usage("--target: not an IPv4 address");
+    struct sockaddr_storage *ss = &targets[n_targets++];
+    memset(ss, 0, sizeof *ss);
+    int family = text[0] == '[' ? AF_INET6 : AF_INET;
+    if (target_family && family != target_family) usage("--target: every target must be of one IP family");
+    target_family = family;
+    if (family == AF_INET) {
+        struct sockaddr_in *sa = (struct sockaddr_in *)ss;
+        sa->sin_family = AF_INET;
+        sa->sin_port = htons((uint16_t)port);
+        if (inet_pton(AF_INET, host, &sa->sin_addr) != 1) usage("--target: not an IPv4 address");
+        target_len = sizeof *sa;
+    } else {
+        struct sockaddr_in6 *sa = (struct sockaddr_in6 *)ss;
+        sa->sin6_family = AF_INET6;
+        sa->sin6_port = htons((uint16_t)port);
+        if (inet_pton(AF_INET6, host, &sa->sin6_addr) != 1) usage("--target: not an IPv6 address in brackets");
+        target_len = sizeof *sa;
+    }
+}
+
+/* "IP:PORT" or "[IP]:PORT" of target i, for the report. */
+static void format_target(int i, char *out, size_t n) {
+    char ip[INET6_ADDRSTRLEN];
+    if (targets[i].ss_family == AF_INET6) {
+        const struct sockaddr_in6 *sa = (const struct sockaddr_in6 *)&targets[i];
+        inet_ntop(AF_INET6, &sa->sin6_addr, ip, sizeof ip);
+        snprintf(out, n, "[%s]:%u", ip, ntohs(sa->sin6_port));
+    } else {
+        const struct sockaddr_in *sa = (const struct sockaddr_in *)&targets[i];
+        inet_ntop(AF_INET, &sa->sin_addr, ip, sizeof ip);
+        snprintf(out, n, "%s:%u", ip, ntohs(sa->sin_port));
+    }
 }
 
 static void record_sample(struct worker *w, uint64_t ns) {
@@ -205,20 +241,20 @@ static void start_op(struct worker *w, struct slot *s) {
     uint64_t now = now_ns();
     if (now >= t_end) { s->st = IDLE; return; }
     int type = proto == TCP ? SOCK_STREAM : SOCK_DGRAM;
-    int fd = socket(AF_INET, type | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    int fd = socket(target_family, type | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (fd < 0) { ERR(err_other); s->st = IDLE; return; }
     if (proto == TCP) {
         int one = 1;
         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     }
-    struct sockaddr_in *dst = &targets[w->next_target];
+    struct sockaddr_storage *dst = &targets[w->next_target];
     w->next_target = (w->next_target + 1) % n_targets;
     s->fd = fd;
     s->got = 0;
     s->start_ns = now;
     s->deadline_ns = now + (uint64_t)timeout_ms * 1000000ull;
     w->started++;
-    int rc = connect(fd, (struct sockaddr *)dst, sizeof *dst);
+    int rc = connect(fd, (struct sockaddr *)dst, target_len);
     if (rc < 0 && errno != EINPROGRESS) {
         if (errno == ECONNREFUSED || errno == EHOSTUNREACH || errno == ENETUNREACH) ERR(err_refused);
         else ERR(err_connect);
@@ -449,9 +485,9 @@ int main(int argc, char **argv) {
     printf("{\"proto\":\"%s\",\"duration_s\":%.6f,\"warmup_s\":%.3f,\"concurrency\":%d,\"threads\":%d,\"targets\":[",
            proto == TCP ? "tcp" : "udp", duration, warmup, concurrency, threads);
     for (int i = 0; i < n_targets; i++) {
-        char ip[INET_ADDRSTRLEN];
-        inet_ntop(AF_INET, &targets[i].sin_addr, ip, sizeof ip);
-        printf("%s\"%s:%u\"", i ? "," : "", ip, ntohs(targets[i].sin_port));
+        char target[INET6_ADDRSTRLEN + 16];
+        format_target(i, target, sizeof target);
+        printf("%s\"%s\"", i ? "," : "", target);
     }
     printf("],\"started\":%llu,\"completed\":%llu,\"rate\":%.3f,", (unsigned long long)w->started,
            (unsigned long long)w->completed, (double)w->completed / duration);

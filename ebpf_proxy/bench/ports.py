@@ -11,8 +11,11 @@ from __future__ import annotations
 
 MODES = ("direct", "iptables", "ebpf")
 PROXY_MODES = ("iptables", "ebpf")  # modes that run an agent
-TCP_PATHS = ("clusterip", "nodeport-cluster", "nodeport-local")
+TCP_PATHS = ("clusterip", "nodeport-cluster", "nodeport-local", "clusterip6")
 DIRECT = "direct"
+DIRECT6 = "direct6"  # the pod IPs over IPv6: the physical limit beside clusterip6
+DIRECT_OF = {"clusterip6": DIRECT6}  # the direct path a TCP path compares with (default: DIRECT)
+IPV6_PATHS = frozenset(("clusterip6", DIRECT6))  # measured over IPv6 (a dual-stack bench topology)
 
 # (mode, path) -> backend TCP port; (mode, "udp-" + path) -> backend UDP port.
 _MODE_BASE = {"direct": 8100, "iptables": 8210, "ebpf": 8310}
@@ -29,17 +32,19 @@ SVC_NODEPORT_CLUSTER = "bench-np-cluster"
 SVC_NODEPORT_LOCAL = "bench-np-local"
 SVC_UDP = "bench-udp"
 SVC_CHURN = "bench-churn"
-MEASURED_SERVICES = (SVC_CLUSTERIP, SVC_NODEPORT_CLUSTER, SVC_NODEPORT_LOCAL, SVC_UDP, SVC_CHURN)
+SVC_CLUSTERIP6 = "bench-clusterip6"  # IPv6 single-stack
+MEASURED_SERVICES = (SVC_CLUSTERIP, SVC_NODEPORT_CLUSTER, SVC_NODEPORT_LOCAL, SVC_UDP, SVC_CHURN, SVC_CLUSTERIP6)
 PATH_SERVICE = {"clusterip": SVC_CLUSTERIP, "nodeport-cluster": SVC_NODEPORT_CLUSTER,
-                "nodeport-local": SVC_NODEPORT_LOCAL}
+                "nodeport-local": SVC_NODEPORT_LOCAL, "clusterip6": SVC_CLUSTERIP6}
 
 
 def tcp_port(mode: str, path: str) -> int:
-    """Backend TCP port for `path` measured in `mode` (mode "direct" has the one path "direct")."""
+    """Backend TCP port for `path` measured in `mode` (mode "direct" has the paths "direct" and
+    "direct6")."""
     if mode == "direct":
-        if path != DIRECT:
-            raise ValueError(f"mode direct has only the path {DIRECT!r}, not {path!r}")
-        return _MODE_BASE["direct"]
+        if path not in (DIRECT, DIRECT6):
+            raise ValueError(f"mode direct has only the paths {DIRECT!r} and {DIRECT6!r}, not {path!r}")
+        return _MODE_BASE["direct"] + (path == DIRECT6)
     if mode not in _MODE_BASE or path not in TCP_PATHS:
         raise ValueError(f"no backend port for mode {mode!r}, path {path!r}")
     return _MODE_BASE[mode] + TCP_PATHS.index(path)
@@ -54,5 +59,6 @@ def udp_port(mode: str) -> int:
 
 def all_ports() -> dict[str, set[int]]:
     """{'tcp': {...}, 'udp': {...}}: what every backend pod must listen on."""
-    tcp = {tcp_port("direct", DIRECT)} | {tcp_port(m, p) for m in PROXY_MODES for p in TCP_PATHS}
+    tcp = {tcp_port("direct", DIRECT), tcp_port("direct", DIRECT6)} | {tcp_port(m, p) for m in PROXY_MODES
+                                                                         for p in TCP_PATHS}
     return {"tcp": tcp, "udp": {udp_port(m) for m in MODES}}

@@ -23,7 +23,15 @@ PLOT_FILES = {"conn_rate": "conn_rate.png", "latency_p99": "latency_p99.png", "u
 TCP_PATHS = ("clusterip", "nodeport-cluster", "nodeport-local")
 MODE_COLOURS = {"direct": "tab:gray", "iptables": "tab:orange", "ebpf": "tab:blue"}
 PATH_TITLES = {"clusterip": "ClusterIP (from a pod)", "nodeport-cluster": "NodePort, eTP=Cluster (outside)",
-               "nodeport-local": "NodePort, eTP=Local (outside)", "direct": "pod IP, no proxy (baseline)"}
+               "nodeport-local": "NodePort, eTP=Local (outside)", "direct": "pod IP, no proxy (baseline)",
+               "clusterip6": "ClusterIP over IPv6 (from a pod; ebpf mode: ip6tables)"}
+# the direct baseline of each path's row (the pod IPs of the same family)
+DIRECT_OF = {"clusterip6": "direct6"}
+
+
+def _table_paths(idx: dict) -> list[str]:
+    """The TCP paths with rows: the IPv6 ClusterIP only in runs that measured it (dual-stack)."""
+    return [*TCP_PATHS] + (["clusterip6"] if any(k[1] == "clusterip6" for k in idx) else [])
 
 
 def _fmt(x: float | None, unit: str = "") -> str:
@@ -97,11 +105,11 @@ def _datapath_section(doc: dict, idx: dict) -> list[str]:
              "each), and the request latency of those connections (p50 / p99, ms). `direct` is the "
              "client pod straight to the backend pod IPs, no proxy in the way: the physical limit.", ""]
     rows = []
-    for path in TCP_PATHS:
+    for path in _table_paths(idx):
         for n in sizes:
             cells = [PATH_TITLES[path], f"{n:,}"]
             for mode in modes:
-                r = idx.get(("conn_rate", "direct" if mode == "direct" else path, mode, n))
+                r = idx.get(("conn_rate", DIRECT_OF.get(path, "direct") if mode == "direct" else path, mode, n))
                 cells.append(f"{_fmt(r['value'])} {_pm(r)} ({_fmt(r['p50'])} / {_fmt(r['p99'])})" if r else "–")
             rows.append(cells)
     lines += _table(["path", "services"] + [f"{m}: conn/s (p50 / p99 ms)" for m in modes], rows)
@@ -121,12 +129,12 @@ def _datapath_section(doc: dict, idx: dict) -> list[str]:
               "and the load generator's system calls included (the same in every mode): the differences "
               "between modes are the proxy's.", ""]
     rows = []
-    for metric, path, title in ([("cpu_per_conn", p, PATH_TITLES[p]) for p in TCP_PATHS]
+    for metric, path, title in ([("cpu_per_conn", p, PATH_TITLES[p]) for p in _table_paths(idx)]
                                 + [("cpu_per_req", "clusterip", "UDP, ClusterIP (from a pod)")]):
         for n in sizes:
             cells = [title, f"{n:,}"]
             for mode in modes:
-                r = idx.get((metric, "direct" if mode == "direct" else path, mode, n))
+                r = idx.get((metric, DIRECT_OF.get(path, "direct") if mode == "direct" else path, mode, n))
                 cells.append(f"{_fmt(r['value'])} {_pm(r)}" if r else "–")
             rows.append(cells)
     lines += _table(["path", "services"] + [f"{m}: µs/operation" for m in modes], rows)

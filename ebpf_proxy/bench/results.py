@@ -56,7 +56,8 @@ SUMMARY_KEYS = ("metric", "path", "mode", "services", "value", "unit", "p50", "p
 METRICS = ("conn_rate", "udp_rate", "cpu_per_conn", "cpu_per_req", "bpf_ns_per_packet", "xdp_pps", "update_latency",
            "full_sync", "burst_converge", "rss")
 XDP_PATHS = ("xdp-native", "xdp-generic", "tc-only", "netfilter")  # where the node drops (bench/xdppps.py)
-PATHS = ("clusterip", "nodeport-cluster", "nodeport-local", "direct", "clusterip_syn", "established", "nodeport",
+PATHS = ("clusterip", "nodeport-cluster", "nodeport-local", "clusterip6", "direct", "direct6", "clusterip_syn",
+         "established", "nodeport",
          "load_tc_ingress", "load_tc_egress", *XDP_PATHS, None)
 MODES = ("direct", "iptables", "ebpf")
 RATE_METRICS = ("conn_rate", "udp_rate")

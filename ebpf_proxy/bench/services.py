@@ -54,23 +54,25 @@ def range_address(network: ipaddress.IPv4Network, seq: int) -> str:
 
 
 def service_object(name: str, role: str, *, svc_type: str = "ClusterIP", protocol: str = "TCP",
-                   port: int = ports.SERVICE_PORT, etp: str | None = None) -> dict:
+                   port: int = ports.SERVICE_PORT, etp: str | None = None, family: str | None = None) -> dict:
     spec: dict = {"type": svc_type, "ports": [{"port": port, "protocol": protocol, "targetPort": port}]}
     if etp:
         spec["externalTrafficPolicy"] = etp
+    if family:  # one family only, e.g. the IPv6 ClusterIP of a dual-stack bench
+        spec["ipFamilies"], spec["ipFamilyPolicy"] = [family], "SingleStack"
     return {"apiVersion": "v1", "kind": "Service",
             "metadata": {"name": name, "namespace": NAMESPACE, "labels": {ROLE_LABEL: role}},
             "spec": spec}
 
 
 def slice_object(service: str, role: str, endpoints: Sequence[tuple[str, str]], port: int,
-                 protocol: str = "TCP") -> dict:
+                 protocol: str = "TCP", address_type: str = "IPv4") -> dict:
     """An EndpointSlice for `service`; endpoints are (ip, nodeName), all ready."""
     return {
         "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
         "metadata": {"name": slice_name(service), "namespace": NAMESPACE,
                      "labels": {SERVICE_NAME_LABEL: service, MANAGED_BY_LABEL: MANAGED_BY, ROLE_LABEL: role}},
-        "addressType": "IPv4",
+        "addressType": address_type,
         "endpoints": [{"addresses": [ip], "nodeName": node,
                        "conditions": {"ready": True, "serving": True, "terminating": False}}
                       for ip, node in endpoints],
@@ -124,14 +126,26 @@ class BenchServices:
         self._lock = threading.Lock()
 
     # ---- measured Services ------------------------------------------------------------------------
+    @property
+    def ipv6(self) -> bool:
+        """Whether the backends have IPv6 addresses (a dual-stack bench topology): then the IPv6
+        ClusterIP path is measured too."""
+        return all(_ipv6_of(p.ips) for p in self.backends)
+
+    def _paths(self) -> dict[str, str]:
+        return {path: svc for path, svc in ports.PATH_SERVICE.items() if self.ipv6 or path not in ports.IPV6_PATHS}
+
     def _measured_objects(self) -> list[dict]:
-        return [
+        objs = [
             service_object(ports.SVC_CLUSTERIP, "measured"),
             service_object(ports.SVC_NODEPORT_CLUSTER, "measured", svc_type="NodePort", etp="Cluster"),
             service_object(ports.SVC_NODEPORT_LOCAL, "measured", svc_type="NodePort", etp="Local"),
             service_object(ports.SVC_UDP, "measured", protocol="UDP", port=ports.UDP_SERVICE_PORT),
             service_object(ports.SVC_CHURN, "measured"),
         ]
+        if self.ipv6:
+            objs.append(service_object(ports.SVC_CLUSTERIP6, "measured", family="IPv6"))
+        return objs
 
     def install_measured(self) -> None:
         for obj in self._measured_objects():
@@ -150,9 +164,13 @@ class BenchServices:
     def point_at_mode(self, mode: str | None) -> None:
         """Point the measured Services at the backends' ports for `mode` (None: no endpoints)."""
         backends = [(p.ip, p.node) for p in self.backends]
-        for path, svc in ports.PATH_SERVICE.items():
+        for path, svc in self._paths().items():
             port = ports.tcp_port(mode, path) if mode else ports.FILLER_PORT
-            self._write_slice(slice_object(svc, "measured", backends if mode else [], port))
+            if path in ports.IPV6_PATHS:
+                v6 = [(_ipv6_of(p.ips), p.node) for p in self.backends]
+                self._write_slice(slice_object(svc, "measured", v6 if mode else [], port, address_type="IPv6"))
+            else:
+                self._write_slice(slice_object(svc, "measured", backends if mode else [], port))
         udp_port = ports.udp_port(mode) if mode else ports.FILLER_PORT
         self._write_slice(slice_object(ports.SVC_UDP, "measured", backends if mode else [], udp_port, "UDP"))
 
@@ -169,10 +187,11 @@ class BenchServices:
 
     # ---- fillers ------------------------------------------------------------------------------------
     def ensure_size(self, total: int) -> InstallStats:
-        """Make the bench's Services number max(total, len(MEASURED_SERVICES)): add or remove fillers."""
+        """Make the bench's Services number max(total, measured ones): add or remove fillers."""
         if not self.measured:
             self.install_measured()
-        want = max(0, total - len(ports.MEASURED_SERVICES))
+        measured = len(self._measured_objects())  # the IPv6 ClusterIP only on a dual-stack topology
+        want = max(0, total - measured)
         start = time.monotonic()
         created = deleted = 0
         if want > self.fillers:
@@ -182,7 +201,7 @@ class BenchServices:
             self.rest.map(self._delete_filler, range(want, self.fillers), threads=self.threads)
             deleted = self.fillers - want
         self.fillers = want
-        return InstallStats(len(ports.MEASURED_SERVICES) + want, created, deleted, time.monotonic() - start)
+        return InstallStats(measured + want, created, deleted, time.monotonic() - start)
 
     def _create_filler(self, index: int) -> None:
         name = filler_name(index)
@@ -254,8 +273,13 @@ class BenchServices:
         return {(e["addresses"][0], port) for e in obj["endpoints"]}
 
 
+def _ipv6_of(ips: Sequence[str]) -> str | None:
+    return next((ip for ip in ips if ":" in ip), None)
+
+
 def measured_targets(measured: dict[str, MeasuredService], topology: Topology, entry_node: str) -> dict[str, str]:
-    """path -> 'IP:PORT' the load generator hits, for the proxy modes' TCP paths and UDP."""
+    """path -> 'IP:PORT' (or '[IPV6]:PORT') the load generator hits, for the proxy modes' TCP paths
+    and UDP; the IPv6 ClusterIP when it was installed (a dual-stack topology)."""
     node_ip = topology.node(entry_node).ip
     out = {
         "clusterip": f"{measured[ports.SVC_CLUSTERIP].cluster_ip}:{ports.SERVICE_PORT}",
@@ -263,5 +287,7 @@ def measured_targets(measured: dict[str, MeasuredService], topology: Topology, e
         "nodeport-local": f"{node_ip}:{measured[ports.SVC_NODEPORT_LOCAL].node_port}",
         "udp": f"{measured[ports.SVC_UDP].cluster_ip}:{ports.UDP_SERVICE_PORT}",
     }
+    if ports.SVC_CLUSTERIP6 in measured:
+        out["clusterip6"] = f"[{measured[ports.SVC_CLUSTERIP6].cluster_ip}]:{ports.SERVICE_PORT}"
     return out
 

@@ -108,8 +108,9 @@ def _backends(topology: Topology) -> list[PodSpec]:
     return [p for p in sorted(topology.pods, key=lambda p: p.name) if p.labels.get("app") == "bench-backend"]
 
 
-def backend_addresses(topology: Topology) -> list[str]:
-    return [p.ip for p in _backends(topology)]
+def backend_addresses(topology: Topology, family: int = 4) -> list[str]:
+    """The backend pods' addresses of `family` ([] when they have none of it)."""
+    return [ip for p in _backends(topology) for ip in p.ips if (":" in ip) == (family == 6)]
 
 
 def backend_pods(topology: Topology) -> list[str]:
@@ -121,8 +122,13 @@ def direct_points(topology: Topology) -> list[Point]:
     ips = backend_addresses(topology)
     tcp = tuple(f"{ip}:{ports.tcp_port('direct', ports.DIRECT)}" for ip in ips)
     udp = tuple(f"{ip}:{ports.udp_port('direct')}" for ip in ips)
-    return [Point("conn_rate", ports.DIRECT, "direct", CLIENT_POD, tcp),
-            Point("udp_rate", ports.DIRECT, "direct", CLIENT_POD, udp)]
+    points = [Point("conn_rate", ports.DIRECT, "direct", CLIENT_POD, tcp),
+              Point("udp_rate", ports.DIRECT, "direct", CLIENT_POD, udp)]
+    ips6 = backend_addresses(topology, 6)
+    if ips6 and len(ips6) == len(ips):  # a dual-stack topology: the IPv6 baseline too
+        points.append(Point("conn_rate", ports.DIRECT6, "direct", CLIENT_POD,
+                            tuple(f"[{ip}]:{ports.tcp_port('direct', ports.DIRECT6)}" for ip in ips6)))
+    return points
 
 
 def proxy_points(mode: str, targets: dict[str, str]) -> list[Point]:
@@ -132,7 +138,7 @@ def proxy_points(mode: str, targets: dict[str, str]) -> list[Point]:
         Point("conn_rate", "nodeport-cluster", mode, OUTSIDE, (targets["nodeport-cluster"],)),
         Point("conn_rate", "nodeport-local", mode, OUTSIDE, (targets["nodeport-local"],)),
         Point("udp_rate", "clusterip", mode, CLIENT_POD, (targets["udp"],)),
-    ]
+    ] + ([Point("conn_rate", "clusterip6", mode, CLIENT_POD, (targets["clusterip6"],))] if "clusterip6" in targets else [])
 
 
 def prepare_clients(lab: Lab) -> None:

@@ -136,3 +136,26 @@ def test_more_threads_than_operations_in_flight_is_refused(tmp_path, echo):
     binary = loadgen.build(directory=tmp_path)
     with pytest.raises(LoadgenError, match="--threads: 1 to 64, at most --concurrency"):
         loadgen.run(None, LoadSpec("tcp", (f"127.0.0.1:{echo['tcp']}",), duration=0.1, concurrency=2, threads=3), binary)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+@pytest.mark.parametrize("proto", ["tcp", "udp"])
+def test_ipv6_targets_in_brackets(tmp_path, proto):
+    """The bench's IPv6 ClusterIP row: `[IPV6]:PORT` targets, reported back in the same form."""
+    server = EchoServer("lg-v6", [Listen(0, proto)], host="127.0.0.1", ipv6=True)
+    server.bind()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        port = next(p for host, p, _proto in server.addresses if ":" in host)
+        binary = loadgen.build(directory=tmp_path)
+        res = loadgen.run(None, LoadSpec(proto, (f"[::1]:{port}",), duration=0.2, warmup=0.05, concurrency=2), binary)
+        assert res.completed > 0 and res.error_count == 0 and set(res.backends) == {"lg-v6"}
+        assert res.raw["targets"] == [f"[::1]:{port}"]
+        mixed = LoadSpec(proto, (f"[::1]:{port}", "127.0.0.1:1"), duration=0.1)
+        with pytest.raises(LoadgenError, match="every target must be of one IP family"):
+            loadgen.run(None, mixed, binary)
+    finally:
+        server.stop()
+        thread.join(5)
+        server.close()

@@ -78,3 +78,19 @@ def test_report_names_the_runs_that_hit_a_cpu_limit():
     text = render_markdown(doc, [])
     assert ("- conn_rate clusterip iptables at 1 services: machine in 1 of 3 runs, "
             "server backend-1 in 2 of 3 runs") in text
+
+
+def test_the_ipv6_cluster_ip_row_compares_with_the_ipv6_pod_ips():
+    from ebpf_proxy.bench.results import Results
+    from tests.unit.test_bench_results import rate_point
+
+    doc = synthetic_doc()
+    assert "ClusterIP over IPv6" not in render_markdown(doc, [])  # an IPv4-only run: no such row
+    r = Results(doc["parameters"], doc["command"])
+    r.doc = doc
+    r.add_point(rate_point("conn_rate", "clusterip6", "iptables", 1, (9000, 9100, 8900)))
+    r.add_point(rate_point("conn_rate", "direct6", "direct", 1, (12000, 12100, 11900)))
+    r.finish()
+    row = next(line for line in render_markdown(r.doc, []).splitlines()
+               if line.startswith("| ClusterIP over IPv6") and "| 1 |" in line)
+    assert "12,000" in row.split("|")[3] and "9,000" in row.split("|")[4], row  # direct6, then iptables

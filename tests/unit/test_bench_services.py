@@ -33,7 +33,8 @@ class FakeRest:
                 raise RestError("POST", "x", 409, "exists")
             obj = {**obj, "spec": dict(obj.get("spec", {}))} if obj["kind"] == "Service" else obj
             if obj["kind"] == "Service":
-                obj["spec"]["clusterIP"] = f"10.96.0.{self.next_ip}"
+                v6 = obj["spec"].get("ipFamilies") == ["IPv6"]
+                obj["spec"]["clusterIP"] = f"fd00:10:96::{self.next_ip:x}" if v6 else f"10.96.0.{self.next_ip}"
                 self.next_ip += 1
                 if obj["spec"]["type"] == "NodePort":
                     obj["spec"]["ports"] = [{**obj["spec"]["ports"][0], "nodePort": self.next_node_port}]
@@ -109,8 +110,9 @@ def test_sizes_count_the_measured_services(bench_services):
     assert stats.services == len(ports.MEASURED_SERVICES) and stats.created == 0
     assert rest.count("Service") == len(ports.MEASURED_SERVICES)
     stats = svc.ensure_size(100)
-    assert stats.created == 95 and rest.count("Service") == 100 and rest.count("EndpointSlice") == 100
-    assert rest.count("Service", "bench-f") == 95
+    fillers = 100 - len(ports.MEASURED_SERVICES)  # the bench topology is dual-stack: all are installed
+    assert stats.created == fillers and rest.count("Service") == 100 and rest.count("EndpointSlice") == 100
+    assert rest.count("Service", "bench-f") == fillers
     stats = svc.ensure_size(50)
     assert stats.deleted == 50 and rest.count("Service") == 50 and rest.count("EndpointSlice") == 50
     svc.remove_all()
@@ -137,7 +139,7 @@ def test_measured_services_follow_the_mode(bench_services):
 def test_changes_use_fresh_addresses_and_chain(bench_services):
     rest, svc = bench_services
     svc.ensure_size(10)
-    assert svc.churn_targets() == [filler_name(i) for i in range(5)]
+    assert svc.churn_targets() == [filler_name(i) for i in range(10 - len(ports.MEASURED_SERVICES))]
     name = filler_name(0)
     first, (ip1, port1) = svc.changed_slice(name)
     assert first["endpoints"][0]["addresses"] == [ip1] and port1 == ports.FILLER_PORT
@@ -156,3 +158,42 @@ def test_without_fillers_the_churn_service_changes(bench_services):
     obj, (ip, _) = svc.changed_slice(ports.SVC_CHURN)
     svc.write(obj)
     assert rest.get("EndpointSlice", "bench-churn-bench")["endpoints"][0]["addresses"] == [ip]
+
+
+def test_a_dual_stack_topology_measures_an_ipv6_cluster_ip_too(bench_services):
+    """The bench topology is dual-stack: an IPv6 single-stack ClusterIP with an IPv6 slice of the
+    backends' IPv6 addresses, reached as [VIP]:80; direct6 is their IPv6 pod IPs."""
+    from ebpf_proxy.bench import traffic
+
+    rest, svc = bench_services
+    svc.install_measured()
+    assert rest.get("Service", ports.SVC_CLUSTERIP6)["spec"]["ipFamilies"] == ["IPv6"]
+    svc.point_at_mode("ebpf")
+    sl = rest.get("EndpointSlice", f"{ports.SVC_CLUSTERIP6}-bench")
+    assert sl["addressType"] == "IPv6" and sl["ports"][0]["port"] == ports.tcp_port("ebpf", "clusterip6")
+    assert {e["addresses"][0] for e in sl["endpoints"]} == {"fd00:10:244:1::10", "fd00:10:244:2::10"}
+    targets = measured_targets(svc.measured, svc.topology, "worker1")
+    assert targets["clusterip6"].startswith("[fd00:10:96::") and targets["clusterip6"].endswith("]:80")
+    assert [p.path for p in traffic.proxy_points("ebpf", targets)][-1] == "clusterip6"
+    direct6 = [p for p in traffic.direct_points(svc.topology) if p.path == ports.DIRECT6]
+    assert direct6[0].targets == ("[fd00:10:244:1::10]:8101", "[fd00:10:244:2::10]:8101")
+
+
+def test_an_ipv4_topology_measures_no_ipv6_path():
+    from ebpf_proxy.bench import traffic
+    from ebpf_proxy.lab.topology import topology_to_dict, parse_topology
+
+    data = topology_to_dict(load_topology(str(TOPOLOGY)))
+    data["serviceCIDR"], data["clusterCIDR"] = "10.96.0.0/12", "10.244.0.0/16"
+    for item in (*data["nodes"], *data["pods"], *data["clients"]):
+        item["ip"] = item["ip"].split(",")[0]
+    for node in data["nodes"]:
+        node["podCIDR"] = node["podCIDR"].split(",")[0]
+    v4 = parse_topology(data)
+    rest = FakeRest()
+    svc = BenchServices(rest, v4)
+    stats = svc.ensure_size(1)
+    assert stats.services == len(ports.MEASURED_SERVICES) - 1 and rest.get("Service", ports.SVC_CLUSTERIP6) is None
+    svc.point_at_mode("iptables")
+    assert "clusterip6" not in measured_targets(svc.measured, v4, "worker1")
+    assert [p.path for p in traffic.direct_points(v4)] == ["direct", "direct"]
