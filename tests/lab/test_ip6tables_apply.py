@@ -28,12 +28,14 @@ from ebpf_proxy.datapath.iptables import chains as ch
 from ebpf_proxy.datapath.iptables.ruleset import parse_save
 from ebpf_proxy.model import ChangeSet, Endpoint, NodeConfig, Protocol, ProxyState, ServicePort, ServicePortName
 from tests.lab.test_iptables_apply import (  # noqa: F401 - netns is a fixture
+    ECHO,
     FLAVOURS,
     in_ns,
     kube_only,
     netns,
     rich_state,
     sh,
+    talk,
 )
 from tests.lab.test_iptables_apply import NODE as NODE4
 from tests.netns_util import nsenter
@@ -283,37 +285,8 @@ def test_auto_backend_picks_among_the_ip6tables_commands(netns):
 
 # ---- real IPv6 traffic ----------------------------------------------------------------------
 
-ECHO6 = r"""
-import select, socket, sys
-tcp = socket.socket(socket.AF_INET6); tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-tcp.bind(("::", 8080)); tcp.listen(16)
-udp = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); udp.bind(("::", 5353))
-print("ready", flush=True)
-while True:
-    for s in select.select([tcp, udp], [], [])[0]:
-        if s is tcp:
-            conn, peer = tcp.accept(); conn.sendall(peer[0].encode()); conn.close()
-        else:
-            data, peer = udp.recvfrom(2048); udp.sendto(peer[0].encode(), peer)
-"""
-
-CLIENT6 = r"""
-import json, socket, sys
-host, port, proto = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-try:
-    if proto == "tcp":
-        s = socket.create_connection((host, port), timeout=3)
-    else:
-        s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); s.settimeout(3)
-        s.bind(("::", int(sys.argv[4]))); s.sendto(b"hi", (host, port))
-    print(json.dumps({"reply": s.recv(100).decode()}))
-except OSError as e:
-    print(json.dumps({"errno": e.errno, "error": str(e)}))
-"""
-
-
 def talk6(ns: str, host: str, port: int, proto: str = "tcp", sport: int = 40000) -> dict:
-    return json.loads(in_ns(ns, sys.executable, "-c", CLIENT6, host, str(port), proto, str(sport)))
+    return talk(ns, host, port, proto, sport, family=6)
 
 
 @pytest.fixture
@@ -334,7 +307,7 @@ def topology6(netns):
     sh(*nsenter(pod), "ip", "-6", "route", "add", "default", "via", NODE_POD_SIDE)
     # an uplink with a default route, as in test_iptables_apply: service IPs must route somewhere
     sh(*nsenter(node), "ip", "-6", "route", "add", "default", "via", "2001:db8:31::fe", "dev", "uplink")
-    echo = subprocess.Popen([*nsenter(pod), sys.executable, "-c", ECHO6],
+    echo = subprocess.Popen([*nsenter(pod), sys.executable, "-c", ECHO, "6"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         if echo.stdout.readline().strip() != "ready":

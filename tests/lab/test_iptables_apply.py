@@ -232,11 +232,13 @@ def test_restore_error_carries_stderr_and_the_offending_line(netns, flavour):
 
 # ---- real traffic ---------------------------------------------------------------------------
 
+# Both scripts take the IP family first ("4" or "6"): tests/lab/test_ip6tables_apply.py runs them too.
 ECHO = r"""
 import select, socket, sys
-tcp = socket.socket(); tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-tcp.bind(("0.0.0.0", 8080)); tcp.listen(16)
-udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); udp.bind(("0.0.0.0", 5353))
+family, any_addr = (socket.AF_INET6, "::") if sys.argv[1] == "6" else (socket.AF_INET, "0.0.0.0")
+tcp = socket.socket(family); tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+tcp.bind((any_addr, 8080)); tcp.listen(16)
+udp = socket.socket(family, socket.SOCK_DGRAM); udp.bind((any_addr, 5353))
 print("ready", flush=True)
 while True:
     for s in select.select([tcp, udp], [], [])[0]:
@@ -248,21 +250,22 @@ while True:
 
 CLIENT = r"""
 import json, socket, sys
-host, port, proto = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+family, any_addr = (socket.AF_INET6, "::") if sys.argv[1] == "6" else (socket.AF_INET, "0.0.0.0")
+host, port, proto = sys.argv[2], int(sys.argv[3]), sys.argv[4]
 try:
     if proto == "tcp":
         s = socket.create_connection((host, port), timeout=3)
     else:
-        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(3)
-        s.bind(("0.0.0.0", int(sys.argv[4]))); s.sendto(b"hi", (host, port))
+        s = socket.socket(family, socket.SOCK_DGRAM); s.settimeout(3)
+        s.bind((any_addr, int(sys.argv[5]))); s.sendto(b"hi", (host, port))
     print(json.dumps({"reply": s.recv(100).decode()}))
 except OSError as e:
     print(json.dumps({"errno": e.errno, "error": str(e)}))
 """
 
 
-def talk(ns: str, host: str, port: int, proto: str = "tcp", sport: int = 40000) -> dict:
-    out = in_ns(ns, sys.executable, "-c", CLIENT, host, str(port), proto, str(sport))
+def talk(ns: str, host: str, port: int, proto: str = "tcp", sport: int = 40000, family: int = 4) -> dict:
+    out = in_ns(ns, sys.executable, "-c", CLIENT, str(family), host, str(port), proto, str(sport))
     return json.loads(out)
 
 
@@ -287,7 +290,7 @@ def topology(netns):
     sh(*nsenter(node), "ip", "link", "set", "uplink-peer", "up")
     sh(*nsenter(node), "ip", "route", "add", "default", "via", "172.31.0.254")
     in_ns(node, "sysctl", "-qw", "net.ipv4.ip_forward=1")
-    echo = subprocess.Popen([*nsenter(pod), sys.executable, "-c", ECHO],
+    echo = subprocess.Popen([*nsenter(pod), sys.executable, "-c", ECHO, "4"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         if echo.stdout.readline().strip() != "ready":
