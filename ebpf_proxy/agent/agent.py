@@ -427,7 +427,7 @@ class Agent:
                 "changed": len(changes.services), "stale_udp_endpoints": len(changes.stale_udp_endpoints),
                 "duration_ms": round(elapsed * 1000, 1), "counts": result.counts if result is not None else {}})
         if any_full and self._settle_heap:
-            del taken  # not kept alive by this frame through the collection
+            del taken, state, changes, result  # not kept alive by this frame through the collection
             seconds, frozen = heap.settle()
             log.debug("heap settled", extra={"duration_ms": round(seconds * 1000, 1), "objects": frozen})
 

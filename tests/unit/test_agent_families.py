@@ -157,3 +157,12 @@ def test_nodeport_addresses_are_taken_per_family(agent_parts):
     agent.prepare_datapath()
     assert agent.proxiers[4].node_config.nodeport_addresses == (f"{V4_IP}/32",)
     assert agent.proxiers[6].node_config.nodeport_addresses == (f"{V6_IP}/128",)
+
+
+def test_the_ebpf_datapath_refuses_an_ipv6_node_config_naming_the_field():
+    pytest.importorskip("bcc", reason="the eBPF datapath module needs bcc (python3-bpfcc)")
+    from ebpf_proxy.datapath.ebpf import EbpfDatapath
+    from ebpf_proxy.model import NodeConfig
+
+    with pytest.raises(ValueError, match=r"node n1: the eBPF datapath programs IPv4 only, not IPv6 \(NodeConfig.family\)"):
+        EbpfDatapath(NodeConfig(node_name="n1", family=6))

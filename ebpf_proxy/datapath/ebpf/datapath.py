@@ -104,6 +104,9 @@ class EbpfDatapath(Datapath):
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(node)
+        if node.family != 4:  # the agent serves IPv6 with ip6tables in ebpf mode (agent.py _mode_for)
+            raise ValueError(f"node {node.node_name}: the eBPF datapath programs IPv4 only, "
+                             f"not IPv{node.family} (NodeConfig.family)")
         if xdp_mode not in ("generic", "native", "off"):
             raise ValueError(f"xdp_mode: {xdp_mode!r} is not one of generic, native, off")
         self.cgroup_path = Path(cgroup_path) if cgroup_path else None
