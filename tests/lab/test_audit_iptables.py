@@ -31,11 +31,19 @@ def _found(report) -> set[tuple[str, str, str]]:
     return {(d.kind, d.what, d.key) for d in report.drifts}
 
 
-@pytest.mark.parametrize("flavour", sorted(FLAVOURS))
-def test_a_synced_node_has_no_drift(netns, flavour):
+# each family's datapath and rich state: (datapath factory, state)
+FAMILIES = {4: (datapath, rich_state), 6: (datapath6, rich_state6)}
+
+
+@pytest.mark.parametrize("family, flavour", [(4, f) for f in sorted(FLAVOURS)] + [(6, f) for f in sorted(FLAVOURS6)],
+                         ids=lambda v: f"ipv{v}" if isinstance(v, int) else v)
+def test_a_synced_node_has_no_drift(netns, family, flavour):
+    """IPv6 too: ip6tables-save prints addresses with /128, the recent match's IPv6 mask, REJECT's
+    icmp6-port-unreachable, all absorbed by the canonical form."""
+    make, state = FAMILIES[family]
     ns = netns("aud")
-    dp = datapath(ns, flavour)
-    dp.sync(rich_state(), ChangeSet())
+    dp = make(ns, flavour)
+    dp.sync(state(), ChangeSet())
     report = audit(dp)
     assert report.clean, "\n".join(report.lines())
     assert report.checked["rules"] > 40 and report.checked["jumps"] > 10
@@ -128,18 +136,6 @@ def test_canonical_form_equates_the_kernels_spellings_only():
 
 flavours6 = pytest.mark.parametrize("flavour", sorted(FLAVOURS6))
 needs_ip6tables = pytest.mark.skipif(not FLAVOURS6, reason="ip6tables not installed")
-
-
-@flavours6
-def test_a_synced_ipv6_node_has_no_drift(netns, flavour):
-    """ip6tables-save prints addresses with /128, the recent match's IPv6 mask, REJECT's
-    icmp6-port-unreachable: all absorbed by the canonical form."""
-    ns = netns("aud6")
-    dp = datapath6(ns, flavour)
-    dp.sync(rich_state6(), ChangeSet())
-    report = audit(dp)
-    assert report.clean, "\n".join(report.lines())
-    assert report.checked["rules"] > 40 and report.checked["jumps"] > 10
 
 
 NODES6 = {

@@ -4,41 +4,41 @@ As tests/lab/test_iptables_apply.py (same fixtures, same namespace naming and fi
 command runs inside network namespaces these tests create and delete, with both backends
 (legacy and nft) where installed. Each test also checks the other family is left alone: an
 IPv6 datapath never touches iptables (IPv4) and an IPv4 one never touches ip6tables, with either
-backend. The traffic test builds, in IPv6:
-
-    client 2001:db8:50::2 --- 2001:db8:50::1 node fd00:10:1::1 --- fd00:10:1::2 pod (echo: 8080/tcp, 5353/udp)
+backend. Real IPv6 traffic (DNAT, masquerade, REJECT, stale UDP conntrack) is the IPv6 run of
+test_iptables_apply.py's traffic tests (its `topology` fixture, one per family).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
-import time
 
 import pytest
 
 from ebpf_proxy.datapath.iptables import IptablesDatapath, render
 from ebpf_proxy.datapath.iptables import chains as ch
 from ebpf_proxy.datapath.iptables.ruleset import parse_save
-from ebpf_proxy.model import ChangeSet, Endpoint, NodeConfig, Protocol, ProxyState, ServicePort, ServicePortName
+from ebpf_proxy.model import ChangeSet, NodeConfig, ProxyState
 from tests.lab.test_iptables_apply import (  # noqa: F401 - netns is a fixture
-    ECHO,
+    DNS,
+    EMPTY,
     FLAVOURS,
+    FLAVOURS6,
+    LB,
+    LOCAL,
+    V6,
+    WEB,
+    ep,
     in_ns,
     kube_only,
     netns,
     rich_state,
-    sh,
-    talk,
+    svc,
 )
 from tests.lab.test_iptables_apply import NODE as NODE4
-from tests.netns_util import nsenter
 
 pytestmark = [
     pytest.mark.root,
@@ -46,24 +46,8 @@ pytestmark = [
     pytest.mark.skipif(shutil.which("ip6tables-restore") is None, reason="ip6tables not installed"),
 ]
 
-FLAVOURS6 = {
-    name: {"iptables": ("ip6tables-nft",), "iptables_save": ("ip6tables-nft-save",),
-           "iptables_restore": ("ip6tables-nft-restore",)} if name == "nft" else
-          {"iptables": ("ip6tables-legacy",), "iptables_save": ("ip6tables-legacy-save",),
-           "iptables_restore": ("ip6tables-legacy-restore",)}
-    for name in FLAVOURS
-    if shutil.which(f"ip6tables-{name}-restore")
-}
-
-CIDR6 = "fd00:10::/48"
-CLIENT_IP, NODE_CLIENT_SIDE, NODE_POD_SIDE, POD_IP = "2001:db8:50::2", "2001:db8:50::1", "fd00:10:1::1", "fd00:10:1::2"
-NODE6 = NodeConfig("node-a", family=6, node_ips=(NODE_CLIENT_SIDE, NODE_POD_SIDE), cluster_cidrs=("10.244.0.0/16", CIDR6))
-
-WEB = ServicePortName("ns1", "web", "http", Protocol.TCP)
-EMPTY = ServicePortName("ns1", "empty", "", Protocol.TCP)
-DNS = ServicePortName("ns1", "dns", "dns", Protocol.UDP)
-LOCAL = ServicePortName("ns1", "local", "", Protocol.TCP)
-LB = ServicePortName("ns1", "lb", "", Protocol.TCP)
+NODE6 = V6.node
+POD_IP = V6.pod
 
 
 def datapath6(ns: str, flavour: str = "nft", node: NodeConfig = NODE6) -> IptablesDatapath:
@@ -88,14 +72,6 @@ def other_family(ns: str, family: int) -> dict[str, str]:
     """The whole of the other family's tables, per backend: what a datapath must never touch."""
     prefix = "iptables" if family == 6 else "ip6tables"
     return {b: dump(ns, f"{prefix}-{b}-save") for b in ("legacy", "nft") if shutil.which(f"{prefix}-{b}-save")}
-
-
-def svc(name, ip, port, **kw) -> ServicePort:
-    return ServicePort(name=name, cluster_ip=ip, port=port, protocol=name.protocol, **kw)
-
-
-def ep(ip: str, port: int, local: bool = True) -> Endpoint:
-    return Endpoint(ip=ip, port=port, node_name="node-a" if local else "node-b", is_local=local)
 
 
 def rich_state6() -> ProxyState:
@@ -281,93 +257,3 @@ def test_auto_backend_picks_among_the_ip6tables_commands(netns):
     in_ns(other, "ip6tables-nft", "-A", "INPUT", "-s", "2001:db8::1", "-j", "ACCEPT")
     IptablesDatapath(NODE6, netns=other).sync(rich_state6(), ChangeSet())
     assert kube_only(saved6(other, "nft"))["nat"] and kube_only(saved6(other, "legacy")) == {"nat": {}, "filter": {}}
-
-
-# ---- real IPv6 traffic ----------------------------------------------------------------------
-
-def talk6(ns: str, host: str, port: int, proto: str = "tcp", sport: int = 40000) -> dict:
-    return talk(ns, host, port, proto, sport, family=6)
-
-
-@pytest.fixture
-def topology6(netns):
-    """(client, node, pod) namespaces wired and routed in IPv6, echo server running in the pod."""
-    client, node, pod = netns("cli6"), netns("node6"), netns("pod6")
-    sh(*nsenter(node), "ip", "link", "add", "to-cli", "type", "veth", "peer", "name", "eth0", "netns", client)
-    sh(*nsenter(node), "ip", "link", "add", "to-pod", "type", "veth", "peer", "name", "eth0", "netns", pod)
-    sh(*nsenter(node), "ip", "link", "add", "uplink", "type", "veth", "peer", "name", "uplink-peer")
-    in_ns(node, "sysctl", "-qw", "net.ipv6.conf.all.forwarding=1")
-    for ns, dev, addr in ((client, "eth0", f"{CLIENT_IP}/64"), (node, "to-cli", f"{NODE_CLIENT_SIDE}/64"),
-                          (node, "to-pod", f"{NODE_POD_SIDE}/64"), (pod, "eth0", f"{POD_IP}/64"),
-                          (node, "uplink", "2001:db8:31::1/64")):
-        sh(*nsenter(ns), "ip", "-6", "addr", "add", addr, "dev", dev, "nodad")
-        sh(*nsenter(ns), "ip", "link", "set", dev, "up")
-    sh(*nsenter(node), "ip", "link", "set", "uplink-peer", "up")
-    sh(*nsenter(client), "ip", "-6", "route", "add", "default", "via", NODE_CLIENT_SIDE)
-    sh(*nsenter(pod), "ip", "-6", "route", "add", "default", "via", NODE_POD_SIDE)
-    # an uplink with a default route, as in test_iptables_apply: service IPs must route somewhere
-    sh(*nsenter(node), "ip", "-6", "route", "add", "default", "via", "2001:db8:31::fe", "dev", "uplink")
-    echo = subprocess.Popen([*nsenter(pod), sys.executable, "-c", ECHO, "6"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        if echo.stdout.readline().strip() != "ready":
-            raise RuntimeError(f"echo server failed: {echo.stderr.read()}")
-        yield client, node, pod
-    finally:
-        echo.kill()
-        echo.wait(timeout=10)
-
-
-def traffic_state6(dns_endpoints: tuple[Endpoint, ...] = (ep(POD_IP, 5353),)) -> ProxyState:
-    services = {
-        WEB: svc(WEB, "fd00:96::10", 80, node_port=30080),
-        EMPTY: svc(EMPTY, "fd00:96::11", 80, node_port=30081),
-        DNS: svc(DNS, "fd00:96::53", 53),
-    }
-    return ProxyState(services=services, endpoints={WEB: (ep(POD_IP, 8080),), DNS: dns_endpoints})
-
-
-def test_ipv6_cluster_ip_and_nodeport_dnat_masquerade_and_reject(topology6):
-    client, node, _ = topology6
-    assert talk6(client, POD_IP, 8080) == {"reply": CLIENT_IP}  # routed directly: no NAT
-    datapath6(node, sorted(FLAVOURS6)[0]).sync(traffic_state6(), ChangeSet())
-    # clusterIP from outside the cluster CIDR -> DNAT + masquerade (the backend sees the node)
-    assert talk6(client, "fd00:96::10", 80) == {"reply": NODE_POD_SIDE}
-    # NodePort, eTP=Cluster -> DNAT + masquerade
-    assert talk6(client, NODE_CLIENT_SIDE, 30080) == {"reply": NODE_POD_SIDE}
-    # no endpoints -> REJECT (icmp6 port unreachable), which TCP reports as "connection refused"
-    assert talk6(client, "fd00:96::11", 80)["errno"] == errno.ECONNREFUSED
-    assert talk6(client, NODE_CLIENT_SIDE, 30081)["errno"] == errno.ECONNREFUSED
-
-
-def _udp6_entries(ns: str) -> list[tuple[str, int, str]]:
-    from pyroute2.conntrack import Conntrack, NFCTAttrTuple
-
-    ct = Conntrack(nfgen_family=socket.AF_INET6, netns=ns, flags=0)
-    try:
-        return [(e.tuple_orig.daddr, e.tuple_orig.dport, e.tuple_reply.saddr)
-                for e in ct.dump_entries(tuple_orig=NFCTAttrTuple(family=socket.AF_INET6, proto=socket.IPPROTO_UDP))]
-    finally:
-        ct.close()
-
-
-def test_ipv6_conntrack_cleanup_removes_the_stale_udp_entry_only(topology6):
-    client, node, _ = topology6
-    dp = datapath6(node, sorted(FLAVOURS6)[0])
-    dp.sync(traffic_state6(), ChangeSet())
-    assert talk6(client, "fd00:96::53", 53, "udp", 40001) == {"reply": NODE_POD_SIDE}
-    assert talk6(client, POD_IP, 5353, "udp", 40002) == {"reply": CLIENT_IP}  # not via the service: must survive
-    entries = _udp6_entries(node)
-    assert ("fd00:96::53", 53, POD_IP) in entries and (POD_IP, 5353, POD_IP) in entries
-
-    result = dp.sync(
-        traffic_state6(dns_endpoints=()),
-        ChangeSet(full=False, services=frozenset({DNS}), stale_udp_endpoints=frozenset({(DNS, POD_IP)})),
-    )
-    assert result.counts["conntrack_deleted"] == 1
-    deadline = time.monotonic() + 2
-    while ("fd00:96::53", 53, POD_IP) in _udp6_entries(node) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    entries = _udp6_entries(node)
-    assert ("fd00:96::53", 53, POD_IP) not in entries
-    assert (POD_IP, 5353, POD_IP) in entries

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 import pytest
 
@@ -27,6 +28,7 @@ from tests.netns_util import add_netns, del_netns, nsenter
 from ebpf_proxy.datapath.iptables import IptablesDatapath, RestoreError, render
 from ebpf_proxy.datapath.iptables import chains as ch
 from ebpf_proxy.datapath.iptables.apply import IptablesCommands
+from ebpf_proxy.datapath.iptables.backend import family_commands
 from ebpf_proxy.datapath.iptables.ruleset import parse_save
 from ebpf_proxy.model import ChangeSet, Endpoint, NodeConfig, Protocol, ProxyState, ServicePort, ServicePortName
 
@@ -269,88 +271,133 @@ def talk(ns: str, host: str, port: int, proto: str = "tcp", sport: int = 40000, 
     return json.loads(out)
 
 
-@pytest.fixture
-def topology(netns):
-    """(client, node, pod) namespaces wired and routed, echo server running in the pod."""
+@dataclass(frozen=True)
+class Wiring:
+    """One IP family's addresses of the traffic topology (client - node - pod, and an uplink), the
+    node's NodeConfig and the backends to drive: the same tests run over IPv4 and IPv6."""
+
+    family: int
+    client: str
+    node_client: str  # the node's address facing the client
+    node_pod: str  # the node's address facing the pod
+    pod: str
+    prefix: int
+    uplink: str
+    gateway: str
+    web: str  # the cluster IPs of traffic_state's three services
+    empty: str
+    dns: str
+    node: NodeConfig
+    flavours: dict[str, dict[str, tuple[str, ...]]]
+    flavour: str  # the backend the traffic tests drive
+
+    @property
+    def ip(self) -> tuple[str, ...]:
+        return ("ip", "-6") if self.family == 6 else ("ip",)
+
+    def datapath(self, ns: str) -> IptablesDatapath:
+        return IptablesDatapath(self.node, netns=ns, **self.flavours[self.flavour])
+
+
+FLAVOURS6 = {name: family_commands(6)[name] for name in FLAVOURS if shutil.which(f"ip6tables-{name}-restore")}
+V4 = Wiring(4, CLIENT_IP, NODE_CLIENT_SIDE, NODE_POD_SIDE, POD_IP, 24, "172.31.0.1", "172.31.0.254",
+            "10.96.0.10", "10.96.0.11", "10.96.0.53", NODE, FLAVOURS, "nft")
+_CLIENT6, _NODE_CLIENT6, _NODE_POD6, _POD6 = "2001:db8:50::2", "2001:db8:50::1", "fd00:10:1::1", "fd00:10:1::2"
+V6 = Wiring(6, _CLIENT6, _NODE_CLIENT6, _NODE_POD6, _POD6, 64, "2001:db8:31::1", "2001:db8:31::fe",
+            "fd00:96::10", "fd00:96::11", "fd00:96::53",
+            NodeConfig("node-a", family=6, node_ips=(_NODE_CLIENT6, _NODE_POD6),
+                       cluster_cidrs=("10.244.0.0/16", "fd00:10::/48")),
+            FLAVOURS6, min(FLAVOURS6, default="legacy"))
+
+
+@pytest.fixture(params=[V4, V6], ids=["ipv4", "ipv6"])
+def topology(request, netns):
+    """(wiring, client, node, pod): namespaces wired and routed in one IP family, echo server
+    running in the pod."""
+    w: Wiring = request.param
+    if not w.flavours:
+        pytest.skip(f"ip{'6' if w.family == 6 else ''}tables not installed")
     client, node, pod = netns("cli"), netns("node"), netns("pod")
     sh(*nsenter(node), "ip", "link", "add", "to-cli", "type", "veth", "peer", "name", "eth0", "netns", client)
     sh(*nsenter(node), "ip", "link", "add", "to-pod", "type", "veth", "peer", "name", "eth0", "netns", pod)
-    for ns, dev, addr in ((client, "eth0", f"{CLIENT_IP}/24"), (node, "to-cli", f"{NODE_CLIENT_SIDE}/24"),
-                          (node, "to-pod", f"{NODE_POD_SIDE}/24"), (pod, "eth0", f"{POD_IP}/24")):
-        sh(*nsenter(ns), "ip", "addr", "add", addr, "dev", dev)
-        sh(*nsenter(ns), "ip", "link", "set", dev, "up")
-    sh(*nsenter(client), "ip", "route", "add", "default", "via", NODE_CLIENT_SIDE)
-    sh(*nsenter(pod), "ip", "route", "add", "default", "via", NODE_POD_SIDE)
     # An uplink with a default route, as real nodes have: without one, packets to a service IP
     # fail the routing decision (ICMP net unreachable) before the filter table ever sees them.
     # (A veth whose peer stays in the node: this kernel has no dummy device.)
     sh(*nsenter(node), "ip", "link", "add", "uplink", "type", "veth", "peer", "name", "uplink-peer")
-    sh(*nsenter(node), "ip", "addr", "add", "172.31.0.1/24", "dev", "uplink")
-    sh(*nsenter(node), "ip", "link", "set", "uplink", "up")
+    nodad = ("nodad",) if w.family == 6 else ()  # usable at once, not after duplicate detection
+    for ns, dev, addr in ((client, "eth0", w.client), (node, "to-cli", w.node_client),
+                          (node, "to-pod", w.node_pod), (pod, "eth0", w.pod), (node, "uplink", w.uplink)):
+        sh(*nsenter(ns), *w.ip, "addr", "add", f"{addr}/{w.prefix}", "dev", dev, *nodad)
+        sh(*nsenter(ns), "ip", "link", "set", dev, "up")
     sh(*nsenter(node), "ip", "link", "set", "uplink-peer", "up")
-    sh(*nsenter(node), "ip", "route", "add", "default", "via", "172.31.0.254")
-    in_ns(node, "sysctl", "-qw", "net.ipv4.ip_forward=1")
-    echo = subprocess.Popen([*nsenter(pod), sys.executable, "-c", ECHO, "4"],
+    sh(*nsenter(client), *w.ip, "route", "add", "default", "via", w.node_client)
+    sh(*nsenter(pod), *w.ip, "route", "add", "default", "via", w.node_pod)
+    sh(*nsenter(node), *w.ip, "route", "add", "default", "via", w.gateway, "dev", "uplink")
+    in_ns(node, "sysctl", "-qw", "net.ipv6.conf.all.forwarding=1" if w.family == 6 else "net.ipv4.ip_forward=1")
+    echo = subprocess.Popen([*nsenter(pod), sys.executable, "-c", ECHO, str(w.family)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         if echo.stdout.readline().strip() != "ready":
             raise RuntimeError(f"echo server failed: {echo.stderr.read()}")
-        yield client, node, pod
+        yield w, client, node, pod
     finally:
         echo.kill()
         echo.wait(timeout=10)
 
 
-def traffic_state(dns_endpoints: tuple[Endpoint, ...] = (ep(POD_IP, 5353),)) -> ProxyState:
+def traffic_state(w: Wiring, dns_endpoints: tuple[Endpoint, ...] | None = None) -> ProxyState:
     services = {
-        WEB: svc(WEB, "10.96.0.10", 80, node_port=30080),
-        EMPTY: svc(EMPTY, "10.96.0.11", 80, node_port=30081),
-        DNS: svc(DNS, "10.96.0.53", 53),
+        WEB: svc(WEB, w.web, 80, node_port=30080),
+        EMPTY: svc(EMPTY, w.empty, 80, node_port=30081),
+        DNS: svc(DNS, w.dns, 53),
     }
-    return ProxyState(services=services, endpoints={WEB: (ep(POD_IP, 8080),), DNS: dns_endpoints})
+    dns = (ep(w.pod, 5353),) if dns_endpoints is None else dns_endpoints
+    return ProxyState(services=services, endpoints={WEB: (ep(w.pod, 8080),), DNS: dns})
 
 
 def test_cluster_ip_and_nodeport_dnat_and_masquerade_and_reject(topology):
-    client, node, _ = topology
-    assert talk(client, POD_IP, 8080) == {"reply": CLIENT_IP}  # routed directly: no NAT
-    datapath(node).sync(traffic_state(), ChangeSet())
+    w, client, node, _ = topology
+    assert talk(client, w.pod, 8080, family=w.family) == {"reply": w.client}  # routed directly: no NAT
+    w.datapath(node).sync(traffic_state(w), ChangeSet())
     # Rule 2: clusterIP from outside the cluster CIDR -> DNAT + masquerade (backend sees the node).
-    assert talk(client, "10.96.0.10", 80) == {"reply": NODE_POD_SIDE}
+    assert talk(client, w.web, 80, family=w.family) == {"reply": w.node_pod}
     # Rule 4: NodePort, eTP=Cluster -> DNAT + masquerade.
-    assert talk(client, NODE_CLIENT_SIDE, 30080) == {"reply": NODE_POD_SIDE}
-    # Rule 9: no endpoints -> REJECT, which TCP reports as "connection refused".
-    assert talk(client, "10.96.0.11", 80)["errno"] == errno.ECONNREFUSED
-    assert talk(client, NODE_CLIENT_SIDE, 30081)["errno"] == errno.ECONNREFUSED
+    assert talk(client, w.node_client, 30080, family=w.family) == {"reply": w.node_pod}
+    # Rule 9: no endpoints -> REJECT (ICMP or ICMPv6 port unreachable): "connection refused".
+    assert talk(client, w.empty, 80, family=w.family)["errno"] == errno.ECONNREFUSED
+    assert talk(client, w.node_client, 30081, family=w.family)["errno"] == errno.ECONNREFUSED
 
 
-def _udp_entries(ns: str) -> list[tuple[str, int, str]]:
+def _udp_entries(ns: str, family: int) -> list[tuple[str, int, str]]:
     from pyroute2.conntrack import Conntrack, NFCTAttrTuple
 
-    ct = Conntrack(netns=ns, flags=0)
+    af = socket.AF_INET6 if family == 6 else socket.AF_INET
+    ct = Conntrack(nfgen_family=af, netns=ns, flags=0)
     try:
         return [(e.tuple_orig.daddr, e.tuple_orig.dport, e.tuple_reply.saddr)
-                for e in ct.dump_entries(tuple_orig=NFCTAttrTuple(proto=socket.IPPROTO_UDP))]
+                for e in ct.dump_entries(tuple_orig=NFCTAttrTuple(family=af, proto=socket.IPPROTO_UDP))]
     finally:
         ct.close()
 
 
 def test_conntrack_cleanup_removes_the_stale_udp_entry_only(topology):
-    client, node, _ = topology
-    dp = datapath(node)
-    dp.sync(traffic_state(), ChangeSet())
-    assert talk(client, "10.96.0.53", 53, "udp", 40001) == {"reply": NODE_POD_SIDE}
-    assert talk(client, POD_IP, 5353, "udp", 40002) == {"reply": CLIENT_IP}  # not via the service: must survive
-    entries = _udp_entries(node)
-    assert ("10.96.0.53", 53, POD_IP) in entries and (POD_IP, 5353, POD_IP) in entries
+    w, client, node, _ = topology
+    dp = w.datapath(node)
+    dp.sync(traffic_state(w), ChangeSet())
+    assert talk(client, w.dns, 53, "udp", 40001, family=w.family) == {"reply": w.node_pod}
+    # not via the service: must survive
+    assert talk(client, w.pod, 5353, "udp", 40002, family=w.family) == {"reply": w.client}
+    entries = _udp_entries(node, w.family)
+    assert (w.dns, 53, w.pod) in entries and (w.pod, 5353, w.pod) in entries
 
     result = dp.sync(
-        traffic_state(dns_endpoints=()),
-        ChangeSet(full=False, services=frozenset({DNS}), stale_udp_endpoints=frozenset({(DNS, POD_IP)})),
+        traffic_state(w, dns_endpoints=()),
+        ChangeSet(full=False, services=frozenset({DNS}), stale_udp_endpoints=frozenset({(DNS, w.pod)})),
     )
     assert result.counts["conntrack_deleted"] == 1
     deadline = time.monotonic() + 2
-    while ("10.96.0.53", 53, POD_IP) in _udp_entries(node) and time.monotonic() < deadline:
+    while (w.dns, 53, w.pod) in _udp_entries(node, w.family) and time.monotonic() < deadline:
         time.sleep(0.05)
-    entries = _udp_entries(node)
-    assert ("10.96.0.53", 53, POD_IP) not in entries
-    assert (POD_IP, 5353, POD_IP) in entries
+    entries = _udp_entries(node, w.family)
+    assert (w.dns, 53, w.pod) not in entries
+    assert (w.pod, 5353, w.pod) in entries
