@@ -24,7 +24,7 @@ from typing import Sequence
 
 from ebpf_proxy.agent.config import PRIMARY, AgentConfig
 from ebpf_proxy.agent.conntrack import conntrack_limits
-from ebpf_proxy.model import LocalDetector, LocalMode, NodeConfig, NodeState
+from ebpf_proxy.model import LocalDetector, LocalMode, NodeConfig, NodeState, networks_of_family, of_family
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ _LOCALHOST = ipaddress.ip_address("127.0.0.1")
 
 def local_ipv4_addresses() -> list[str]:
     """Every IPv4 address on this network namespace's interfaces (raises OSError without netlink)."""
-    return [ip for ip in local_addresses() if ipaddress.ip_address(ip).version == 4]
+    return list(of_family(local_addresses(), 4))
 
 
 def local_addresses() -> list[str]:
@@ -117,7 +117,7 @@ def build_node_config(config: AgentConfig, local_ips: Sequence[str], node: NodeS
     cidrs = nodeport_cidrs(config, node, family)
     # only this family's CIDRs count: with none of them, every address of the family matches
     # (kube-proxy's NewNodePortAddresses filters the flag per family the same way)
-    networks = [n for n in (ipaddress.ip_network(c, strict=False) for c in cidrs) if n.version == family]
+    networks = networks_of_family(cidrs, family)
     candidates = list(local_ips)
     if not candidates and node is not None:
         log.warning("no local addresses read from the interfaces; using the Node object's addresses",

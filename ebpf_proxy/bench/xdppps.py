@@ -31,7 +31,7 @@ from pathlib import Path
 
 from ebpf_proxy.bench import ports
 from ebpf_proxy.bench.rest import Rest
-from ebpf_proxy.bench.services import ROLE_LABEL, slice_object
+from ebpf_proxy.bench.services import ROLE_LABEL, slice_name, slice_object
 from ebpf_proxy.lab import cbuild, nsexec
 from ebpf_proxy.lab.cluster import Lab
 
@@ -79,14 +79,13 @@ def install(rest: Rest, lab: Lab) -> int:
                     "ports": [{"port": ports.SERVICE_PORT, "protocol": "TCP", "targetPort": port}]}}
     existing = rest.get("Service", SERVICE)
     created = existing or rest.create(svc)
-    slice_obj = slice_object(SERVICE, "measured", [(pod.ip, pod.node)], port)
-    if rest.get("EndpointSlice", slice_obj["metadata"]["name"]) is None:
-        rest.create(slice_obj)
+    if rest.get("EndpointSlice", slice_name(SERVICE)) is None:
+        rest.create(slice_object(SERVICE, "measured", [(pod.ip, pod.node)], port))
     return int(created["spec"]["ports"][0]["nodePort"])
 
 
 def remove(rest: Rest) -> None:
-    rest.delete("EndpointSlice", slice_object(SERVICE, "measured", [], 0)["metadata"]["name"])
+    rest.delete("EndpointSlice", slice_name(SERVICE))
     rest.delete("Service", SERVICE)
 
 

@@ -39,6 +39,8 @@ from ebpf_proxy.model import (
     Protocol,
     ServicePort,
     ServicePortName,
+    networks_of_family,
+    of_family,
 )
 
 log = logging.getLogger(__name__)
@@ -291,14 +293,14 @@ def _service_ports(svc: dict, ref: ObjectRef, reporter: Reporter | None,
 
     ports = _service_port_numbers(_get(spec, "ports", "spec.ports", list, []), ref)
     for family in wanted:
-        family_lb_ips = _of_family(lb_ips, family)
-        family_ranges = tuple(r for r in source_ranges if ipaddress.ip_network(r).version == family)
+        family_lb_ips = of_family(lb_ips, family)
+        family_ranges = tuple(str(n) for n in networks_of_family(source_ranges, family))
         if source_ranges and not family_ranges and family_lb_ips:
             # ranges given, none of this family: no source of this family may reach its LB IPs
             log.info(f"service has no IPv{family} loadBalancerSourceRanges: not programming its IPv{family} "
                      "load-balancer IPs", extra={"object": str(ref), "field": "spec.loadBalancerSourceRanges"})
             family_lb_ips = ()
-        family_external_ips = _of_family(external_ips, family)
+        family_external_ips = of_family(external_ips, family)
         out[family] = [ServicePort(
             name=spn, cluster_ip=cluster_ips[family], port=number, protocol=spn.protocol, node_port=node_port,
             external_ips=family_external_ips, load_balancer_ips=family_lb_ips,
@@ -327,10 +329,6 @@ def _service_port_numbers(ports: list, ref: ObjectRef) -> list[tuple[ServicePort
         seen.add(spn)
         result.append((spn, number, node_port))
     return result
-
-
-def _of_family(ips: tuple[str, ...], family: int) -> tuple[str, ...]:
-    return tuple(ip for ip in ips if ipaddress.ip_address(ip).version == family)
 
 
 def _cluster_ips(spec: dict, ref: ObjectRef) -> dict[int, str]:

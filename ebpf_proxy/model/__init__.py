@@ -15,6 +15,8 @@ from ebpf_proxy.model.types import (
     ProxyState,
     ServicePort,
     ServicePortName,
+    networks_of_family,
+    of_family,
 )
 
 __all__ = [
@@ -34,4 +36,6 @@ __all__ = [
     "ServicePort",
     "ServicePortName",
     "categorize",
+    "networks_of_family",
+    "of_family",
 ]

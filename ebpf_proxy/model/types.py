@@ -26,6 +26,21 @@ class Protocol(str, enum.Enum):
         return self.value.lower()
 
 
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def of_family(ips: Iterable[str], family: int) -> tuple[str, ...]:
+    """The addresses of `ips` in IP `family` (4 or 6), in order: what one family's proxier takes of
+    a list of both (kube-proxy's MapIPsByIPFamily)."""
+    return tuple(ip for ip in ips if ipaddress.ip_address(ip).version == family)
+
+
+def networks_of_family(cidrs: Iterable[str], family: int) -> list[IPNetwork]:
+    """The CIDRs of `cidrs` in IP `family`, parsed (host bits allowed; kube-proxy's MapCIDRsByIPFamily)."""
+    nets = (ipaddress.ip_network(c, strict=False) for c in cidrs)
+    return [n for n in nets if n.version == family]
+
+
 @dataclass(frozen=True, order=True, slots=True)
 class ServicePortName:
     """Identifies one port of one service, like kube-proxy's `ServicePortName` (ns/name:port)."""
@@ -227,13 +242,12 @@ class NodeConfig:
             ipaddress.ip_network(cidr, strict=False)  # ValueError names the bad CIDR
 
     def of_family(self, ips: Iterable[str]) -> tuple[str, ...]:
-        """The addresses of `ips` in this config's family (an IPv4-mapped IPv6 address is IPv6 text)."""
-        return tuple(ip for ip in ips if ipaddress.ip_address(ip).version == self.family)
+        """The addresses of `ips` in this config's family."""
+        return of_family(ips, self.family)
 
-    def networks(self, cidrs: Iterable[str]) -> "list[ipaddress.IPv4Network | ipaddress.IPv6Network]":
+    def networks(self, cidrs: Iterable[str]) -> list[IPNetwork]:
         """The CIDRs of `cidrs` in this config's family, parsed."""
-        nets = (ipaddress.ip_network(c, strict=False) for c in cidrs)
-        return [n for n in nets if n.version == self.family]
+        return networks_of_family(cidrs, self.family)
 
     @property
     def detector(self) -> LocalDetector:

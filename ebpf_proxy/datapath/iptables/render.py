@@ -19,7 +19,7 @@ REJECT as ip6tables-save prints it (icmp6-port-unreachable).
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ebpf_proxy.datapath.iptables import chains as ch
@@ -34,6 +34,8 @@ from ebpf_proxy.model import (
     ServicePort,
     ServicePortName,
     categorize,
+    networks_of_family,
+    of_family,
 )
 
 # Past this many endpoints in total kube-proxy drops the per-endpoint comments, which are up to
@@ -46,15 +48,6 @@ _LOOPBACK_IP = {4: ipaddress.ip_address("127.0.0.1"), 6: ipaddress.ip_address(":
 # REJECT's default, spelled out as iptables-save / ip6tables-save print it
 _REJECT_WITH = {4: "icmp-port-unreachable", 6: "icmp6-port-unreachable"}
 _NODEPORTS_JUMP_COMMENT = "kubernetes service nodeports; NOTE: this must be the last rule in this chain"
-
-
-def _of_family(ips: Iterable[str], family: int) -> tuple[str, ...]:
-    return tuple(ip for ip in ips if ipaddress.ip_address(ip).version == family)
-
-
-def _networks(cidrs: Iterable[str], family: int) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
-    nets = (ipaddress.ip_network(c, strict=False) for c in cidrs)
-    return [n for n in nets if n.version == family]
 
 
 @dataclass(frozen=True)
@@ -125,7 +118,7 @@ def detector_matches(
     NodeCIDR, `-i BRIDGE` for BridgeInterface, `-i PREFIX+` for InterfaceNamePrefix. A CIDR
     detector takes the CIDR of `family` (the proxier's); without one it is a no-op."""
     if detector.by_cidr:
-        nets = _networks(detector.cidrs, family)
+        nets = networks_of_family(detector.cidrs, family)
         if len(nets) > 1:
             source = "--cluster-cidr" if detector.mode is LocalMode.CLUSTER_CIDR else "spec.podCIDRs"
             raise ValueError(
@@ -206,8 +199,8 @@ def render_service(
     label = str(name)
     proto = svc.protocol.lower
     port = str(svc.port)
-    external_ips = _of_family(svc.external_ips, family)
-    lb_ips = _of_family(svc.load_balancer_ips, family)
+    external_ips = of_family(svc.external_ips, family)
+    lb_ips = of_family(svc.load_balancer_ips, family)
     sets = categorize(svc, tuple(ep for ep in endpoints if ipaddress.ip_address(ep.ip).version == family), topology)
 
     cluster_chain, local_chain = ch.svc_chain(name), ch.svl_chain(name)
@@ -227,7 +220,7 @@ def render_service(
     # The EXT chain is needed even without externally-usable endpoints: it holds the short-circuits
     # for pods and for the node itself (SEMANTICS rules 6 and 7).
     uses_external_chain = has_endpoints and svc.externally_accessible
-    source_ranges = tuple(str(n) for n in _networks(svc.load_balancer_source_ranges, family))
+    source_ranges = tuple(str(n) for n in networks_of_family(svc.load_balancer_source_ranges, family))
     fw = ch.fw_chain(name)
     uses_fw = has_endpoints and bool(lb_ips) and bool(source_ranges)
     lb_chain = fw if uses_fw else external_chain
