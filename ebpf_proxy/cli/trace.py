@@ -6,6 +6,10 @@ read by the eBPF tracer (explain/ebpf_trace.py, `trace_ebpf(flow, bpffs)`), impo
 asked for, so this command works on nodes (and in builds) without it. `--mode auto` follows what
 the node runs: eBPF when the datapath's maps are pinned, else iptables.
 
+An IPv6 flow is asked of the node's IPv6 proxier: its ip6tables rules, in either mode, since the
+eBPF programs serve IPv4 only and the agent's ebpf mode serves IPv6 with ip6tables (the answer
+says so).
+
 Exit status: 0 with an answer; 1 when the question or the node's state cannot be read (the
 message names the option, command or rule at fault); 2 when eBPF tracing is asked for and this
 build has no eBPF tracer.
@@ -13,19 +17,19 @@ build has no eBPF tracer.
 
 from __future__ import annotations
 
-import ipaddress
 import sys
 
 import click
 
 from ebpf_proxy.datapath.iptables.backend import BACKENDS
-from ebpf_proxy.explain.packet import FlowError, FlowSpec, parse_endpoint
+from ebpf_proxy.explain.packet import FlowError, FlowSpec, ip_of, parse_endpoint
 
 EPILOG = """\b
 Examples:
   ebpf-proxy trace --from 203.0.113.5 --to 172.20.20.16:30294
   ebpf-proxy trace --from 10.244.5.9 --from-pod --to 10.96.0.10:53/udp --json
   ebpf-proxy trace --from 172.20.20.16 --to 172.20.20.16:30294      # the node itself (a local source)
+  ebpf-proxy trace --from fd00:20::99 --to [fd00:20::16]:30294       # IPv6: the node's ip6tables rules
   ebpf-proxy trace --mode iptables --rules-file node.save --node-ip 172.20.20.16 --from 203.0.113.5 --to 172.20.20.16:30294
   ebpf-proxy lab trace --from outside --to 172.20.20.16:30294      # in the lab: picks the node for you
 
@@ -34,6 +38,13 @@ Exit status: 0 with an answer, 1 on an error naming its cause, 2 when eBPF traci
 """
 
 EBPF_UNAVAILABLE = "ebpf tracing not available in this build (no ebpf_proxy.explain.ebpf_trace): use --mode iptables"
+IPV6_BY_IP6TABLES = ("the eBPF programs serve IPv4 only: this node's agent serves IPv6 with ip6tables, "
+                     "whose rules were walked")
+
+
+def flow_family(dst: str) -> int:
+    """4 or 6: the IP family of --to (which proxier's rules answer)."""
+    return ip_of("--to", parse_endpoint(dst, "--to")[0]).version
 
 
 def build_flow(src: str, dst: str, in_iface: str | None, from_pod: bool, from_host: bool,
@@ -50,12 +61,9 @@ def build_flow(src: str, dst: str, in_iface: str | None, from_pod: bool, from_ho
     s_ip, s_port, _ = parse_endpoint(src, "--from", 40000)
     d_ip, d_port, proto = parse_endpoint(dst, "--to")
     if d_port is None:
-        raise FlowError(f"--to: {dst!r} has no port (IP:PORT[/tcp|udp|sctp])")
-    for what, ip in (("--from", s_ip), ("--to", d_ip)):
-        try:
-            ipaddress.IPv4Address(ip)
-        except ValueError:
-            raise FlowError(f"{what}: {ip!r} is not an IPv4 address") from None
+        raise FlowError(f"--to: {dst!r} has no port (IP:PORT[/tcp|udp|sctp], [IPv6]:PORT)")
+    checked = FlowSpec(s_ip, d_ip, d_port, proto)  # both addresses valid and of one family, canonical
+    s_ip, d_ip = checked.src, checked.dst
     if from_host or (not from_pod and is_local is not None and is_local(s_ip)):
         origin = "host"
     else:
@@ -82,14 +90,15 @@ def trace_iptables(flow_args: dict, backend: str, rules_file: str | None, node_i
     from ebpf_proxy.explain.iptables_rules import parse_save
     from ebpf_proxy.explain.iptables_walk import walk
 
-    facts = live.node_facts(node_ips or None, masquerade_ip)
+    family = flow_family(flow_args["dst"])
+    facts = live.node_facts(node_ips or None, masquerade_ip, family)
     flow = build_flow(**flow_args, is_local=facts.is_local,
                       route_device=None if node_ips else live.route_device)
     if rules_file:
         with open(rules_file) as fh:
             text, source = fh.read(), rules_file
     else:
-        text, source = live.read_rules(backend)
+        text, source = live.read_rules(backend, family)
     return walk(parse_save(text, source), flow, facts)
 
 
@@ -102,14 +111,20 @@ def frontend_names_from(kubeconfig: str | None, node_ips) -> dict | None:
     from ebpf_proxy.k8s.client import make_api_client
 
     try:
-        state, _node = listed_state(make_api_client(kubeconfig), "")
+        state, _node = listed_state(make_api_client(kubeconfig), "")[4]
     except Exception as exc:  # noqa: BLE001 - naming is a courtesy; the verdict comes from the kernel
         click.echo(f"--kubeconfig {kubeconfig}: cannot list services ({exc}); the trace names no service", err=True)
         return None
     return frontend_names(state, node_ips)
 
 
-def trace_ebpf_mode(flow_args: dict, bpffs: str | None, kubeconfig: str | None = None):
+def trace_ebpf_mode(flow_args: dict, bpffs: str | None, kubeconfig: str | None = None, backend: str = "auto"):
+    if flow_family(flow_args["dst"]) == 6:
+        from dataclasses import replace
+
+        t = trace_iptables(flow_args, backend, None, (), None)
+        return replace(t, story=f"{t.sentence()} [{IPV6_BY_IP6TABLES}]",
+                       details={**t.details, "notes": [*t.details.get("notes", ()), IPV6_BY_IP6TABLES]})
     try:
         from ebpf_proxy.explain.ebpf_trace import trace_ebpf
     except ModuleNotFoundError as exc:
@@ -126,7 +141,7 @@ def trace_ebpf_mode(flow_args: dict, bpffs: str | None, kubeconfig: str | None =
 
 @click.command(epilog=EPILOG)
 @click.option("--from", "src", required=True, help="Source IP[:PORT] (port default 40000).")
-@click.option("--to", "dst", required=True, help="Destination IP:PORT[/tcp|udp|sctp] (default tcp).")
+@click.option("--to", "dst", required=True, help="Destination IP:PORT[/tcp|udp|sctp] (default tcp); IPv6: [IP]:PORT.")
 @click.option("--in-iface", help="Device the packet enters this node through (default: the route back to --from).")
 @click.option("--from-pod", is_flag=True, help="The source is a pod of this node (enters through its veth).")
 @click.option("--from-host", is_flag=True, help="The node itself sends it (default when --from is a local address).")
@@ -163,7 +178,7 @@ def trace(src: str, dst: str, in_iface: str | None, from_pod: bool, from_host: b
         mode, bpffs = ("ebpf", found) if found else ("iptables", bpffs)
     try:
         if mode == "ebpf":
-            result = trace_ebpf_mode(flow_args, bpffs, kubeconfig)
+            result = trace_ebpf_mode(flow_args, bpffs, kubeconfig, iptables_backend)
         else:
             result = trace_iptables(flow_args, iptables_backend, rules_file, node_ips, masquerade_ip)
     except (FlowError, RulesError, WalkError, LiveError, OSError, ValueError) as exc:

@@ -31,64 +31,82 @@ def parse_sender(text: str):
     addr, _, iface = rest.partition("@")
     ip, _, origin = addr.partition("/")
     try:
-        ipaddress.IPv4Address(ip)
+        ip = str(ipaddress.ip_address(ip))
     except ValueError:
-        raise click.BadParameter(f"{text!r}: {ip!r} is not an IPv4 address", param_hint="--sender") from None
+        raise click.BadParameter(f"{text!r}: {ip!r} is not an IPv4 or IPv6 address", param_hint="--sender") from None
     if not sep or not label or origin not in ORIGINS:
         raise click.BadParameter(f"{text!r} is not LABEL=IP/ORIGIN[@IFACE] with ORIGIN one of {', '.join(ORIGINS)}",
                                  param_hint="--sender")
     return Origin(label, ip, origin, iface or None)
 
 
-def default_senders(node_ips: tuple[str, ...], cluster_cidrs: tuple[str, ...]):
-    """The node itself, an outside client (TEST-NET-3) through the default-route device, and each
-    pod of this node that has a routed veth (a /32 route into the cluster CIDR)."""
+OUTSIDE = {4: "203.0.113.77", 6: "2001:db8:7::77"}  # documentation addresses: a client outside
+
+
+def default_senders(node_ips: tuple[str, ...], cluster_cidrs: tuple[str, ...], family: int = 4):
+    """The node itself, an outside client (a documentation address) through the default-route
+    device, and each pod of this node that has a routed veth (a /32 or /128 route into the cluster
+    CIDR): the senders of IP `family`."""
     from pyroute2 import IPRoute
 
     from ebpf_proxy.explain.iptables_live import route_device
     from ebpf_proxy.explain.verify import Origin
+    from ebpf_proxy.model import networks_of_family, of_family
 
     senders = []
-    if node_ips:
-        senders.append(Origin("the node itself", node_ips[0], "host"))
-    senders.append(Origin("a client outside", "203.0.113.77", "external", route_device("203.0.113.77")))
-    nets = [ipaddress.ip_network(c, strict=False) for c in cluster_cidrs]
+    own = of_family(node_ips, family)
+    if own:
+        senders.append(Origin("the node itself", own[0], "host"))
+    senders.append(Origin("a client outside", OUTSIDE[family], "external", route_device(OUTSIDE[family])))
+    nets = networks_of_family(cluster_cidrs, family)
+    host_len = 32 if family == 4 else 128
     with IPRoute() as ipr:
         names = {link["index"]: link.get("IFLA_IFNAME") for link in ipr.get_links()}
-        for route in ipr.get_routes(family=socket.AF_INET):
+        for route in ipr.get_routes(family=socket.AF_INET if family == 4 else socket.AF_INET6):
             dst, oif = route.get("RTA_DST"), route.get("RTA_OIF")
-            if route["dst_len"] == 32 and dst and oif and any(ipaddress.ip_address(dst) in n for n in nets):
+            if route["dst_len"] == host_len and dst and oif and any(ipaddress.ip_address(dst) in n for n in nets):
                 senders.append(Origin(f"pod {dst} (this node)", dst, "pod", names.get(oif)))
     return senders
 
 
-def run_verify(config, node_ips: tuple[str, ...], senders, bpffs: str | None, kernel: str):
-    """The Report, and a description of the tracers used."""
+def run_verify(config, node_ips: tuple[str, ...], senders, bpffs: str | None, kernel: str,
+               families: tuple[int, ...] = (4,)):
+    """The Report of every family (flows of each family put to that family's tracers), and a
+    description of the tracers used. IPv6 runs on ip6tables in either mode (the eBPF programs
+    serve IPv4 only), so its kernel tracer is the live ip6tables rules."""
     from ebpf_proxy.agent.nodeconfig import build_node_config
     from ebpf_proxy.datapath.iptables.render import render
     from ebpf_proxy.explain import iptables_live as live
     from ebpf_proxy.explain.iptables_rules import from_ruleset, parse_save
     from ebpf_proxy.explain.iptables_walk import walk
     from ebpf_proxy.explain.state import frontend_names, listed_state
-    from ebpf_proxy.explain.verify import flows_for, verify
+    from ebpf_proxy.explain.verify import Report, flows_for, verify
     from ebpf_proxy.k8s.client import make_api_client
 
-    state, node_state = listed_state(make_api_client(config.kubeconfig, config.master), config.node_name)
-    node = build_node_config(config, list(node_ips), node_state)
-    facts = live.node_facts(node_ips or None)
-    rendered = from_ruleset(render(node, state))
-    tracers = {"iptables (rendered)": lambda f: walk(rendered, f, facts)}
-    if kernel == "ebpf":
-        from ebpf_proxy.explain.ebpf_trace import trace_ebpf
+    states = listed_state(make_api_client(config.kubeconfig, config.master), config.node_name, families)
+    report, used = Report(), set()
+    for family, (state, node_state) in states.items():
+        node = build_node_config(config, list(node_ips), node_state, family)
+        facts = live.node_facts(node_ips or None, family=family)
+        rendered = from_ruleset(render(node, state))
+        command = "ip6tables" if family == 6 else "iptables"
+        tracers = {f"{command} (rendered)": lambda f, t=rendered, n=facts: walk(t, f, n)}
+        if kernel == "ebpf" and family == 4:
+            from ebpf_proxy.explain.ebpf_trace import trace_ebpf
 
-        names = frontend_names(state, node.node_ips)
-        tracers["ebpf"] = lambda f: trace_ebpf(f, bpffs or "/sys/fs/bpf", names)
-    else:
-        text, source = live.read_rules(config.iptables_backend)
-        live_rules = parse_save(text, source)
-        tracers["iptables (live)"] = lambda f: walk(live_rules, f, facts)
-    senders = senders or default_senders(node.node_ips, node.cluster_cidrs)
-    return verify(flows_for(state, node, senders), state, node, tracers), sorted(tracers)
+            names = frontend_names(state, node.node_ips)
+            tracers["ebpf"] = lambda f: trace_ebpf(f, bpffs or "/sys/fs/bpf", names)
+        else:
+            text, source = live.read_rules(config.iptables_backend, family)
+            live_rules = parse_save(text, source)
+            tracers[f"{command} (live)"] = lambda f, t=live_rules, n=facts: walk(t, f, n)
+        family_senders = senders or default_senders(node.node_ips, node.cluster_cidrs, family)
+        part = verify(flows_for(state, node, family_senders), state, node, tracers)
+        report.flows += part.flows
+        report.mismatches += part.mismatches
+        report.errors += part.errors
+        used.update(tracers)
+    return report, sorted(used)
 
 
 @click.command(epilog="\b\nExamples:\n  ebpf-proxy verify --config /var/lib/kube-proxy/config.conf --hostname-override $(NODE_NAME)\n"
@@ -109,7 +127,7 @@ def run_verify(config, node_ips: tuple[str, ...], senders, bpffs: str | None, ke
 def verify(config_file, senders, bpffs, as_json, **flags) -> None:
     """Compare, flow by flow, the model, the iptables rules and this node's datapath."""
     from ebpf_proxy.agent.config import ConfigError, load_config
-    from ebpf_proxy.agent.nodeconfig import local_ipv4_addresses
+    from ebpf_proxy.agent.nodeconfig import local_addresses, served_families
     from ebpf_proxy.cli.trace import ebpf_pinned
 
     try:
@@ -119,8 +137,9 @@ def verify(config_file, senders, bpffs, as_json, **flags) -> None:
     pinned = ebpf_pinned(bpffs)
     kernel = "ebpf" if pinned else "iptables"
     parsed = [parse_sender(s) for s in senders]
-    node_ips = tuple(ip for ip in local_ipv4_addresses() if not ipaddress.ip_address(ip).is_loopback)
-    report, tracers = run_verify(config, node_ips, parsed, pinned, kernel)
+    local = local_addresses()
+    node_ips = tuple(ip for ip in local if not ipaddress.ip_address(ip).is_loopback)
+    report, tracers = run_verify(config, node_ips, parsed, pinned, kernel, served_families(None, node_ips))
     if as_json:
         click.echo(json.dumps({
             "node": config.node_name, "tracers": tracers, "flows": report.flows,

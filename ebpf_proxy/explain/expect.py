@@ -14,10 +14,8 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
-from ebpf_proxy.explain.packet import FlowSpec
+from ebpf_proxy.explain.packet import FlowSpec, host_port, is_loopback
 from ebpf_proxy.model import NodeConfig, ProxyState, ServicePort, categorize
-
-LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
 
 
 @dataclass(frozen=True)
@@ -46,9 +44,8 @@ def find_frontend(flow: FlowSpec, state: ProxyState, node: NodeConfig) -> Fronte
 
     Exact frontends first (clusterIP, externalIP, LB IP), then NodePorts on the node's addresses
     (and on 127.0.0.0/8 for the node's own connections when localhost NodePorts are on)."""
-    dst = ipaddress.ip_address(flow.dst)
     nodeport_candidate = flow.dst in node.node_ips or (
-        dst in LOOPBACK and flow.origin == "host" and node.localhost_nodeports)
+        is_loopback(flow.dst) and flow.origin == "host" and node.localhost_nodeports)
     by_nodeport = None
     for svc in state.services.values():
         if svc.protocol is not flow.protocol or svc.cluster_ip is None:
@@ -77,8 +74,8 @@ def is_local_source(flow: FlowSpec, node: NodeConfig) -> bool:
 
 
 def is_node_source(flow: FlowSpec, node: NodeConfig) -> bool:
-    """iptables' `--src-type LOCAL`: one of the node's own addresses (127.0.0.0/8 included)."""
-    return flow.origin == "host" or flow.src in node.node_ips or ipaddress.ip_address(flow.src) in LOOPBACK
+    """iptables' `--src-type LOCAL`: one of the node's own addresses (127.0.0.0/8 and ::1 included)."""
+    return flow.origin == "host" or flow.src in node.node_ips or is_loopback(flow.src)
 
 
 def expected(flow: FlowSpec, state: ProxyState, node: NodeConfig) -> Expectation:
@@ -122,5 +119,5 @@ def expected(flow: FlowSpec, state: ProxyState, node: NodeConfig) -> Expectation
         if not chosen:
             return Expectation("drop", service=name,
                                reason=f"{name} is externalTrafficPolicy=Local and this node has no local endpoint")
-    return Expectation("dnat", frozenset(f"{ep.ip}:{ep.port}" for ep in chosen), masq, name,
+    return Expectation("dnat", frozenset(host_port(ep.ip, ep.port) for ep in chosen), masq, name,
                        reason=f"{fe.kind} of {name}")

@@ -26,10 +26,9 @@ from dataclasses import dataclass, field, replace
 
 from ebpf_proxy.explain.iptables_answer import generic_comment, summarise
 from ebpf_proxy.explain.iptables_rules import Chain, Match, Rule, Tables
-from ebpf_proxy.explain.packet import FlowSpec
+from ebpf_proxy.explain.packet import FlowSpec, host_port, is_loopback, split_host_port
 from ebpf_proxy.explain.result import Trace
 
-LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
 MAX_DEPTH = 64  # chain nesting; deeper means a loop
 MAX_PATHS = 4096  # forks multiply; far more than any service has endpoints x affinity branches
 _PROTO_NUMBERS = {"6": "tcp", "17": "udp", "132": "sctp"}
@@ -43,7 +42,7 @@ class WalkError(ValueError):
 class NodeFacts:
     """What the rules alone do not say about the node.
 
-    `local_ips`: its addresses (`-m addrtype LOCAL`; 127.0.0.0/8 is always local). `masquerade_ip`:
+    `local_ips`: its addresses (`-m addrtype LOCAL`; 127.0.0.0/8 and ::1 are always local). `masquerade_ip`:
     the source MASQUERADE picks (the primary address of the default-route device). `route_dev`:
     the device a destination is routed out of, for `-o` matches (None: `-o` cannot be decided).
     """
@@ -53,7 +52,7 @@ class NodeFacts:
     route_dev: Callable[[str], str | None] | None = None
 
     def is_local(self, ip: str) -> bool:
-        return ip in self.local_ips or ipaddress.ip_address(ip) in LOOPBACK
+        return ip in self.local_ips or is_loopback(ip)
 
 
 @dataclass(frozen=True)
@@ -223,11 +222,12 @@ class _Walker:
         to = rule.target_args.get("--to-destination")
         if not to:
             raise WalkError(f"{rule.where}: DNAT without --to-destination")
-        host, sep, port = to.partition(":")
-        if "-" in to or not _is_ipv4(host) or (sep and not port.isdigit()):
-            raise WalkError(f"{rule.where}: DNAT --to-destination {to}: only one IPv4 address[:port] is supported")
-        dport = int(port) if sep else p.dport
-        dest = f"{host}:{dport}"
+        host, port = split_host_port(to)
+        if "-" in to or not self._of_flow_family(host) or (port is not None and not port.isdigit()):
+            raise WalkError(f"{rule.where}: DNAT --to-destination {to}: only one IPv{self.flow.family} "
+                            f"address[:port] is supported")
+        dport = int(port) if port else p.dport
+        dest = host_port(host, dport)
         return replace(p, dst=host, dport=dport, dnat=dest).act(at, f"DNAT to {dest}"), "dnat"
 
     def _snat(self, rule: Rule, p: WalkPath, at: int) -> tuple[WalkPath, str]:
@@ -238,11 +238,18 @@ class _Walker:
             text = f"MASQUERADE to {addr}"
         else:
             to = rule.target_args.get("--to-source") or ""
-            addr = to.partition(":")[0]
-            if not _is_ipv4(addr):
-                raise WalkError(f"{rule.where}: SNAT --to-source {to!r}: only one IPv4 address is supported")
+            addr = split_host_port(to)[0]
+            if not self._of_flow_family(addr):
+                raise WalkError(f"{rule.where}: SNAT --to-source {to!r}: only one IPv{self.flow.family} address "
+                                "is supported")
             text = f"SNAT to {to}"
         return replace(p, snat=addr).act(at, text + _quoted(rule)), "snat"
+
+    def _of_flow_family(self, text: str) -> bool:
+        try:
+            return ipaddress.ip_address(text).version == self.flow.family
+        except ValueError:
+            return False
 
     # ---- matches ------------------------------------------------------------------------------------
     def matches(self, rule: Rule, p: WalkPath, hook: str):
@@ -332,11 +339,6 @@ def _network(text: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
     return ipaddress.ip_network(text, strict=False)
 
 
-def _is_ipv4(text: str) -> bool:
-    try:
-        return isinstance(ipaddress.ip_address(text), ipaddress.IPv4Address)
-    except ValueError:
-        return False
 
 
 def _quoted(rule: Rule) -> str:

@@ -6,7 +6,7 @@ The JSON is a stable interface (issue "Explain every packet"), exactly:
    "masquerade": bool, "sourceAfter": "ip"|null,
    "steps": [{"hook": str, "program"|"chain": str, "action": str}]}
 `backends` is every backend this packet could reach (the whole set the decision chose among),
-sorted; `sourceAfter` is the source address the backend sees (null when nothing reaches one).
+sorted, an IPv6 one as "[ip]:port"; `sourceAfter` is the source address the backend sees (null when nothing reaches one).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import ipaddress
 import json
 from dataclasses import dataclass, field
 from typing import Any
+
+from ebpf_proxy.explain.packet import split_host_port
 
 DATAPATHS = ("ebpf", "iptables")
 VERDICTS = ("dnat", "drop", "reject", "pass", "accept")
@@ -88,6 +90,8 @@ class Trace:
         return "\n".join(lines)
 
 
-def _addr_key(addr: str) -> tuple[int, int]:
-    host, _, port = addr.rpartition(":")
-    return int(ipaddress.ip_address(host)), int(port or 0)
+def _addr_key(addr: str) -> tuple[int, int, int]:
+    """Sort key of "ip:port" / "[ipv6]:port": IPv4 first, then by address and port."""
+    host, port = split_host_port(addr)
+    ip = ipaddress.ip_address(host)
+    return ip.version, int(ip), int(port or 0)

@@ -15,8 +15,9 @@ from ebpf_proxy.model import ChangeTracker, NodeState, ProxyState
 
 
 def desired_state(services: Iterable[dict], slices: Iterable[dict], nodes: Iterable[dict],
-                  node_name: str) -> tuple[ProxyState, NodeState | None]:
-    """The ProxyState node `node_name`'s agent programs for these objects, and its NodeState."""
+                  node_name: str, family: int = 4) -> tuple[ProxyState, NodeState | None]:
+    """The ProxyState node `node_name`'s agent programs for these objects in its IP `family`
+    proxier (IPv6: the Services' IPv6 addresses, the IPv6 EndpointSlices), and its NodeState."""
     tracker = ChangeTracker(node_name=node_name)
     for obj in nodes:
         node = convert.node_info(obj)
@@ -25,22 +26,24 @@ def desired_state(services: Iterable[dict], slices: Iterable[dict], nodes: Itera
     for obj in services:
         ref = convert.object_ref(obj)
         if ref is not None:
-            tracker.update_service(ref.namespace, ref.name, convert.service_ports(obj))
+            tracker.update_service(ref.namespace, ref.name, convert.service_ports(obj, family=family))
     for obj in slices:
-        sl = convert.endpoint_slice(obj, node_name)
+        sl = convert.endpoint_slice(obj, node_name, families=(family,))
         if sl is not None:
             tracker.update_slice(sl.namespace, sl.name, sl.service, sl.endpoints, sl.trigger_time)
     state, _changes = tracker.take(full=True)
     return state, tracker.node
 
 
-def listed_state(api, node_name: str) -> tuple[ProxyState, NodeState | None]:
-    """desired_state() from the API server, listed as the agent lists (same selectors)."""
+def listed_state(api, node_name: str, families: tuple[int, ...] = (4,)) -> dict[int, tuple[ProxyState, NodeState | None]]:
+    """desired_state() of each of `families` from the API server, listed once as the agent lists
+    (same selectors)."""
     from ebpf_proxy.k8s.client import agent_collections
 
     collections = agent_collections(api, node_name)
-    items = {kind: collections[kind].list()[0] for kind in ("Service", "EndpointSlice", "Node")}
-    return desired_state(items["Service"], items["EndpointSlice"], items["Node"], node_name)
+    items = {kind: list(collections[kind].list()[0]) for kind in ("Service", "EndpointSlice", "Node")}
+    return {family: desired_state(items["Service"], items["EndpointSlice"], items["Node"], node_name, family)
+            for family in families}
 
 
 def frontend_names(state: ProxyState, node_ips: Iterable[str] = ()) -> dict[tuple[str, int, str], str]:

@@ -17,14 +17,13 @@ depends on which backend is picked, which a set of possible backends cannot stat
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ebpf_proxy.explain.expect import Expectation, expected
 from ebpf_proxy.explain.packet import FlowSpec
 from ebpf_proxy.explain.result import Trace
-from ebpf_proxy.model import NodeConfig, Protocol, ProxyState
+from ebpf_proxy.model import NodeConfig, Protocol, ProxyState, of_family
 
 Tracer = Callable[[FlowSpec], Trace]
 SUPPORTED = (Protocol.TCP, Protocol.UDP)
@@ -79,20 +78,22 @@ class Report:
 
 
 def flows_for(state: ProxyState, node: NodeConfig, senders: Sequence[Origin]) -> list[Flow]:
-    """Every (frontend, sender) pair of this node's programmable IPv4 service ports."""
+    """Every (frontend, sender) pair of this node's programmable service ports of the node's family
+    (`node.family`: a NodeConfig is one proxier's), from the senders of that family."""
     out = []
-    first_node_ip = next((ip for ip in node.node_ips if ipaddress.ip_address(ip).version == 4), None)
+    family = node.family
+    first_node_ip = next(iter(of_family(node.node_ips, family)), None)
+    senders = [s for s in senders if of_family((s.src,), family)]
     for name, svc in sorted(state.services.items()):
-        if svc.cluster_ip is None or svc.protocol not in SUPPORTED or ipaddress.ip_address(svc.cluster_ip).version != 4:
+        if svc.cluster_ip is None or svc.protocol not in SUPPORTED or not of_family((svc.cluster_ip,), family):
             continue
         dests = [(svc.cluster_ip, svc.port, "clusterIP", False)]
         if svc.node_port and first_node_ip:
             dests.append((first_node_ip, svc.node_port, "nodePort", False))
-        if svc.node_port and node.localhost_nodeports:
+        if svc.node_port and node.localhost_nodeports and family == 4:  # none on IPv6 (kube-proxy)
             dests.append(("127.0.0.1", svc.node_port, "localhost nodePort", True))
-        dests += [(ip, svc.port, "externalIP", False) for ip in svc.external_ips if ipaddress.ip_address(ip).version == 4]
-        dests += [(ip, svc.port, "loadBalancerIP", False) for ip in svc.load_balancer_ips
-                  if ipaddress.ip_address(ip).version == 4]
+        dests += [(ip, svc.port, "externalIP", False) for ip in of_family(svc.external_ips, family)]
+        dests += [(ip, svc.port, "loadBalancerIP", False) for ip in of_family(svc.load_balancer_ips, family)]
         backends = {ep.ip for ep in state.endpoints_of(name)}
         for dst, port, kind, host_only in dests:
             for sender in senders:

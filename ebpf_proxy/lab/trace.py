@@ -9,7 +9,7 @@ idea of how it got there; the lab knows both, so the user names a place, not a n
   a client   the node its packets reach first: the node whose address is the destination (the
              lab routes node addresses directly), else the client's gateway; origin external,
              entering through eth0
-Then `ebpf-proxy trace` runs inside that node's network namespace (and cgroup), exactly as an
+The source is the place's address of the target's family (its IPv6 address for an IPv6 target). Then `ebpf-proxy trace` runs inside that node's network namespace (and cgroup), exactly as an
 operator would run it on a real node, and its output (text or the one JSON object) is passed on.
 When that node passes the packet on unchanged to another node's address (a pod or a node calling
 another node's NodePort), the other node decides: it is asked next, as the packet arrives there
@@ -24,8 +24,17 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from ebpf_proxy.explain.packet import FlowError, parse_endpoint
+from ebpf_proxy.explain.packet import FlowError, host_port, ip_of, parse_endpoint
 from ebpf_proxy.lab import naming
+
+
+def _address(where: str, ips, family: int) -> str:
+    """`where`'s address of the target's family; the error says the place has none."""
+    found = next((ip for ip in ips if ipaddress.ip_address(ip).version == family), None)
+    if found is None:
+        raise FlowError(f"--from: {where} has no IPv{family} address (it has {', '.join(ips)}); "
+                        f"give an IPv{6 if family == 4 else 4} --to")
+    return found
 
 
 @dataclass(frozen=True)
@@ -39,30 +48,29 @@ def plan(lab, where: str, target: str, mode: str = "auto", as_json: bool = False
     """Which node to ask and with which `trace` options; errors name WHERE or --to."""
     dst, port, proto = parse_endpoint(target, "--to")
     if port is None:
-        raise FlowError(f"--to: {target!r} has no port (IP:PORT[/tcp|udp|sctp])")
-    try:
-        loopback = ipaddress.IPv4Address(dst).is_loopback
-    except ValueError:
-        raise FlowError(f"--to: {dst!r} is not an IPv4 address") from None
+        raise FlowError(f"--to: {target!r} has no port (IP:PORT[/tcp|udp|sctp], [IPv6]:PORT)")
+    addr = ip_of("--to", dst)
+    dst, family, loopback = str(addr), addr.version, addr.is_loopback
     topo = lab.topology
     nodes = {n.name: n for n in topo.nodes}
     pods = {p.name: p for p in topo.pods}
     clients = {c.name: c for c in topo.clients}
-    to = f"{dst}:{port}/{proto.lower}"
+    to = f"{host_port(dst, port)}/{proto.lower}"
     if where in nodes:
-        src = "127.0.0.1" if loopback else nodes[where].ip
+        loopback_src = "127.0.0.1" if family == 4 else "::1"  # what a socket to a loopback target binds
+        src = loopback_src if loopback else _address(where, nodes[where].ips, family)
         node, args, why = where, ["--from", src, "--from-host"], f"{where} itself sends it (origin host)"
     elif where in pods:
         pod = pods[where]
         bridge = nodes[pod.node].pod_bridge
         dev = bridge or naming.pod_host_ifname(pod.name)
-        node, args = pod.node, ["--from", str(pod.ip), "--from-pod", "--in-iface", dev]
+        node, args = pod.node, ["--from", _address(where, pod.ips, family), "--from-pod", "--in-iface", dev]
         why = f"{where} is a pod of {pod.node}, entering through {dev} (origin pod)"
     elif where in clients:
         client = clients[where]
         owner = next((n.name for n in topo.nodes if dst in n.all_ips), None)
         node = owner or client.gateway
-        args = ["--from", client.ip, "--in-iface", "eth0"]
+        args = ["--from", _address(where, client.ips, family), "--in-iface", "eth0"]
         why = (f"{dst} is {owner}'s address" if owner else f"{client.gateway} is {where}'s gateway") + \
             ", entering through eth0 (origin external)"
     else:
@@ -79,11 +87,12 @@ def follow(lab, first: TracePlan, target: str, mode: str, as_json: bool) -> Trac
     """When the first node passes the packet on unchanged to another node's address (a pod or node
     calling another node's NodePort), that node decides: the plan for asking it, else None."""
     dst, port, proto = parse_endpoint(target, "--to")
+    dst = str(ip_of("--to", dst))
     owner = next((n.name for n in lab.topology.nodes if dst in n.all_ips), None)
     if owner is None or owner == first.node:
         return None
     src = first.argv[first.argv.index("--from") + 1]
-    args = ["--from", src, "--in-iface", "eth0", "--to", f"{dst}:{port}/{proto.lower}", "--mode", mode,
+    args = ["--from", src, "--in-iface", "eth0", "--to", f"{host_port(dst, port)}/{proto.lower}", "--mode", mode,
             "--bpffs", str(lab.dir / "bpffs" / owner), "--kubeconfig", str(lab.dir / "kubeconfig-node")] + \
         (["--json"] if as_json else [])
     return TracePlan(owner, tuple(args), f"{first.node} passes it on unchanged to {owner}'s address "

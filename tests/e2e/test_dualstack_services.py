@@ -12,6 +12,7 @@ IPv6), so both families are checked in both modes.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -158,3 +159,28 @@ def test_the_audit_finds_and_repairs_drift_of_the_ipv6_rules(lab):
     assert report["repaired"] and report["exit"] == 1, report
     assert lab_audit.run(lab, nodes=["worker1"])["worker1"]["exit"] == 0
     assert lab.probe("outside", target).all_ok
+
+
+def test_trace_and_verify_explain_the_ipv6_proxier(lab):
+    """`lab trace` of seed 000's first two cases over IPv6 answers from the node's IPv6 proxier
+    (its ip6tables rules, in either mode), and `lab verify` agrees three ways on every flow of
+    every family the nodes serve."""
+    from ebpf_proxy.lab import trace as lab_trace
+    from ebpf_proxy.lab import verify as lab_verify
+
+    shape, lab = lab
+    for node, want in (("worker2", ("drop", [])), ("worker1", ("dnat", ["[fd00:10:244:5::4]:80"]))):
+        runs = lab_trace.run(lab, "outside", _target(_node_ip(lab, node, 6), NODE_PORT), as_json=True)
+        plan_, done = runs[-1]
+        assert plan_.node == node and done.returncode == 0, done.stderr
+        got = json.loads(done.stdout)
+        assert (got["verdict"], got["backends"]) == want, got
+        if want[0] == "dnat":
+            assert (got["masquerade"], got["sourceAfter"]) == (False, _client_ip(lab, 6)), got
+    results = lab_verify.run(lab, nodes=["worker1", "worker2"])
+    for node, report in results.items():
+        assert report["exit"] == 0 and not report["mismatches"] and not report["errors"], (node, report)
+        # IPv6: 4 frontends (2 cluster IPs, np-local's cluster IP and NodePort) x the senders that are
+        # not their backends; IPv4: the same and worker1's own connection to 127.0.0.1:<nodePort>
+        assert report["flows"] == {"dual": 21, "v6only": 10}[shape], (node, report)
+        assert {"ip6tables (rendered)", "ip6tables (live)"} <= set(report["tracers"]), report["tracers"]

@@ -36,7 +36,7 @@ def test_origin_and_device_follow_the_source_unless_told():
 @pytest.mark.parametrize("src, dst, kw, message", [
     ("1.2.3.4", "10.96.0.10", {}, "--to: '10.96.0.10' has no port"),
     ("1.2.3.4/udp", "10.96.0.10:53", {}, "--from: '1.2.3.4/udp': the protocol goes on --to"),
-    ("1.2.3", "10.96.0.10:53", {}, "--from: '1.2.3' is not an IPv4 address"),
+    ("1.2.3", "10.96.0.10:53", {}, "--from: '1.2.3' is not an IPv4 or IPv6 address"),
     ("1.2.3.4", "10.96.0.10:53/icmp", {}, "--to: protocol 'icmp'"),
     ("1.2.3.4", "10.96.0.10:53", {"from_pod": True, "from_host": True}, "give one"),
     ("1.2.3.4", "10.96.0.10:53", {"from_host": True, "in_iface": "eth0"}, "--in-iface"),

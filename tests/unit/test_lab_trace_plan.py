@@ -45,7 +45,7 @@ def test_a_node_sends_from_its_address_or_from_loopback(lab):
 @pytest.mark.parametrize("where, target, message", [
     ("mars", "10.96.0.1:80", "--from: 'mars' is not a node, pod or client of lab 't'"),
     ("outside", "10.96.0.1", "--to: '10.96.0.1' has no port"),
-    ("outside", "web:80", "--to: 'web' is not an IPv4 address"),
+    ("outside", "web:80", "--to: 'web' is not an IPv4 or IPv6 address"),
 ])
 def test_errors_name_the_option(lab, where, target, message):
     with pytest.raises(FlowError, match=message):
