@@ -5,7 +5,7 @@ import os
 import pytest
 
 from ebpf_proxy.lab.cluster import Lab, destroy
-from tests.e2e.scenario_runner import TOPOLOGY, TOPOLOGY_IPV6, ZONES_TOPOLOGY
+from tests.e2e.scenario_runner import TOPOLOGY, TOPOLOGY_DUALSTACK, TOPOLOGY_IPV6, ZONES_TOPOLOGY
 
 E2E_MODES = [m for m in os.environ.get("EBPF_PROXY_E2E_MODES", "iptables,ebpf").split(",") if m]
 # The modes of the IPv6-only run of the scenario table (test_scenarios.py), ~45 s each. iptables
@@ -14,6 +14,10 @@ E2E_MODES = [m for m in os.environ.get("EBPF_PROXY_E2E_MODES", "iptables,ebpf").
 # the eBPF programs have IPv6, this becomes E2E_MODES.
 E2E_IPV6_MODES = [m for m in os.environ.get("EBPF_PROXY_E2E_IPV6_MODES", "iptables").split(",")
                   if m and m in E2E_MODES]
+# The modes of the dual-stack run of the scenario table: every mode, since in ebpf mode it is the
+# one run where the eBPF IPv4 datapath and the IPv6 proxier serve one Service side by side.
+E2E_DUALSTACK_MODES = [m for m in os.environ.get("EBPF_PROXY_E2E_DUALSTACK_MODES", ",".join(E2E_MODES)).split(",")
+                       if m and m in E2E_MODES]
 
 
 @pytest.fixture(scope="session", params=E2E_MODES)
@@ -28,6 +32,14 @@ def e2e_lab_ipv6(request):
     with (indirectly: test_scenarios.py names each test by mode and scenario)."""
     mode = request.param
     yield from _lab(f"e2e6{mode[:2]}{os.getpid() % 10000}", TOPOLOGY_IPV6, mode)
+
+
+@pytest.fixture(scope="session")
+def e2e_lab_dualstack(request):
+    """The dual-stack twin of e2e_lab (topology_dualstack.yaml), in the mode the test is
+    parametrized with (indirectly, as e2e_lab_ipv6)."""
+    mode = request.param
+    yield from _lab(f"e2e46{mode[:2]}{os.getpid() % 10000}", TOPOLOGY_DUALSTACK, mode)
 
 
 @pytest.fixture(scope="session", params=E2E_MODES)

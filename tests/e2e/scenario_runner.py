@@ -6,6 +6,9 @@ Kept apart from the pytest file so the same table can be replayed by hand
 The same table also runs on an IPv6-only cluster (topology_ipv6.yaml): load_ipv6_scenarios()
 derives it by the address translation of scenarios_ipv6.py, then applies IPV6_DIFFERENCES, the
 few expectations where kube-proxy's IPv6 outcome is not the IPv4 one, each with its reason.
+And on a dual-stack cluster (topology_dualstack.yaml): load_dualstack_scenarios() pairs each
+scenario with its IPv6 form (scenarios_dualstack.py): RequireDualStack Services, every probe
+over IPv4 and then over IPv6 (a step's `family` says which address `${name}` stands for).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ TOPOLOGY = HERE / "topology.yaml"
 SCENARIOS = HERE / "scenarios.yaml"
 # the IPv6-only twin of TOPOLOGY: scenarios_ipv6.translate_topology(topology.yaml), checked in
 TOPOLOGY_IPV6 = HERE / "topology_ipv6.yaml"
+# the dual-stack twin: scenarios_dualstack.dual_topology(topology.yaml), checked in
+TOPOLOGY_DUALSTACK = HERE / "topology_dualstack.yaml"
 # the topology-aware routing table runs on its own three-zone lab
 ZONES_TOPOLOGY = HERE / "topology_zones.yaml"
 ZONES_SCENARIOS = HERE / "scenarios_zones.yaml"
@@ -81,16 +86,27 @@ def load_ipv6_scenarios(path: Path = SCENARIOS) -> list[dict[str, Any]]:
     return out
 
 
-def addresses(lab) -> dict[str, str]:
+def load_dualstack_scenarios(path: Path = SCENARIOS) -> list[dict[str, Any]]:
+    """The table of `path` on a dual-stack cluster: each scenario with its IPv6 form, as one."""
+    from tests.e2e.scenarios_dualstack import dual_scenario
+
+    return [dual_scenario(v4, v6) for v4, v6 in zip(load_scenarios(path), load_ipv6_scenarios(path))]
+
+
+def addresses(lab, family: int | None = None) -> dict[str, str]:
+    """name -> address of every node, pod and client: of IP `family`, else the primary one."""
+    def pick(ips, primary):
+        return primary if family is None else next(ip for ip in ips if (":" in ip) == (family == 6))
+
     t = lab.topology
-    out = {n.name: n.ip for n in t.nodes}
-    out.update({p.name: p.ip for p in t.pods})
-    out.update({c.name: c.ip for c in t.clients})
+    out = {n.name: pick(n.ips, n.ip) for n in t.nodes}
+    out.update({p.name: pick(p.ips, p.ip) for p in t.pods})
+    out.update({c.name: pick(c.ips, c.ip) for c in t.clients})
     return out
 
 
-def substitute(text: str, lab) -> str:
-    addr = addresses(lab)
+def substitute(text: str, lab, family: int | None = None) -> str:
+    addr = addresses(lab, family)
 
     def repl(m: re.Match) -> str:
         if m.group(1) not in addr:
@@ -107,7 +123,7 @@ class ScenarioFailure(AssertionError):
     pass
 
 
-def check_probe(report, expect: dict[str, Any], lab, where: str) -> list[str]:
+def check_probe(report, expect: dict[str, Any], lab, where: str, family: int | None = None) -> list[str]:
     data = report.to_json()
     results = data["results"]
     problems = []
@@ -126,7 +142,7 @@ def check_probe(report, expect: dict[str, Any], lab, where: str) -> list[str]:
     if expect.get("same_pod") and len(answered) > 1:
         problems.append(f"session affinity broken: answered by {data['summary']['by_pod']}")
     if "source" in expect:
-        want = substitute(expect["source"], lab)
+        want = substitute(expect["source"], lab, family)
         seen = {r["source"].rsplit(":", 1)[0].strip("[]") for r in ok if r["source"]}
         if seen != {want}:
             problems.append(f"backend saw source {sorted(seen)}, expected {want}")
@@ -134,9 +150,10 @@ def check_probe(report, expect: dict[str, Any], lab, where: str) -> list[str]:
 
 
 def run_step(lab, step: dict[str, Any]) -> list[str]:
+    family = step.get("family")  # dual-stack table: which family's address ${name} is
     if "probe" in step:
         p = step["probe"]
-        target = substitute(p["to"], lab)
+        target = substitute(p["to"], lab, family)
         timeout = p.get("timeout", 1.0)
         if target.startswith("[") and step.get("expect", {}).get("outcome") == "refused":
             # Over IPv6 the client's kernel loses the ICMPv6 port unreachable a REJECT sends back
@@ -147,13 +164,13 @@ def run_step(lab, step: dict[str, Any]) -> list[str]:
             timeout = max(timeout, IPV6_REFUSED_TIMEOUT)
         report = lab.probe(p["from"], target, count=p.get("count", 1), source_ip=p.get("source_ip"),
                            timeout=timeout)
-        problems = check_probe(report, step.get("expect", {}), lab, p["from"])
+        problems = check_probe(report, step.get("expect", {}), lab, p["from"], family)
         return [f"probe {p['from']} → {target}: {x}" for x in problems]
     if "http" in step:
         from ebpf_proxy.lab.nshttp import http_get
 
         h = step["http"]
-        url = substitute(h["url"], lab)
+        url = substitute(h["url"], lab, family)
         status, body = http_get(lab.netns_of(h["from"]), url, timeout=2.0)
         expect, problems = step.get("expect", {}), []
         if "status" in expect and status != expect["status"]:

@@ -12,15 +12,28 @@ per mode, lab included). In ebpf mode the IPv6 family is ip6tables too (the eBPF
 IPv4-only so far), so an ebpf run checks the same datapath again: `EBPF_PROXY_E2E_IPV6_MODES=
 iptables,ebpf` runs it (it passes, ~47 s); the ebpf-mode agent on an IPv6-only cluster is covered
 by test_dualstack_services.py.
+
+And on a dual-stack cluster (topology_dualstack.yaml, tests named `dual-<mode>-<scenario>`): each
+scenario's Services RequireDualStack, each probe over IPv4 and then over IPv6
+(scenarios_dualstack.py; test_scenarios_dualstack.py checks the derivation), in every mode
+(EBPF_PROXY_E2E_DUALSTACK_MODES): so each row holds in the three cluster shapes.
 """
 
 import pytest
 
-from tests.e2e.conftest import E2E_IPV6_MODES
-from tests.e2e.scenario_runner import TOPOLOGY_IPV6, load_ipv6_scenarios, load_scenarios, run_scenario
+from tests.e2e.conftest import E2E_DUALSTACK_MODES, E2E_IPV6_MODES
+from tests.e2e.scenario_runner import (
+    TOPOLOGY_DUALSTACK,
+    TOPOLOGY_IPV6,
+    load_dualstack_scenarios,
+    load_ipv6_scenarios,
+    load_scenarios,
+    run_scenario,
+)
 
 SCENARIOS = load_scenarios()
 IPV6_SCENARIOS = load_ipv6_scenarios()
+DUALSTACK_SCENARIOS = load_dualstack_scenarios()
 
 pytestmark = [pytest.mark.root, pytest.mark.e2e]
 
@@ -41,3 +54,11 @@ def test_scenario(e2e_lab, scenario):
     indirect=["e2e_lab_ipv6"], scope="session")
 def test_scenario_ipv6(e2e_lab_ipv6, scenario):
     run_scenario(e2e_lab_ipv6, scenario, topology=TOPOLOGY_IPV6)
+
+
+@pytest.mark.parametrize(
+    "e2e_lab_dualstack, scenario",
+    [pytest.param(mode, s, id=f"dual-{mode}-{s['name']}") for mode in E2E_DUALSTACK_MODES for s in DUALSTACK_SCENARIOS],
+    indirect=["e2e_lab_dualstack"], scope="session")
+def test_scenario_dualstack(e2e_lab_dualstack, scenario):
+    run_scenario(e2e_lab_dualstack, scenario, topology=TOPOLOGY_DUALSTACK)

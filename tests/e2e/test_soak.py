@@ -1,4 +1,4 @@
-"""The soak's short form (issue 13): EPX_SOAK_SECONDS (default 45) of Service and endpoint churn
+"""The soak's short form (issue 13): EPX_SOAK_SECONDS (default 25) of Service and endpoint churn
 per mode, at whatever rate the lab's API server takes (thousands of changes per second here),
 with fresh connections to stable Services throughout; `make soak` is the long form.
 
@@ -19,7 +19,7 @@ import pytest
 from ebpf_proxy.bench.soak import DRAINING_OBJECTS, EXACT_OBJECTS, RSS_BOUND_MIB, SoakConfig, run_soak, table
 from tests.e2e.conftest import E2E_MODES
 
-SECONDS = float(os.environ.get("EPX_SOAK_SECONDS", "45"))
+SECONDS = float(os.environ.get("EPX_SOAK_SECONDS", "25"))
 
 pytestmark = [pytest.mark.root, pytest.mark.e2e,
               # the module's whole soak counts against its first test: churn, set-up and drain per mode
