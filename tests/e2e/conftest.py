@@ -26,20 +26,17 @@ def e2e_lab(request):
     yield from _lab(f"e2e{mode[:3]}{os.getpid() % 10000}", TOPOLOGY, mode)
 
 
-@pytest.fixture(scope="session")
-def e2e_lab_ipv6(request):
-    """The IPv6-only twin of e2e_lab (topology_ipv6.yaml), in the mode the test is parametrized
-    with (indirectly: test_scenarios.py names each test by mode and scenario)."""
-    mode = request.param
-    yield from _lab(f"e2e6{mode[:2]}{os.getpid() % 10000}", TOPOLOGY_IPV6, mode)
+# The other cluster shapes of the scenario table: name prefix and topology of each.
+SHAPES = {"ipv6": ("e2e6", TOPOLOGY_IPV6), "dual": ("e2e46", TOPOLOGY_DUALSTACK)}
 
 
 @pytest.fixture(scope="session")
-def e2e_lab_dualstack(request):
-    """The dual-stack twin of e2e_lab (topology_dualstack.yaml), in the mode the test is
-    parametrized with (indirectly, as e2e_lab_ipv6)."""
-    mode = request.param
-    yield from _lab(f"e2e46{mode[:2]}{os.getpid() % 10000}", TOPOLOGY_DUALSTACK, mode)
+def shaped_lab(request):
+    """The IPv6-only or dual-stack twin of e2e_lab, for the (shape, mode) the test is parametrized
+    with (indirectly: test_scenarios.py names each test by shape, mode and scenario)."""
+    shape, mode = request.param
+    prefix, topology = SHAPES[shape]
+    yield from _lab(f"{prefix}{mode[:2]}{os.getpid() % 10000}", topology, mode)
 
 
 @pytest.fixture(scope="session", params=E2E_MODES)

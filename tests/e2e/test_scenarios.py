@@ -21,10 +21,8 @@ scenario's Services RequireDualStack, each probe over IPv4 and then over IPv6
 
 import pytest
 
-from tests.e2e.conftest import E2E_DUALSTACK_MODES, E2E_IPV6_MODES
+from tests.e2e.conftest import E2E_DUALSTACK_MODES, E2E_IPV6_MODES, SHAPES
 from tests.e2e.scenario_runner import (
-    TOPOLOGY_DUALSTACK,
-    TOPOLOGY_IPV6,
     load_dualstack_scenarios,
     load_ipv6_scenarios,
     load_scenarios,
@@ -48,17 +46,13 @@ def test_scenario(e2e_lab, scenario):
     run_scenario(e2e_lab, scenario)
 
 
-@pytest.mark.parametrize(
-    "e2e_lab_ipv6, scenario",
-    [pytest.param(mode, s, id=f"ipv6-{mode}-{s['name']}") for mode in E2E_IPV6_MODES for s in IPV6_SCENARIOS],
-    indirect=["e2e_lab_ipv6"], scope="session")
-def test_scenario_ipv6(e2e_lab_ipv6, scenario):
-    run_scenario(e2e_lab_ipv6, scenario, topology=TOPOLOGY_IPV6)
+SHAPED = ([("ipv6", mode, s) for mode in E2E_IPV6_MODES for s in IPV6_SCENARIOS]
+          + [("dual", mode, s) for mode in E2E_DUALSTACK_MODES for s in DUALSTACK_SCENARIOS])
 
 
-@pytest.mark.parametrize(
-    "e2e_lab_dualstack, scenario",
-    [pytest.param(mode, s, id=f"dual-{mode}-{s['name']}") for mode in E2E_DUALSTACK_MODES for s in DUALSTACK_SCENARIOS],
-    indirect=["e2e_lab_dualstack"], scope="session")
-def test_scenario_dualstack(e2e_lab_dualstack, scenario):
-    run_scenario(e2e_lab_dualstack, scenario, topology=TOPOLOGY_DUALSTACK)
+@pytest.mark.parametrize("shaped_lab, scenario, topology",
+                         [pytest.param((shape, mode), s, SHAPES[shape][1], id=f"{shape}-{mode}-{s['name']}")
+                          for shape, mode, s in SHAPED],
+                         indirect=["shaped_lab"], scope="session")
+def test_scenario_in_other_shapes(shaped_lab, scenario, topology):
+    run_scenario(shaped_lab, scenario, topology=topology)
