@@ -13,8 +13,12 @@ counting when dropped; a cycle among them waits for the next settle, which unfre
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import gc
+import threading
 import time
+from collections.abc import Iterator
 
 
 def settle() -> tuple[float, int]:
@@ -25,3 +29,54 @@ def settle() -> tuple[float, int]:
     gc.collect()
     gc.freeze()
     return time.monotonic() - started, gc.get_freeze_count()
+
+
+_pause_lock = threading.Lock()
+_pausers = 0
+_was_enabled = False
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """No automatic collection while the body runs (and while any other thread is inside one).
+
+    A first LIST or a full sync builds the model's millions of long-lived objects at once, and
+    every few thousand of them the collector walked all that had survived so far: at 100,000
+    Services it took ~10 s of a ~26 s list (bench/cpscale.py). They are garbage-free as they are
+    built (acyclic, freed by reference counting), and the full sync that follows settle()s them;
+    nesting and concurrent bodies (one per collection) are counted, and the collector's state
+    before the first one comes back after the last."""
+    global _pausers, _was_enabled
+    with _pause_lock:
+        if _pausers == 0:
+            _was_enabled = gc.isenabled()
+            gc.disable()
+        _pausers += 1
+    try:
+        yield
+    finally:
+        with _pause_lock:
+            _pausers -= 1
+            if _pausers == 0 and _was_enabled:
+                gc.enable()
+
+
+M_MMAP_THRESHOLD = -3  # glibc malloc.h: mallopt's parameter number
+MMAP_THRESHOLD = 128 * 1024  # glibc's own default, before it starts raising it
+
+
+def pin_mmap_threshold(nbytes: int = MMAP_THRESHOLD) -> bool:
+    """Keep every allocation of `nbytes` or more in its own mapping, returned to the system when
+    freed (glibc only; False elsewhere, and nothing changes).
+
+    glibc raises its mmap threshold each time such a block is freed, up to 32 MiB, so after the
+    first freed LIST page (~0.7 MB of JSON text) every later page is carved from the heap, where
+    the long-lived blocks allocated between them keep the freed space from going back: ~130 MiB
+    of a 100,000-Service agent's resident memory was such holes (bench/cpscale.py: 558 → 432 MiB
+    after the first list, 769 → 636 MiB at its peak). A fixed threshold also stops the raising."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(M_MMAP_THRESHOLD, nbytes))

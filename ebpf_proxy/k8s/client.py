@@ -160,6 +160,20 @@ class ListPages:
         for data in self._pages:
             yield from json.loads(data).get("items") or ()
 
+    def drain(self) -> Iterator[Any]:
+        """The items once more, each page's text released as soon as it is decoded: the
+        Reflector's last walk, so the text (~200 MB at 100,000 Services and slices) shrinks while
+        the model it becomes grows, instead of both peaking together. Iterating afterwards
+        yields nothing."""
+        pages, self._pages, self._count = self._pages, [], 0
+        pages.reverse()
+        while pages:
+            data = pages.pop()
+            items = json.loads(data).get("items") or ()
+            del data
+            yield from items
+            del items
+
 
 class KubeListWatch:
     """`watch.ListWatch` over one list call of the kubernetes client (e.g. list_node)."""

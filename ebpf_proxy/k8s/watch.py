@@ -39,12 +39,13 @@ a fake `wait` (no sleeping) and a fake clock.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import threading
 import time
 from collections.abc import Iterable
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, ContextManager, Protocol
 
 from ebpf_proxy.k8s import invalid as inv
 from ebpf_proxy.k8s.convert import object_ref
@@ -154,9 +155,13 @@ class Reflector:
 
     def __init__(self, lw: ListWatch, handler: Handler, *, backoff: Backoff | None = None,
                  clock: Callable[[], float] = time.monotonic, wait: Callable[[float], bool] | None = None,
-                 reporter: Reporter | None = None, keep: Callable[[dict], Any] = keep_all) -> None:
+                 reporter: Reporter | None = None, keep: Callable[[dict], Any] = keep_all,
+                 bulk: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> None:
         self.lw = lw
         self.keep = keep
+        # around each list's delivery (millions of objects made at once): the agent's pauses the
+        # garbage collector (agent/heap.py paused())
+        self._bulk = bulk
         self.kind = lw.kind
         self.handler = handler
         self.backoff = backoff or Backoff()
@@ -325,17 +330,27 @@ class Reflector:
         """A (re)list: deliver the difference between the new list and the cache, deletions first.
 
         Two passes over `items`: the names (what is gone), then each object delivered and what
-        `keep` retains of it cached, so a lazy iterable is never held decoded all at once."""
+        `keep` retains of it cached, so a lazy iterable is never held decoded all at once. Items
+        that can be drained (k8s.client.ListPages: decoding is most of a pass) skip the names
+        pass when the cache is empty (a first list deletes nothing), and are drained by the
+        delivery pass, their text freed page by page."""
         if isinstance(items, (str, bytes, dict)) or not isinstance(items, Iterable):
             items = []
-        listed: set[str] = set()
-        for item in items:
-            ref = object_ref(item)
-            if ref is not None:
-                listed.add(str(ref))
+        drain = getattr(items, "drain", None)
         old, self.cache = self.cache, {}
-        for key in sorted(old.keys() - listed):
-            self._call(self.handler.on_delete, _deleted(key, old[key]))
+        if old or drain is None:
+            listed: set[str] = set()
+            for item in items:
+                ref = object_ref(item)
+                if ref is not None:
+                    listed.add(str(ref))
+            for key in sorted(old.keys() - listed):
+                self._call(self.handler.on_delete, _deleted(key, old[key]))
+        with self._bulk():
+            self._deliver(drain() if drain is not None else items, old)
+
+    def _deliver(self, items: Iterable[Any], old: dict[str, Any]) -> None:
+        """The delivery pass of a (re)list: adds and updates, in list order."""
         for i, item in enumerate(items):
             ref = object_ref(item)
             if ref is None:

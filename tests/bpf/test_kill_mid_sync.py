@@ -19,6 +19,7 @@ maps then hold exactly what a kill -9 after N writes leaves. For each N:
 
 from __future__ import annotations
 
+import ctypes
 from collections import Counter
 
 import pytest
@@ -161,6 +162,23 @@ class WriteLog:
 
         monkeypatch.setattr(libbpf, "map_update", guarded(update))
         monkeypatch.setattr(libbpf, "map_delete", guarded(delete))
+        batch = libbpf.map_update_batch
+
+        def guarded_batch(fd, keys, values, count):
+            """A batch is written entry by entry, in order, and programs read the map meanwhile:
+            each entry counts as a write, and a kill may land between any two of them."""
+            name = self._names.get(fd)
+            spec = s.MAPS[name]
+            ks, vs = ctypes.sizeof(spec.key), ctypes.sizeof(spec.leaf)
+            allowed = count if self.limit is None else max(0, min(count, self.limit - self.done))
+            self.touched += [(name, spec.key.from_buffer_copy(keys, i * ks)) for i in range(allowed)]
+            if allowed:
+                batch(fd, keys[:allowed * ks], values[:allowed * vs], allowed)
+            self.done += allowed
+            if allowed < count:
+                raise Killed(f"killed after {self.done} writes")
+
+        monkeypatch.setattr(libbpf, "map_update_batch", guarded_batch)
 
     def touches(self, untouched: dict[int, set[int]], frontends: set[Frontend]) -> list[str]:
         """The writes that touched an entry of an untouched service (svc id -> its backend ids)."""

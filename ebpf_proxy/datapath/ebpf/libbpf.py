@@ -197,6 +197,10 @@ def lib() -> ctypes.CDLL:
         for fn in ("bpf_prog_get_next_id", "bpf_map_get_next_id", "bpf_link_get_next_id"):
             getattr(handle, fn).restype = ctypes.c_int
             getattr(handle, fn).argtypes = [ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint32)]
+        handle.bpf_map_update_batch.restype = ctypes.c_int
+        handle.bpf_map_update_batch.argtypes = [
+            ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint32), ctypes.c_void_p,
+        ]
         handle.bpf_map_lookup_batch.restype = ctypes.c_int
         handle.bpf_map_lookup_batch.argtypes = [
             ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
@@ -462,6 +466,28 @@ def map_update(fd: int, key: ctypes._CData, value: ctypes._CData, flags: int = B
     ret = lib().bpf_map_update_elem(fd, ctypes.addressof(key), ctypes.addressof(value), flags)
     if ret < 0:
         raise _error(ret)
+
+
+class BatchError(OSError):
+    """A BPF_MAP_UPDATE_BATCH stopped at an entry: the `done` entries before it were written, in
+    order, and none after it."""
+
+    def __init__(self, code: int, done: int) -> None:
+        super().__init__(code, os.strerror(code))
+        self.done = done
+
+
+def map_update_batch(fd: int, keys: bytes, values: bytes, count: int) -> None:
+    """Write `count` entries in one syscall (BPF_MAP_UPDATE_BATCH, kernel >= 5.6; flags BPF_ANY):
+    `keys` and `values` are the entries' packed structs, back to back. The kernel writes them in
+    order, each as a single update would (a program sees each entry appear in turn), and stops at
+    the first that fails: BatchError says how many went in. EINVAL/EOPNOTSUPP/ENOTSUPP: the map
+    type cannot batch (callers then write one by one)."""
+    n = ctypes.c_uint32(count)
+    ret = lib().bpf_map_update_batch(fd, keys, values, ctypes.byref(n), None)
+    if ret < 0:
+        err = _error(ret)
+        raise BatchError(err.errno, min(n.value, count))
 
 
 def map_lookup(fd: int, key: ctypes._CData, value: ctypes._CData) -> bool:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import ipaddress
 import itertools
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ebpf_proxy.datapath.ebpf import structs as s
@@ -45,11 +45,12 @@ from ebpf_proxy.datapath.ebpf.maps import (
     IPPROTO,
     Backend,
     Frontend,
+    MapFull,
     Maps,
     NodeSettings,
     Service,
 )
-from ebpf_proxy.model import NodeConfig
+from ebpf_proxy.model import NodeConfig, ProxyState
 from ebpf_proxy.model.categorize import categorize
 from ebpf_proxy.model.types import Endpoint, NodeTopology, Protocol, ServicePort, ServicePortName
 
@@ -235,14 +236,17 @@ class ServicePrograms:
             return None
         old = self.current.get(svc.name)
         sets = categorize(svc, endpoints, topology)
-        cluster, local = set(sets.cluster), set(sets.local)
+        # by identity: categorize's sets hold the very objects of all_reachable (one per distinct
+        # endpoint), and hashing an Endpoint (a Python-level __hash__ over nine fields) six times
+        # per endpoint was a fifth of a 100,000-Service sync (bench/cpscale.py)
+        cluster, local = {id(ep) for ep in sets.cluster}, {id(ep) for ep in sets.local}
         known = {(be.addr, be.port): bid for bid, be in old.backends.items()} if old else {}
         backends: dict[int, Backend] = {}
-        ids: dict[Endpoint, int] = {}
+        ids: dict[int, int] = {}
         for ep in sets.all_reachable:
             bid = known.get((ep.ip, ep.port)) or next(self._next_backend)
-            ids[ep] = bid
-            backends[bid] = Backend(ep.ip, ep.port, in_cluster=ep in cluster, in_local=ep in local)
+            ids[id(ep)] = bid
+            backends[bid] = Backend(ep.ip, ep.port, in_cluster=id(ep) in cluster, in_local=id(ep) in local)
 
         base = (s.LB4_F_HAS_ENDPOINTS if sets.has_any else 0)
         base |= s.LB4_F_ETP_LOCAL if svc.external_policy_local else 0
@@ -262,8 +266,8 @@ class ServicePrograms:
             if ipaddress.ip_address(ip).version == 4:
                 frontends[Frontend(ip, svc.port, proto)] = external | (s.LB4_F_SOURCE_RANGES if ranges else 0)
 
-        cluster_slots = stable_slots(old.cluster_slots if old else (), (ids[ep] for ep in sets.cluster))
-        local_slots = stable_slots(old.local_slots if old else (), (ids[ep] for ep in sets.local))
+        cluster_slots = stable_slots(old.cluster_slots if old else (), (ids[id(ep)] for ep in sets.cluster))
+        local_slots = stable_slots(old.local_slots if old else (), (ids[id(ep)] for ep in sets.local))
         return ServiceEntries(
             svc_id=old.svc_id if old else next(self._next_svc),
             frontends=frontends,
@@ -291,6 +295,26 @@ class ServicePrograms:
                 self._deleted_udp[name] = tuple(old.frontends)  # type: ignore[union-attr]
         return writes
 
+    def sync_names(self, state: ProxyState, names: Iterable[ServicePortName],
+                   progress: Callable[[float], None] | None = None,
+                   every: int = 64) -> tuple[int, dict[ServicePortName, MapFull]]:
+        """Bring each of `names` to what `state` wants (absent: deleted), in name order, so a sync
+        writes in the same order every time. Returns the map writes made, and the service ports a
+        full map refused (the others are still written: a deletion later may free room).
+        `progress` hears the fraction done every `every` service ports."""
+        ordered = sorted(names)
+        writes, did_not_fit = 0, {}
+        for done, name in enumerate(ordered):
+            svc = state.services.get(name)
+            entries = self.entries(svc, state.endpoints_of(name), state.topology) if svc else None
+            try:
+                writes += self.apply(name, entries)
+            except MapFull as exc:
+                did_not_fit[name] = exc
+            if progress is not None and done % every == 0:
+                progress(done / len(ordered))
+        return writes, did_not_fit
+
     def _count(self, old: ServiceEntries | None, new: ServiceEntries | None) -> None:
         for entries, sign in ((old, -1), (new, 1)):
             if entries is not None:
@@ -310,28 +334,30 @@ class ServicePrograms:
         # a bank swap: the new slots go to the other bank whole, the old bank goes after the flip
         swapped = old is not None and new is not None and old.bank != new.bank
         if new:
-            for bid, be in new.backends.items():
-                if old_backends.get(bid) != be:
-                    m.set_backend(bid, be)
-                    writes += 1
+            # each map's writes in one batch, in the order single writes would make them (a
+            # batch is written entry by entry, in order: readers see the same sequence)
+            backends = [(bid, be) for bid, be in new.backends.items() if old_backends.get(bid) != be]
+            m.set_backends(backends)
             same_bank = old is not None and not swapped
+            slot_writes = []
             for scope, slots, before in (
                 (s.LB4_SCOPE_CLUSTER, new.cluster_slots, old.cluster_slots if same_bank else ()),
                 (s.LB4_SCOPE_LOCAL, new.local_slots, old.local_slots if same_bank else ()),
             ):
                 for slot, bid in enumerate(slots):
                     if slot >= len(before) or before[slot] != bid:
-                        m.set_slot(svc_id, scope, slot, bid, bank=new.bank)
-                        writes += 1
+                        slot_writes.append((svc_id, scope, slot, bid, new.bank))
+            m.set_slot_entries(slot_writes)
+            writes += len(backends) + len(slot_writes)
             for cidr in new.source_ranges - (old.source_ranges if old else frozenset()):
                 m.add_source_range(svc_id, cidr)
                 writes += 1
             old_fe = old.frontends if old else {}
             same_service = old is not None and old.service(0) == new.service(0)
-            for fe, flags in new.frontends.items():
-                if not same_service or old_fe.get(fe) != flags:
-                    m.set_service(fe, new.service(flags))
-                    writes += 1
+            frontends = [(fe, new.service(flags)) for fe, flags in new.frontends.items()
+                         if not same_service or old_fe.get(fe) != flags]
+            m.set_services(frontends)
+            writes += len(frontends)
 
         # removals, after nothing new points at what they remove; a frontend another service
         # port took over in this sync (a nodePort moving between services) is no longer ours

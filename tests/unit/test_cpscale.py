@@ -1,0 +1,55 @@
+"""bench/cpscale.py, the in-process control-plane scale harness: its simulated API server pages
+like kube-apiserver, and its accounting covers every object and phase (figures are printed,
+never asserted: no timing here)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ebpf_proxy.bench import cpscale
+from ebpf_proxy.k8s import convert
+
+
+def test_the_simulated_api_server_pages_with_continue_tokens_and_counts_its_time():
+    api = cpscale.SimulatedApi("Service", 1203, lambda i, rv: cpscale.service_object(i, rv))
+    items, rv = cpscale.SimulatedListWatch(api, page_size=500).list()
+    assert len(items) == 1203 and rv == "1204"
+    names = [obj["metadata"]["name"] for obj in items]
+    assert names == [f"filler-{i}" for i in range(1203)]
+    assert api.seconds > 0
+
+
+def test_the_objects_convert_like_the_benchs():
+    svc = json.loads(json.dumps(cpscale.service_object(7, 9)))
+    (port,) = convert.service_ports(svc)
+    assert port.cluster_ip == "10.96.0.17" and port.port == cpscale.SERVICE_PORT
+    sl = convert.endpoint_slice(json.loads(json.dumps(cpscale.slice_object(7, 4, 9))), cpscale.NODE)
+    (eps,) = sl.endpoints.values()
+    assert sl.service == "filler-7" and len(eps) == 4 and len({ep.ip for ep in eps}) == 4
+    assert sum(ep.is_local for ep in eps) == 1  # spread over the three nodes, this one among them
+
+
+@pytest.mark.parametrize("mode", ["none", "iptables"])
+def test_a_run_goes_through_every_phase_and_programs_every_service(mode):
+    result = cpscale.run(120, 3, mode, page_size=50)
+    assert [p.name for p in result.phases] == ["start", "list+convert", "prepare", "sync"]
+    assert result.counts["service_ports"] == 120
+    assert result.api_server_s > 0
+    assert result.peak_rss_mib == max(p.peak_rss_mib for p in result.phases)
+    for phase in result.phases:
+        assert phase.peak_rss_mib >= phase.rss_mib > 0
+        print(cpscale.format_phase(phase))
+
+
+def test_tracemalloc_lists_the_top_sites():
+    result = cpscale.run(30, 2, "none", trace=True, top=3)
+    assert all(len(p.top) == 3 and p.traced_mib is not None for p in result.phases)
+
+
+def test_bad_arguments_name_themselves():
+    with pytest.raises(ValueError, match="mode"):
+        cpscale.run(1, 1, "nft")
+    with pytest.raises(ValueError, match="services=-1"):
+        cpscale.run(-1, 1, "none")

@@ -1,0 +1,50 @@
+"""The packed entries batched writes send (maps.pack_*) are byte for byte what the ctypes mirrors
+of structs.py hold for the same values, so a batch writes exactly what single writes would."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from ebpf_proxy.datapath.ebpf import structs as s
+from ebpf_proxy.datapath.ebpf.maps import (
+    Backend,
+    Frontend,
+    Service,
+    _frontend_key,
+    be16,
+    be32,
+    pack_backend,
+    pack_frontend,
+    pack_service,
+    pack_slot_key,
+    pack_u32,
+)
+
+
+@pytest.mark.parametrize("fe", [Frontend("10.96.0.10", 80), Frontend(None, 30080, socket.IPPROTO_UDP),
+                                Frontend("255.255.255.254", 65535, socket.IPPROTO_TCP)])
+def test_a_packed_frontend_is_the_lb4_key(fe):
+    assert pack_frontend(fe) == bytes(_frontend_key(fe))
+
+
+def test_a_packed_service_is_the_lb4_service():
+    svc = Service(id=123456, count=10, local_count=3, affinity_timeout=10800,
+                  flags=s.LB4_F_HAS_ENDPOINTS | s.LB4_F_SLOT_BANK)
+    mirror = s.LB4Service(id=svc.id, count=svc.count, local_count=svc.local_count,
+                          affinity_timeout=svc.affinity_timeout, flags=svc.flags)
+    assert pack_service(svc) == bytes(mirror)
+
+
+@pytest.mark.parametrize("in_cluster, in_local", [(True, False), (False, True), (True, True), (False, False)])
+def test_a_packed_backend_is_the_lb4_backend(in_cluster, in_local):
+    be = Backend("100.64.1.2", 8080, in_cluster=in_cluster, in_local=in_local)
+    flags = (s.LB4_BE_IN_CLUSTER if in_cluster else 0) | (s.LB4_BE_IN_LOCAL if in_local else 0)
+    assert pack_backend(be) == bytes(s.LB4Backend(addr=be32(be.addr), port=be16(be.port), flags=flags))
+
+
+def test_a_packed_slot_key_and_u32_are_their_mirrors():
+    key = s.LB4SlotKey(svc_id=70000, slot=513, scope=s.LB4_SCOPE_LOCAL, bank=1)
+    assert pack_slot_key(70000, s.LB4_SCOPE_LOCAL, 513, bank=1) == bytes(key)
+    assert pack_u32(4_000_000_000) == bytes(s.u32(4_000_000_000))
