@@ -5,7 +5,9 @@
  *   2. a packet of a known connection is DNATed to that connection's backend;
  *   3. a packet to a service frontend starts a connection (policy, backend, CT entries, DNAT),
  *      or is rejected with ICMP, or dropped with its reason;
- *   an ICMP error about a connection's packet gets that connection's translation (icmp4_err.h).
+ *   an ICMP error about a connection's packet gets that connection's translation (icmp4_err.h);
+ *   4. with CFG_F_HOST_ROUTING, a translated packet (or a reply of a tracked connection) is
+ *   forwarded here, skipping the host's routing and netfilter stack when the FIB allows (fib4.h).
  * tc_egress (packets leaving toward pods and outside):
  *   1. forward packets of masqueraded connections get the masquerade source;
  *   2. replies get the frontend back as source. This is done on egress toward the client, not
@@ -30,6 +32,7 @@
 #include "lib/lb4.h"
 #include "lib/icmp4.h"
 #include "lib/icmp4_err.h"
+#include "lib/fib4.h"
 #include "lib/arp4.h"
 #include "lib/trace.h"
 
@@ -84,6 +87,11 @@ static __always_inline int tc_ingress_run(struct __sk_buff *skb, struct epx_trac
 		else
 			stats_count(EPX_REJECT, len);
 		return bpf_redirect(skb->ifindex, 0);
+	}
+	/* host routing (fib4.h): live packets only, a trace run explains the translation alone */
+	if (!tr && (cfg->flags & CFG_F_HOST_ROUTING) && fib4_candidate(&p, reason)) {
+		stats_count(reason, skb->len);
+		return fib4_route(skb, &p, cfg, now);
 	}
 	return tc_done(skb, reason, tr);
 }

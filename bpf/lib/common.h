@@ -77,7 +77,14 @@ enum epx_reason {
 	EPX_PASS_ICMP_MALFORMED = 31,    /* ICMP error whose quoted header is truncated or invalid: untouched, never translated */
 	EPX_PASS_HANDOVER = 32,          /* mode switch: no connection here, left to netfilter's conntrack, which holds the other mode's connections (CFG_F_NETFILTER_*) */
 	EPX_DROP_HANDOVER_HELD = 33,     /* mode switch: the connection is being moved between epx_ct4 and the kernel's conntrack (CT4_S_HELD), for microseconds; TCP retransmits */
-	EPX_REASON_MAX = 34,
+	/* host routing (fib4.h, CFG_F_HOST_ROUTING): where a packet tc_ingress translated, or a reply of a
+	 * tracked connection, went next; one event per such packet, beside its verdict */
+	EPX_EV_HOST_ROUTED_PEER = 34,    /* not a verdict: fast path, delivered straight into a local pod (bpf_fib_lookup, bpf_redirect_peer), the host stack skipped */
+	EPX_EV_HOST_ROUTED_NEIGH = 35,   /* not a verdict: fast path, sent straight to the route's next hop (bpf_fib_lookup, bpf_redirect_neigh), the host stack skipped */
+	EPX_EV_HOST_STACK_FIB = 36,      /* not a verdict: slow path, the route lookup gave no decision to act on (no neighbour yet, local, unreachable, forwarding off, reverse-path check, ICMP redirect due) */
+	EPX_EV_HOST_STACK_MTU = 37,      /* not a verdict: slow path, larger than the route's MTU: the kernel fragments it or answers fragmentation needed */
+	EPX_EV_HOST_STACK_SKIP = 38,     /* not a verdict: slow path, not a packet to route here (fragment, IP options, TTL <= 1, not for this host, mark, mode switch) */
+	EPX_REASON_MAX = 39,
 };
 #define EPX_DROP_FIRST EPX_DROP_MALFORMED_IP
 #define EPX_DROP_LAST EPX_DROP_REJECT_FAILED /* and EPX_DROP_CT_FULL, _HANDOVER_HELD, appended later (epx_is_drop) */
@@ -241,6 +248,10 @@ struct ct4_ring {
 	__u32 tail; /* the oldest key not yet taken off; head - tail <= CT4_RING_SLOTS */
 	struct ct4_key half; /* scratch for ct4_forget's keys: tc_ingress's 512-byte stack is full */
 	struct ct4_key keys[CT4_RING_SLOTS]; /* CT4_SVC keys */
+	/* scratch, for the same full stack: fib4.h's route lookups and redirect (host routing), and
+	 * icmp4_reject's zero padding (it clears what it uses). Per CPU, and a program runs to its end
+	 * on one CPU, so nothing else writes it meanwhile. */
+	struct bpf_fib_lookup fib;
 };
 
 /* ---- IPv4 fragments: ports of a datagram, learnt from its first fragment ---- */
@@ -296,12 +307,25 @@ struct sock4_rev {
  * [snat_port_min, snat_port_max]: a reply to any port of snat_addr may be theirs (nat4_is_masq_dest).
  * Cleared by the agent once none of them is left. */
 #define CFG_F_ADOPTED_MASQ 0x40
+/* Host routing (--bpf-host-routing, fib4.h): tc_ingress forwards what it translated itself, with
+ * bpf_fib_lookup and bpf_redirect_peer / bpf_redirect_neigh, instead of handing it to the host's
+ * routing, neighbour and netfilter stack. A flag, not a build option: flipped without a reload. */
+#define CFG_F_HOST_ROUTING 0x80
 
 /* ---- devices: ifindex -> EPX_IF_* (epx_iface), written by the agent as devices come and go ---- */
 #define EPX_IF_POD 0x01   /* a pod's veth (its packets may be CHECKSUM_PARTIAL, see icmp4.h) */
 #define EPX_IF_LOCAL 0x02 /* interface detectors: a packet arriving here enters the IP layer through
 			   * the bridge (BridgeInterface) or a device named with the prefix
 			   * (InterfaceNamePrefix): kube-proxy's `-i` match says "local" */
+#define EPX_IF_PEER 0x04  /* a veth whose other end is in another netns (a pod's): bpf_redirect_peer
+			   * can deliver into it (on any other device the helper drops the packet) */
+#define EPX_IF_NO_REDIRECTS 0x08 /* sends no ICMP redirects (send_redirects off for it and for all):
+				  * a packet routed back out of it may take the fast path (fib4.h) */
+/* Bits 16-31 of a device's epx_iface value: the smallest MTU metric of a route out of it (0: none).
+ * Forwarding honours a route's MTU (ip_dst_mtu_maybe_forward); bpf_fib_lookup's MTU check does
+ * only when it is locked: fib4.h checks this one too, so a packet the kernel would refuse as too
+ * big takes the slow path. */
+#define EPX_IF_MTU_SHIFT 16
 
 struct lb4_config {
 	__be32 snat_addr;        /* masquerade source: this node's primary address */

@@ -26,13 +26,19 @@
 #define EPX_ICMP_TTL 64
 #define EPX_ICMP_PARTIAL_PAD 12 /* see above: csum_offset 16 lands on ICMP bytes 4-5 */
 
+_Static_assert(sizeof(((struct ct4_ring *)0)->fib) >= EPX_MAX_IP_HLEN - sizeof(struct iphdr),
+	       "the reject's padding comes from ct4_ring's scratch");
+
 /* Rewrite the skb into the ICMP error for `p`; `partial_safe` asks for the padded layout (a
  * client that may have sent CHECKSUM_PARTIAL). Returns 0 (caller redirects) or
  * EPX_DROP_REJECT_FAILED. */
 static __always_inline __u32 icmp4_reject(struct __sk_buff *skb, const struct pkt4 *p, int partial_safe)
 {
 	__u8 quote[EPX_ICMP_QUOTE_MAX];
-	__u8 pad[EPX_MAX_IP_HLEN - sizeof(struct iphdr)] = {};
+	__u32 zero = 0;
+	/* the padding's zeros come from this CPU's scratch (common.h: ct4_ring.fib), not the stack:
+	 * tc_ingress's 512 bytes are full */
+	struct ct4_ring *scratch = epx_lookup(epx_ct4_ring, &zero);
 	struct ethhdr eth;
 	struct iphdr ip = {};
 	struct icmphdr icmp = {};
@@ -52,6 +58,11 @@ static __always_inline __u32 icmp4_reject(struct __sk_buff *skb, const struct pk
 	icmp_off = ETH_HLEN + sizeof(ip) + padlen;
 	if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)) || bpf_skb_load_bytes(skb, ETH_HLEN, quote, qlen))
 		return EPX_DROP_REJECT_FAILED;
+	if (padlen) {
+		if (!scratch)
+			return EPX_DROP_REJECT_FAILED;
+		__builtin_memset(&scratch->fib, 0, sizeof(scratch->fib));
+	}
 
 	__builtin_memcpy(mac, eth.h_source, ETH_ALEN);
 	__builtin_memcpy(eth.h_source, eth.h_dest, ETH_ALEN);
@@ -85,7 +96,7 @@ static __always_inline __u32 icmp4_reject(struct __sk_buff *skb, const struct pk
 	if (bpf_skb_change_tail(skb, icmp_off + sizeof(icmp) + qlen, 0) ||
 	    bpf_skb_store_bytes(skb, 0, &eth, sizeof(eth), 0) ||
 	    bpf_skb_store_bytes(skb, ETH_HLEN, &ip, sizeof(ip), 0) ||
-	    (padlen && bpf_skb_store_bytes(skb, ETH_HLEN + sizeof(ip), pad, padlen, 0)) ||
+	    (padlen && scratch && bpf_skb_store_bytes(skb, ETH_HLEN + sizeof(ip), &scratch->fib, padlen, 0)) ||
 	    bpf_skb_store_bytes(skb, icmp_off, &icmp, sizeof(icmp), 0) ||
 	    bpf_skb_store_bytes(skb, icmp_off + sizeof(icmp), quote, qlen, 0))
 		return EPX_DROP_REJECT_FAILED;

@@ -372,6 +372,7 @@ class Agent:
         datapath = proxier.datapath = self._datapath_factory(
             proxier.mode, node_config, **where, bpf_cache_dir=self.config.bpf_cache_dir or None,
             max_entries=dict(self.config.bpf_map_sizes) or None, xdp_mode=self.config.bpf_xdp_mode,
+            host_routing=self.config.bpf_host_routing,
             backend=self.config.iptables_backend or None)
         # a kernel datapath: is the other mode's still here? Only where both modes serve the family
         if datapath.mode in handover.OTHER_MODE and proxier.family == 4:

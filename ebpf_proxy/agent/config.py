@@ -30,6 +30,7 @@ MODES = ("auto", "ebpf", "iptables")
 DETECT_LOCAL_MODES = ("ClusterCIDR", "NodeCIDR", "BridgeInterface", "InterfaceNamePrefix")
 LOG_FORMATS = ("text", "json")
 XDP_MODES = ("generic", "native", "off")  # EbpfDatapath's xdp_mode
+HOST_ROUTING_MODES = ("auto", "on", "off")  # EbpfDatapath's host_routing (datapath/ebpf/datapath.py)
 LOG_LEVELS = ("debug", "info", "warning", "error")
 PRIMARY = "primary"  # --nodeport-addresses primary: the node's primary IP (from its Node object)
 
@@ -84,6 +85,10 @@ class AgentConfig:
     # driver, after the skb is built), native (in the driver, before it: the fast one, where the
     # driver supports it, veth included), off (TC alone decides every packet)
     bpf_xdp_mode: str = "generic"
+    # the host-routing fast path (bpf/lib/fib4.h): tc_ingress forwards what it translated itself
+    # (bpf_fib_lookup, bpf_redirect_peer/_neigh), skipping the node's routing and netfilter stack;
+    # auto: on where the kernel has the helpers
+    bpf_host_routing: str = "auto"
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)  # attr → flag/field name
 
     @property
@@ -319,6 +324,7 @@ _FIELDS: dict[str, _Field] = {
                                            _timeout),
     "bpf_map_sizes": _Field("--bpf-map-sizes", (), _map_sizes),
     "bpf_xdp_mode": _Field("--bpf-xdp-mode", (), _choice(XDP_MODES)),
+    "bpf_host_routing": _Field("--bpf-host-routing", (), _choice(HOST_ROUTING_MODES)),
 }
 _KNOWN_PATHS = {path for f in _FIELDS.values() for path in f.file_paths}
 

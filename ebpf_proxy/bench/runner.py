@@ -85,6 +85,9 @@ class BenchConfig:
     bpf_samples: int = 1000  # test runs per path and repeat of bpf_ns_per_packet
     bpf_endpoints: int = 10  # backends per Service in bpf_ns_per_packet's maps
     xdp_seconds: float = 2.0  # each xdp_pps run's flood (0: no xdp_pps rows)
+    # the ebpf agents' --bpf-host-routing (auto|on|off): the fast path (bpf/lib/fib4.h) measured on
+    # and off in two runs; None leaves the agent's default (auto)
+    bpf_host_routing: str | None = None
 
     def parameters(self) -> dict[str, Any]:
         d = asdict(self)
@@ -110,9 +113,9 @@ def api_list_seconds(rest: Rest) -> float:
 
 
 def agent_args(config: BenchConfig) -> list[str]:
-    """`--bpf-map-sizes` for the run's largest size where the agent's default capacities do not
-    hold it (100k Services × 10 endpoints need a million backends), else nothing: one size for
-    the whole run, so every size uses one build of the programs. A quarter's room, in steps of
+    """The ebpf agents' options: `--bpf-host-routing` when the run sets it, and `--bpf-map-sizes`
+    for the run's largest size where the agent's default capacities do not hold it (100k Services
+    × 10 endpoints need a million backends), else nothing: one size for the whole run, so every size uses one build of the programs. A quarter's room, in steps of
     65,536: an endpoint change writes its new backend before it frees the old one."""
     services = max(config.services) + len(ports.MEASURED_SERVICES)
     backends = services * config.endpoints_per_service + 1024
@@ -120,7 +123,8 @@ def agent_args(config: BenchConfig) -> list[str]:
     step = 65536
     sizes = {name: -(-(n + n // 4) // step) * step for name, n in need.items()}
     grow = {name: n for name, n in sizes.items() if n > MAP_DEFAULTS[name]}
-    return ["--bpf-map-sizes", ",".join(f"{k}={v}" for k, v in grow.items())] if grow else []
+    routing = ["--bpf-host-routing", config.bpf_host_routing] if config.bpf_host_routing else []
+    return (["--bpf-map-sizes", ",".join(f"{k}={v}" for k, v in grow.items())] if grow else []) + routing
 
 
 def client_threads(config: BenchConfig) -> int:
@@ -160,7 +164,7 @@ class Bench:
         self.binary: Path | None = None
         self.settings = traffic.Settings(config.duration, config.warmup, config.repeats, config.concurrency,
                                          client_threads=client_threads(config))
-        self.map_args = agent_args(config)  # the ebpf agents' (iptables agents have no maps)
+        self.map_args = agent_args(config)  # the ebpf agents' (iptables agents have neither maps nor fast path)
 
     # ---- helpers --------------------------------------------------------------------------------
     def _save(self) -> None:

@@ -114,6 +114,9 @@ def _print_compare(old_path: str, new_path: str) -> None:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Where results.json, report.md and the plots go. [default: bench-results/<time>]")
 @click.option("--xdp-duration", help="Each xdp_pps run's SYN flood; 0 measures no xdp_pps. [default: 2s; --quick: 0s]")
+@click.option("--bpf-host-routing", type=click.Choice(["auto", "on", "off"]), default=None,
+              help="The ebpf agents' --bpf-host-routing: measure the host-routing fast path on and off in two "
+                   "runs. [default: the agent's, auto]")
 @click.option("--quick", is_flag=True, help="The CI profile: 1 and 1,000 services, 1 s runs.")
 @click.option("--lab", "lab_name", help="Reuse this lab (built from the bench topology) instead of building one.")
 @click.option("--topology", "topology_path", type=click.Path(exists=True, dir_okay=False),
@@ -123,7 +126,8 @@ def _print_compare(old_path: str, new_path: str) -> None:
 @click.option("--report-from", type=click.Path(exists=True, dir_okay=False),
               help="Rebuild report.md and the plots from a results.json (into --out, default its directory).")
 def bench(modes, services, endpoints_per_service, duration, warmup, repeats, concurrency, client_threads, update_changes,
-          burst_changes, xdp_duration, out_dir, quick, lab_name, topology_path, compare_paths, report_from) -> None:
+          burst_changes, xdp_duration, bpf_host_routing, out_dir, quick, lab_name, topology_path, compare_paths,
+          report_from) -> None:
     """Measure each mode's data path and control plane in one run, side by side.
 
     Data path: new TCP connections/s and latency through a ClusterIP (from a pod), a NodePort with
@@ -163,6 +167,7 @@ def bench(modes, services, endpoints_per_service, duration, warmup, repeats, con
         lab_name=lab_name,
         topology_path=topology_path,
         quick=quick,
+        bpf_host_routing=bpf_host_routing,
     )
     doc, report_path = run_bench(config, sys.argv[1:])
     click.echo(f"results: {config.out_dir / 'results.json'}\nreport:  {report_path}")

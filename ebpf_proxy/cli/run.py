@@ -95,6 +95,12 @@ def _bool_flag(*names: str, help: str):  # noqa: A002 (click's name)
               help="How the eBPF mode's early-drop XDP program attaches to outside-facing devices: generic "
                    "(any driver, default), native (in the driver, before an skb exists; where the driver "
                    "supports it) or off (the TC program decides every packet).")
+@click.option("--bpf-host-routing", default=None, metavar="auto|on|off",
+              help="eBPF mode: forward translated packets (and replies of tracked connections) straight to "
+                   "their pod or next hop with bpf_fib_lookup and bpf_redirect_peer/_neigh, skipping the "
+                   "node's routing, neighbour and netfilter stack (auto, default: on where the kernel has "
+                   "the helpers). Netfilter's FORWARD/POSTROUTING rules of other components do not see "
+                   "those packets: turn it off where they must.")
 @click.option("--iptables-backend", default=None, metavar="auto|legacy|nft",
               help="iptables mode: which backend (auto: the one already holding rules, else legacy).")
 @click.option("--audit-period", default=None, metavar="DURATION",

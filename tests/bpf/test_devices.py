@@ -80,12 +80,23 @@ def test_iface_flags_mark_pod_devices_and_what_the_interface_detectors_match():
              Link(4, "veth1", "veth", peer_elsewhere=True, master=3), Link(5, "cali9", "veth", peer_elsewhere=True)]
     devs = classify(links, [], [], ("veth*", "cali*"))
     bridge = LocalDetector(LocalMode.BRIDGE_INTERFACE, interface="cbr0")
-    assert iface_flags(links, devs, bridge) == {3: s.EPX_IF_LOCAL, 4: s.EPX_IF_POD | s.EPX_IF_LOCAL, 5: s.EPX_IF_POD}
+    # cali9 is a routed pod veth: host routing may deliver through it (EPX_IF_PEER); veth1 is a
+    # bridge port, which no route names
+    cali = s.EPX_IF_POD | s.EPX_IF_PEER
+    assert iface_flags(links, devs, bridge) == {3: s.EPX_IF_LOCAL, 4: s.EPX_IF_POD | s.EPX_IF_LOCAL, 5: cali}
     prefix = LocalDetector(LocalMode.INTERFACE_NAME_PREFIX, interface="cali")
-    assert iface_flags(links, devs, prefix) == {4: s.EPX_IF_POD, 5: s.EPX_IF_POD | s.EPX_IF_LOCAL}
+    assert iface_flags(links, devs, prefix) == {4: s.EPX_IF_POD, 5: cali | s.EPX_IF_LOCAL}
     prefix_veth = LocalDetector(LocalMode.INTERFACE_NAME_PREFIX, interface="veth")
     assert iface_flags(links, devs, prefix_veth)[4] == s.EPX_IF_POD  # enters through cbr0, not veth1
-    assert iface_flags(links, devs, LocalDetector()) == {4: s.EPX_IF_POD, 5: s.EPX_IF_POD}
+    assert iface_flags(links, devs, LocalDetector()) == {4: s.EPX_IF_POD, 5: cali}
+    # the devices that send no ICMP redirects (the sysctl, read by the caller), loopback never
+    quiet = iface_flags(links, devs, LocalDetector(), lambda name: name in ("lo", "eth0"))
+    assert quiet == {2: s.EPX_IF_NO_REDIRECTS, 4: s.EPX_IF_POD, 5: cali}
+    # the smallest route MTU out of each device in the high bits (host routing's MTU check);
+    # a multipath route's (no oif) counts for every device
+    mtus = iface_flags(links, devs, LocalDetector(), mtus={2: 1400, 5: 1200, None: 1300})
+    assert mtus == {2: 1300 << s.EPX_IF_MTU_SHIFT, 3: 1300 << s.EPX_IF_MTU_SHIFT,
+                    4: s.EPX_IF_POD | 1300 << s.EPX_IF_MTU_SHIFT, 5: cali | 1200 << s.EPX_IF_MTU_SHIFT}
 
 
 def test_attach_follow_and_detach(datapath):

@@ -18,7 +18,10 @@ A scenario runs once with both families of RequireDualStack Services:
   family (the step's `family`). apply, scale and delete steps run once, in the dual form.
 
 So each row proves both families of one dual-stack Service at once, on a node whose agent runs
-both proxiers: in ebpf mode, the eBPF IPv4 datapath beside the IPv6 one.
+both proxiers: in ebpf mode, the eBPF IPv4 datapath beside the IPv6 one. Its agents run with
+`--bpf-host-routing=off`: the IPv4-only table runs with the host-routing fast path on (the
+default), this one keeps the eBPF datapath's slow path (the host's routing and netfilter after
+translation) under the whole table too.
 """
 
 from __future__ import annotations
@@ -37,8 +40,11 @@ class DualStackError(ValueError):
 
 
 def dual_topology(data: dict[str, Any]) -> dict[str, Any]:
-    """topology.yaml's data with every address and CIDR in both families, IPv4 first."""
-    return _merge_topology(data, translate_topology(data), "")
+    """topology.yaml's data with every address and CIDR in both families, IPv4 first, and the
+    agents' host-routing fast path off (see the module docstring)."""
+    out = _merge_topology(data, translate_topology(data), "")
+    out["agentArgs"] = [*out.get("agentArgs", []), "--bpf-host-routing=off"]
+    return out
 
 
 def _merge_topology(v4: Any, v6: Any, where: str) -> Any:

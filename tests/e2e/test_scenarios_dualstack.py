@@ -31,6 +31,7 @@ def test_dualstack_topology_is_the_derivation_of_topology_yaml_and_loads_as_dual
     assert worker1.ips == ("172.20.20.15", "fd00:20::f")
     assert set(worker1.extra_ips) == {"192.168.99.11", "fd00:192:168:99::b"}
     assert all(len(p.ips) == 2 for p in topo.pods)  # client-1's addresses allocated in both families
+    assert "--bpf-host-routing=off" in topo.agent_args  # this shape keeps the eBPF slow path covered
 
 
 def test_every_probe_runs_over_ipv4_then_over_ipv6_and_the_other_steps_once():

@@ -139,6 +139,14 @@ def test_bpf_xdp_mode_reaches_the_datapath(agent_parts):
     assert agent.prepare_datapath().opts["xdp_mode"] == "native"
 
 
+def test_bpf_host_routing_reaches_the_datapath(agent_parts):
+    make, _, _ = agent_parts
+    agent = make({"bpf_host_routing": "off"})
+    agent.resolve_mode()
+    listed(agent, nodes=[node(NODE)])
+    assert agent.prepare_datapath().opts["host_routing"] == "off"
+
+
 def test_first_sync_programs_the_listed_state(agent_parts):
     make, clock, wall = agent_parts
     agent = make()
@@ -148,7 +156,7 @@ def test_first_sync_programs_the_listed_state(agent_parts):
     dp = agent.prepare_datapath()
     assert dp.opts == {"mode": "iptables", "cgroup_path": None, "bpffs": "/sys/fs/bpf",
                        "bpf_cache_dir": "/var/cache/ebpf-proxy/bpf", "backend": "auto", "max_entries": None,
-                       "xdp_mode": "generic"}
+                       "xdp_mode": "generic", "host_routing": "auto"}
     assert agent.node_config == NodeConfig(node_name=NODE, node_ips=("192.168.1.10", "10.244.1.1"),
                                            cluster_cidrs=("10.244.0.0/16",),
                                            local_detector=LocalDetector(LocalMode.CLUSTER_CIDR, ("10.244.0.0/16",)))

@@ -8,7 +8,7 @@ from rich.console import Console
 from ebpf_proxy.bench import ports
 from ebpf_proxy.bench.display import Display
 from ebpf_proxy.bench.report import render_markdown
-from ebpf_proxy.agent.config import _map_sizes
+from ebpf_proxy.agent.config import _map_sizes, load_config
 from ebpf_proxy.bench.runner import BenchConfig, agent_args, client_threads, mode_unavailable_reason, total_steps
 from tests.unit.test_bench_results import synthetic_doc
 
@@ -44,6 +44,14 @@ def test_agent_map_sizes_hold_the_largest_size_and_are_valid_flags(tmp_path):
     sizes = dict(_map_sizes(value, flag))  # what the agent's own parser accepts
     assert sizes["epx_backend"] >= 1.25 * 100_000 * 10 and sizes["epx_slot"] >= 1.25 * 100_000 * 10
     assert sizes["epx_svc"] >= 100_000 and all(n % 65536 == 0 for n in sizes.values())
+
+
+def test_bench_passes_the_host_routing_switch_to_the_ebpf_agents(tmp_path):
+    def args(routing):
+        return agent_args(BenchConfig(modes=["ebpf"], services=[1], out_dir=tmp_path, bpf_host_routing=routing))
+    assert args(None) == []  # the agent's default (auto)
+    assert args("off") == ["--bpf-host-routing", "off"]
+    assert load_config({"bpf_host_routing": args("off")[1]}, None).bpf_host_routing == "off"  # the agent takes it
 
 
 def test_client_threads_are_one_per_cpu_but_never_more_than_in_flight(tmp_path):

@@ -57,6 +57,27 @@ CT_GC_PERIOD = 10.0  # seconds between two passes of the connection table's garb
 # 2 (its entry, the reply half), a masqueraded one 4, so the limit holds for unmasqueraded traffic
 # and half of it for masqueraded traffic (nf_conntrack also stores two tuples per connection).
 CT_ENTRIES_PER_CONNECTION = 2
+# --bpf-host-routing (bpf/lib/fib4.h): on, off, or auto (on where the kernel has the helpers)
+HOST_ROUTING_MODES = ("auto", "on", "off")  # agent/config.py takes these (the agent layer sits above)
+
+
+def resolve_host_routing(mode: str) -> bool:
+    """Whether tc_ingress forwards translated packets itself (CFG_F_HOST_ROUTING), with one log line
+    saying why. `auto` turns it on where the kernel has bpf_fib_lookup, bpf_redirect_peer and
+    bpf_redirect_neigh with a next hop (5.11+); `on` without them is an error, not a silent off."""
+    if mode == "off":
+        log.info("bpf host routing: off (--bpf-host-routing=off): translated packets take the host stack",
+                 extra={"host_routing": False})
+        return False
+    missing = loader.host_routing_unsupported()
+    if missing is None:
+        log.info("bpf host routing: on (--bpf-host-routing=%s): translated packets skip the host's routing "
+                 "and netfilter stack where the FIB allows", mode, extra={"host_routing": True})
+        return True
+    if mode == "on":
+        raise loader.LoadError(f"--bpf-host-routing=on: this kernel cannot ({missing})")
+    log.info("bpf host routing: off (--bpf-host-routing=auto: %s)", missing, extra={"host_routing": False})
+    return False
 
 
 @dataclass(frozen=True)
@@ -101,6 +122,7 @@ class EbpfDatapath(Datapath):
         max_entries: Mapping[str, int] | None = None,
         ct_gc_period: float = CT_GC_PERIOD,
         bpf_cache_dir: str | None = None,
+        host_routing: str = "auto",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(node)
@@ -109,6 +131,9 @@ class EbpfDatapath(Datapath):
                              f"not IPv{node.family} (NodeConfig.family)")
         if xdp_mode not in ("generic", "native", "off"):
             raise ValueError(f"xdp_mode: {xdp_mode!r} is not one of generic, native, off")
+        if host_routing not in HOST_ROUTING_MODES:
+            raise ValueError(f"host_routing: {host_routing!r} is not one of {', '.join(HOST_ROUTING_MODES)}")
+        self._host_routing_mode = host_routing
         self.cgroup_path = Path(cgroup_path) if cgroup_path else None
         self.bpffs = Path(bpffs)
         self.pin_dir = pins.pin_dir(self.bpffs)
@@ -153,17 +178,9 @@ class EbpfDatapath(Datapath):
             # among the changes again (the tracker re-dirties an aborted take), and full syncs
             # (start, hourly, after an error) reconcile everything else.
             names = set(changes.services)
-        ordered = sorted(names)
-        did_not_fit: dict[ServicePortName, MapFull] = {}
-        for done, name in enumerate(ordered):
-            svc = state.services.get(name)
-            entries = self._programs.entries(svc, state.endpoints_of(name), state.topology) if svc else None
-            try:
-                counts["map_writes"] += self._programs.apply(name, entries)
-            except MapFull as exc:  # the others may still fit (a deletion later frees room): go on
-                did_not_fit[name] = exc
-            if done % PROGRESS_EVERY == 0:
-                self.report_progress(done / len(ordered))
+        # a service port a full map refused does not stop the others (a deletion later frees room)
+        writes, did_not_fit = self._programs.sync_names(state, names, self.report_progress, PROGRESS_EVERY)
+        counts["map_writes"] += writes
         if not self._attached:
             self._attach()
         elif changes.full:
@@ -200,6 +217,7 @@ class EbpfDatapath(Datapath):
             )
             settings = node_settings(self.node, host_netns_cookie=pins.netns_cookie(),
                                      snat_addr=self._devices.primary_address())
+            settings = dataclasses.replace(settings, host_routing=resolve_host_routing(self._host_routing_mode))
             if self._handover_in:
                 settings = dataclasses.replace(settings, handover=s.CFG_F_NETFILTER_FIRST)
             writes += program_node(maps, self.node, settings)

@@ -25,6 +25,9 @@ devices (EPX_IF_POD), and, for the interface local-traffic detectors, the device
 kube-proxy's `-i` match would call local (EPX_IF_LOCAL). That match sees the device a packet
 enters the IP layer through: for a pod on a bridge this is the bridge, not the pod's veth port
 where tc_ingress runs; so a bridge port is local when its bridge is (iface_flags).
+For host routing (bpf/lib/fib4.h) it also marks the routed pod veths bpf_redirect_peer can deliver
+through (EPX_IF_PEER) and the devices that send no ICMP redirects (EPX_IF_NO_REDIRECTS, from the
+send_redirects sysctls as the last reconcile or audit read them).
 
 `LinkWatcher` follows RTM_NEWLINK/DELLINK and IPv4 route changes with a raw netlink socket and
 re-runs the reconciliation (level-triggered: every event means "look again", nothing is parsed),
@@ -42,8 +45,9 @@ import os
 import select
 import socket
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ebpf_proxy.datapath.ebpf import loader
 from ebpf_proxy.datapath.ebpf import structs as s
@@ -107,13 +111,40 @@ def classify(links: Iterable[Link], routes: Iterable[Route], cluster_cidrs: Sequ
     return out
 
 
-def iface_flags(links: Iterable[Link], devices: dict[int, Device], detector: LocalDetector) -> dict[int, int]:
-    """epx_iface: ifindex -> EPX_IF_* for every device that has a flag (see the module docstring)."""
+def sends_no_redirects(name: str) -> bool:
+    """Whether the kernel sends no ICMP redirects out of device `name` (IN_DEV_TX_REDIRECTS: its
+    send_redirects and the `all` one both 0), read in the calling thread's netns. Unreadable: it
+    may send them."""
+    try:
+        return all(Path(f"/proc/sys/net/ipv4/conf/{scope}/send_redirects").read_text().strip() == "0"
+                   for scope in ("all", name))
+    except OSError:
+        return False
+
+
+def iface_flags(links: Iterable[Link], devices: dict[int, Device], detector: LocalDetector,
+                no_redirects: Callable[[str], bool] | None = None,
+                mtus: Mapping[int | None, int] | None = None) -> dict[int, int]:
+    """epx_iface: ifindex -> EPX_IF_* for every device that has a flag (see the module docstring).
+
+    For host routing (bpf/lib/fib4.h): EPX_IF_PEER on a pod device that is a routed veth (its peer
+    in the pod's netns, no bridge above it: the device a route to the pod names), which
+    bpf_redirect_peer can deliver through; EPX_IF_NO_REDIRECTS on a device for which
+    `no_redirects(name)` says the kernel sends no ICMP redirects; in bits EPX_IF_MTU_SHIFT and up,
+    the smallest route MTU out of the device (`mtus`, route_mtus: None's applies to every device)."""
     links = list(links)
     names = {link.index: link.name for link in links}
     out = {}
     for link in links:
-        flags = s.EPX_IF_POD if link.index in devices and devices[link.index].role == POD else 0
+        pod = link.index in devices and devices[link.index].role == POD
+        flags = s.EPX_IF_POD if pod else 0
+        if pod and link.kind == "veth" and link.peer_elsewhere and not link.master:
+            flags |= s.EPX_IF_PEER
+        if no_redirects is not None and not link.loopback and no_redirects(link.name):
+            flags |= s.EPX_IF_NO_REDIRECTS
+        if mtus and not link.loopback:
+            mtu = min((m for index, m in mtus.items() if index in (None, link.index)), default=0)
+            flags |= min(mtu, 0xFFFF) << s.EPX_IF_MTU_SHIFT
         l3_name = names.get(link.master, link.name) if link.master else link.name
         if detector.matches_l3_device(l3_name):
             flags |= s.EPX_IF_LOCAL
@@ -142,6 +173,23 @@ def scan(ipr) -> tuple[list[Link], list[Route]]:
         dst = msg.get("RTA_DST") or "0.0.0.0"
         routes.append(Route(f"{dst}/{msg['dst_len']}", msg.get("RTA_OIF"), msg.get("RTA_GATEWAY")))
     return links, routes
+
+
+_RTAX_MTU = "RTAX_MTU"
+
+
+def route_mtus(ipr) -> dict[int | None, int]:
+    """oif -> the smallest MTU metric of the IPv4 routes out of it, in every table (policy routing
+    may pick any); a multipath route's under None (any device). For host routing's MTU check
+    (EPX_IF_MTU_SHIFT): forwarding honours these, bpf_fib_lookup does not unless locked."""
+    out: dict[int | None, int] = {}
+    for msg in ipr.get_routes(family=socket.AF_INET):  # a dump: every table
+        metrics = msg.get("RTA_METRICS")
+        mtu = metrics.get(_RTAX_MTU) if metrics is not None else None
+        if mtu:
+            oif = msg.get("RTA_OIF")
+            out[oif] = min(mtu, out.get(oif, mtu))
+    return out
 
 
 def primary_address(ipr, devices: dict[int, Device], routes: Sequence[Route]) -> str | None:
@@ -191,7 +239,7 @@ class Devices:
         """The devices to attach to, the routes, and epx_iface's contents."""
         links, routes = scan(ipr)
         devices = classify(links, routes, self.cluster_cidrs, self.pod_patterns)
-        return devices, routes, iface_flags(links, devices, self.detector)
+        return devices, routes, iface_flags(links, devices, self.detector, sends_no_redirects, route_mtus(ipr))
 
     def reconcile(self, required: bool = False) -> int:
         """Attach to new or reclassified devices, forget vanished ones. Returns attachments made.

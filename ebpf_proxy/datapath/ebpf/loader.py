@@ -31,11 +31,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import json
 import logging
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import time
@@ -87,6 +89,52 @@ TC_PRIO, TC_HANDLE, TC_PROTOCOL_ALL = 1, 1, 0x0003  # ETH_P_ALL
 TC_FILTER_NAMES = {_TC_INGRESS_PARENT: "epx_ingress", _TC_EGRESS_PARENT: "epx_egress"}
 _XDP_FLAGS = {"generic": 2, "native": 4}  # XDP_FLAGS_SKB_MODE, XDP_FLAGS_DRV_MODE
 XDP_PROGRAM_NAME = "xdp_lb"
+
+
+# bpf/lib/fib4.h's helpers (enum bpf_func_id) and the first kernel with all of them in the form it
+# calls: bpf_redirect_neigh took its next-hop parameters in 5.11
+_HOST_ROUTING_HELPERS = {"bpf_fib_lookup": 69, "bpf_redirect_neigh": 152, "bpf_redirect_peer": 155}
+HOST_ROUTING_MIN_KERNEL = (5, 11)
+
+
+def _kernel_version(release: str) -> tuple[int, int]:
+    parts = release.split(".")
+    try:
+        return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+    except (IndexError, ValueError):
+        return (0, 0)
+
+
+def _helper_probe(helper: int, with_params: bool) -> bytes:
+    """A SCHED_CLS program calling `helper` with arguments its verifier accepts: the context in r1
+    and 64 zeroed stack bytes as r2/r3 (bpf_fib_lookup's params), or zeros (null, 0) in r1..r4."""
+    ins = functools.partial(struct.pack, "<BBhi")
+    if with_params:
+        code = b"".join(ins(0x7A, 10, -8 * i, 0) for i in range(1, 9))  # *(u64 *)(r10 - 8i) = 0
+        code += ins(0xBF, 0xA2, 0, 0) + ins(0x07, 2, 0, -64)  # r2 = r10 - 64
+        code += ins(0xB7, 3, 0, 64) + ins(0xB7, 4, 0, 0)  # r3 = 64, r4 = 0
+    else:
+        code = b"".join(ins(0xB7, reg, 0, 0) for reg in (1, 2, 3, 4))
+    return code + ins(0x85, 0, 0, helper) + libbpf.return_constant_program(0)
+
+
+def host_routing_unsupported(release: str | None = None) -> str | None:
+    """None when this kernel can run the host-routing fast path (--bpf-host-routing=auto turns it on),
+    else what is missing. Each helper is probed with a SCHED_CLS program that calls it (the verifier
+    refuses a program calling a helper the kernel lacks), and the release must be 5.11 or later."""
+    release = release or os.uname().release
+    if _kernel_version(release) < HOST_ROUTING_MIN_KERNEL:
+        return f"kernel {release} is older than {'.'.join(map(str, HOST_ROUTING_MIN_KERNEL))}"
+    missing = []
+    for name, helper in _HOST_ROUTING_HELPERS.items():
+        insns = _helper_probe(helper, with_params=name == "bpf_fib_lookup")
+        try:
+            os.close(libbpf.prog_load(libbpf.PROG_TYPE_SCHED_CLS, insns, name="epx_probe_fib"))
+        except OSError as exc:
+            missing.append(f"{name}: {exc.strerror}")
+        except libbpf.LibbpfMissing as exc:
+            return str(exc)
+    return ("the kernel refuses " + ", ".join(missing)) if missing else None
 
 
 class LoadError(RuntimeError):

@@ -109,6 +109,7 @@ class NodeSettings:
     host_netns_cookie: int = 0
     handover: int = 0  # structs.CFG_F_NETFILTER_* while a mode switch moves connections (agent/handover.py)
     adopted_masq: bool = False  # structs.CFG_F_ADOPTED_MASQ: such connections are in epx_ct4
+    host_routing: bool = False  # structs.CFG_F_HOST_ROUTING: tc_ingress forwards what it translated (fib4.h)
 
 
 @dataclass(frozen=True, slots=True)
@@ -413,7 +414,8 @@ class Maps:
         """The epx_config struct that holds `cfg`."""
         flags = (s.CFG_F_MASQ_ALL if cfg.masquerade_all else 0) | (
             s.CFG_F_LOCALHOST_NODEPORTS if cfg.localhost_nodeports else 0
-        ) | _DETECT_FLAGS[cfg.local_detect] | cfg.handover | (s.CFG_F_ADOPTED_MASQ if cfg.adopted_masq else 0)
+        ) | _DETECT_FLAGS[cfg.local_detect] | cfg.handover | (s.CFG_F_ADOPTED_MASQ if cfg.adopted_masq else 0) | (
+            s.CFG_F_HOST_ROUTING if cfg.host_routing else 0)
         return s.LB4Config(
             snat_addr=be32(cfg.snat_addr) if cfg.snat_addr else 0,
             snat_port_min=cfg.snat_port_min,

@@ -53,6 +53,12 @@ class Reason(enum.IntEnum):
     PASS_ICMP_MALFORMED = 31
     PASS_HANDOVER = 32
     DROP_HANDOVER_HELD = 33
+    # host routing (bpf/lib/fib4.h): events beside a packet's verdict, one per packet it looked at
+    EV_HOST_ROUTED_PEER = 34  # fast path into a local pod
+    EV_HOST_ROUTED_NEIGH = 35  # fast path to the next hop
+    EV_HOST_STACK_FIB = 36  # slow path: the route lookup said so
+    EV_HOST_STACK_MTU = 37  # slow path: larger than the route's MTU
+    EV_HOST_STACK_SKIP = 38  # slow path: not a packet the fast path routes
 
     @property
     def is_drop(self) -> bool:
@@ -102,9 +108,14 @@ REASON_DESCRIPTIONS: dict[Reason, str] = {
     Reason.PASS_ICMP_MALFORMED: "ICMP error whose quoted header is truncated or invalid: untouched, never translated",
     Reason.PASS_HANDOVER: "mode switch: no connection here, left to netfilter's conntrack, which holds the other mode's connections (CFG_F_NETFILTER_*)",
     Reason.DROP_HANDOVER_HELD: "mode switch: the connection is being moved between epx_ct4 and the kernel's conntrack (CT4_S_HELD), for microseconds; TCP retransmits",
+    Reason.EV_HOST_ROUTED_PEER: "not a verdict: fast path, delivered straight into a local pod (bpf_fib_lookup, bpf_redirect_peer), the host stack skipped",
+    Reason.EV_HOST_ROUTED_NEIGH: "not a verdict: fast path, sent straight to the route's next hop (bpf_fib_lookup, bpf_redirect_neigh), the host stack skipped",
+    Reason.EV_HOST_STACK_FIB: "not a verdict: slow path, the route lookup gave no decision to act on (no neighbour yet, local, unreachable, forwarding off, reverse-path check, ICMP redirect due)",
+    Reason.EV_HOST_STACK_MTU: "not a verdict: slow path, larger than the route's MTU: the kernel fragments it or answers fragmentation needed",
+    Reason.EV_HOST_STACK_SKIP: "not a verdict: slow path, not a packet to route here (fragment, IP options, TTL <= 1, not for this host, mark, mode switch)",
 }
 
-REASON_MAX = 34
+REASON_MAX = 39
 
 # Origins (EPX_ORIGIN_*)
 ORIGIN_POD, ORIGIN_NODE, ORIGIN_EXTERNAL, ORIGIN_LOCALHOST = 0, 1, 2, 3
@@ -134,6 +145,7 @@ CFG_F_DETECT_IFACE = 0x08
 CFG_F_NETFILTER_MIDSTREAM = 0x10  # a mode switch: only a SYN without an entry is ours (agent/handover.py)
 CFG_F_NETFILTER_FIRST = 0x20  # a mode switch: nothing without an entry is ours
 CFG_F_ADOPTED_MASQ = 0x40  # adopted connections masqueraded outside the port range (nat4_is_masq_dest)
+CFG_F_HOST_ROUTING = 0x80  # --bpf-host-routing: tc_ingress forwards what it translated (bpf/lib/fib4.h)
 
 # sock4_rev.flags
 SOCK4_F_MASQ = 0x01
@@ -141,6 +153,9 @@ SOCK4_F_MASQ = 0x01
 # epx_iface values
 EPX_IF_POD = 0x01
 EPX_IF_LOCAL = 0x02
+EPX_IF_PEER = 0x04  # a veth with its other end in another netns: bpf_redirect_peer delivers into it
+EPX_IF_NO_REDIRECTS = 0x08  # sends no ICMP redirects: the fast path may route back out of it
+EPX_IF_MTU_SHIFT = 16  # bits 16-31: the smallest MTU metric of a route out of the device (0: none)
 
 # trace mode (common.h): the signal, the hooks and what a record says
 TRACE_MARK = 0x65707874
@@ -228,10 +243,13 @@ CT4_S_HELD = 0x02  # ct4_entry.state: being moved by a mode switch (ebpf/handove
 # connection table pressure (struct ct4_ring)
 CT4_RING_SLOTS = 512
 CT4_EVICT_SCAN = 8
+BPF_FIB_LOOKUP_SIZE = 64  # sizeof(struct bpf_fib_lookup)
 
 
 class CT4Ring(_Struct):
-    _fields_ = [("head", u32), ("tail", u32), ("half", CT4Key), ("keys", CT4Key * CT4_RING_SLOTS)]
+    # fib: struct bpf_fib_lookup (the kernel's UAPI), scratch space of bpf/lib/fib4.h: only its size matters here
+    _fields_ = [("head", u32), ("tail", u32), ("half", CT4Key), ("keys", CT4Key * CT4_RING_SLOTS),
+                ("fib", u8 * BPF_FIB_LOOKUP_SIZE)]
 
 
 class Frag4Key(_Struct):
