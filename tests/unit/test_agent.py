@@ -123,28 +123,17 @@ def metric(agent: Agent, name: str, **labels) -> float | None:
     return agent.metrics.registry.get_sample_value(name, labels)
 
 
-def test_bpf_map_sizes_reach_the_datapath(agent_parts):
+@pytest.mark.parametrize("field, value, option, want", [
+    ("bpf_map_sizes", "epx_svc=262144,epx_backend=1048576", "max_entries", {"epx_svc": 262144, "epx_backend": 1048576}),
+    ("bpf_xdp_mode", "native", "xdp_mode", "native"),
+    ("bpf_host_routing", "off", "host_routing", "off"),
+])
+def test_bpf_options_reach_the_datapath(agent_parts, field, value, option, want):
     make, _, _ = agent_parts
-    agent = make({"bpf_map_sizes": "epx_svc=262144,epx_backend=1048576"})
+    agent = make({field: value})
     agent.resolve_mode()
     listed(agent, nodes=[node(NODE)])
-    assert agent.prepare_datapath().opts["max_entries"] == {"epx_svc": 262144, "epx_backend": 1048576}
-
-
-def test_bpf_xdp_mode_reaches_the_datapath(agent_parts):
-    make, _, _ = agent_parts
-    agent = make({"bpf_xdp_mode": "native"})
-    agent.resolve_mode()
-    listed(agent, nodes=[node(NODE)])
-    assert agent.prepare_datapath().opts["xdp_mode"] == "native"
-
-
-def test_bpf_host_routing_reaches_the_datapath(agent_parts):
-    make, _, _ = agent_parts
-    agent = make({"bpf_host_routing": "off"})
-    agent.resolve_mode()
-    listed(agent, nodes=[node(NODE)])
-    assert agent.prepare_datapath().opts["host_routing"] == "off"
+    assert agent.prepare_datapath().opts[option] == want
 
 
 def test_first_sync_programs_the_listed_state(agent_parts):
