@@ -53,3 +53,29 @@ BPF_TABLE_PINNED("array", __u32, struct lb4_config, epx_config, 1, EPX_PIN(epx_c
 BPF_TABLE_PINNED("percpu_array", __u32, struct epx_stat, epx_stats, EPX_REASON_MAX, EPX_PIN(epx_stats));
 /* trace mode (common.h): what the last trace run on each CPU decided */
 BPF_TABLE_PINNED("percpu_array", __u32, struct epx_trace_rec, epx_trace, 1, EPX_PIN(epx_trace));
+
+/* ---- IPv6 (common.h: the IPv6 section): the same roles, their own maps and id space ---- */
+/* frontend -> service */
+BPF_TABLE_PINNED("hash", struct lb6_key, struct lb4_service, epx_svc6, EPX_SVC6_MAX, EPX_PIN(epx_svc6));
+/* backend id -> address */
+BPF_TABLE_PINNED("hash", __u32, struct lb6_backend, epx_backend6, EPX_BACKEND6_MAX, EPX_PIN(epx_backend6));
+/* (service id, scope, slot) -> backend id */
+BPF_TABLE_PINNED("hash", struct lb4_slot_key, __u32, epx_slot6, EPX_SLOT6_MAX, EPX_PIN(epx_slot6));
+/* (service id, client) -> backend id, last use */
+BPF_TABLE_PINNED("lru_hash", struct lb6_affinity_key, struct lb4_affinity, epx_affinity6, EPX_AFFINITY6_MAX,
+		 EPX_PIN(epx_affinity6));
+/* (service id, client prefix) -> admitted (loadBalancerSourceRanges) */
+BPF_TABLE_PINNED("lpm_trie", struct lb6_range_key, __u32, epx_src_range6, EPX_SRC_RANGE6_MAX, EPX_PIN(epx_src_range6),
+		 BPF_F_NO_PREALLOC);
+/* this node's IPv6 addresses */
+BPF_TABLE_PINNED("hash", struct epx_in6, __u32, epx_node_addr6, EPX_NODE_ADDR6_MAX, EPX_PIN(epx_node_addr6));
+/* the CIDR local-traffic detector's IPv6 prefixes */
+BPF_TABLE_PINNED("lpm_trie", struct lpm6_key, __u32, epx_pod_cidr6, EPX_POD_CIDR6_MAX, EPX_PIN(epx_pod_cidr6),
+		 BPF_F_NO_PREALLOC);
+/* IPv6 connections (ct6_key); full: EPX_DROP_CT_FULL (no early drop for IPv6 yet) */
+BPF_TABLE_PINNED("hash", struct ct6_key, struct ct6_entry, epx_ct6, EPX_CT6_MAX, EPX_PIN(epx_ct6),
+		 BPF_F_NO_PREALLOC);
+/* the IPv6 masquerade address, one entry */
+BPF_TABLE_PINNED("array", __u32, struct lb6_config, epx_config6, 1, EPX_PIN(epx_config6));
+/* per-CPU scratch of the IPv6 connection steps (common.h: struct scratch6) */
+BPF_TABLE_PINNED("percpu_array", __u32, struct scratch6, epx_scratch6, 1, EPX_PIN(epx_scratch6));

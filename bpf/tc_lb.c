@@ -23,6 +23,8 @@
  * POSTROUTING): decided at ingress, applied at egress, after the kernel routed the DNATed packet;
  * rewriting the source to a node address at ingress would make the kernel drop it as martian.
  *
+ * IPv6 takes the same steps in lib/tc6.h (entered when the IPv4 parser finds no IPv4 header).
+ *
  * Trace mode (common.h, trace.h): each entry tests the signal once; a trace run takes the same
  * logic, inlined a second time with its record, as a dry run that counts nothing.
  */
@@ -35,6 +37,7 @@
 #include "lib/fib4.h"
 #include "lib/arp4.h"
 #include "lib/trace.h"
+#include "lib/tc6.h"
 
 /* The verdict for `reason`, counted (live) or recorded (trace). */
 static __always_inline int tc_done(struct __sk_buff *skb, __u32 reason, struct epx_trace_rec *tr)
@@ -61,6 +64,15 @@ static __always_inline int tc_ingress_run(struct __sk_buff *skb, struct epx_trac
 	__u32 reason;
 
 	reason = pkt4_parse_skb(skb, &p);
+	if (reason == EPX_PASS_NOT_IPV4) { /* IPv6 (lib/tc6.h), or not IP at all */
+		__u32 len = skb->len;
+
+		reason = tc6_ingress(skb, tr);
+		if (reason != EPX_REJECT)
+			return tc_done(skb, reason, tr);
+		stats_count(EPX_REJECT, len); /* a trace run never gets here (tc6_ingress) */
+		return bpf_redirect(skb->ifindex, 0);
+	}
 	if (reason == EPX_PASS_NOT_L4 && p.proto == IPPROTO_ICMP && (cfg = tc_config()))
 		return tc_done(skb, icmp4_err_ingress(skb, &p, cfg, bpf_ktime_get_ns()), tr);
 	if (reason)
@@ -114,6 +126,8 @@ static __always_inline int tc_egress_run(struct __sk_buff *skb, struct epx_trace
 	__u32 reason;
 
 	reason = pkt4_parse_skb(skb, &p);
+	if (reason == EPX_PASS_NOT_IPV4)
+		reason = tc6_egress(skb, tr); /* IPv6 (lib/tc6.h); anything else stays PASS_NOT_IPV4 */
 	if (reason == EPX_PASS_NOT_IPV4 && (cfg = tc_config()))
 		reason = arp4_masq_loopback_sender(skb, cfg) ?: reason;
 	if (reason == EPX_PASS_NOT_L4 && p.proto == IPPROTO_ICMP)

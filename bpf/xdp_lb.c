@@ -1,6 +1,6 @@
 /* XDP program: drop early, before an skb exists, what the TC program would only drop later.
  *
- * Attached on the devices facing outside, it drops malformed IPv4 packets and the first packets
+ * Attached on the devices facing outside, it drops malformed IPv4 and IPv6 packets and the first packets
  * of new connections that kube-proxy's rules drop whatever the connection state: clients that
  * loadBalancerSourceRanges does not admit, and traffic from outside to an
  * externalTrafficPolicy=Local service without a local endpoint (and internalTrafficPolicy=Local
@@ -14,6 +14,7 @@
 #include "lib/maps.h"
 #include "lib/stats.h"
 #include "lib/lb4.h"
+#include "lib/lb6.h"
 #include "lib/trace.h"
 
 static __always_inline int xdp_early_drop(__u32 reason)
@@ -32,6 +33,44 @@ static __always_inline int xdp_done(__u32 reason, __u32 len, struct epx_trace_re
 	return reason ? XDP_DROP : XDP_PASS;
 }
 
+/* IPv6: the same early drops, decided by lb6_policy (the TC program's own). Trace mode explains
+ * IPv4 only: an IPv6 trace run records EPX_PASS_IPV6_UNTRACED and passes. */
+static __always_inline int xdp6_run(struct xdp_md *ctx, struct epx_trace_rec *tr)
+{
+	void *data = (void *)(long)ctx->data, *data_end = (void *)(long)ctx->data_end;
+	struct pkt6 p = {};
+	struct lb4_service *svc;
+	struct lb4_choice c = {};
+	struct scratch6 *s;
+	__u32 zero = 0, reason;
+	struct lb4_config *cfg;
+
+	reason = pkt6_parse(data, data_end, data_end - data, &p);
+	if (reason == EPX_PASS_NOT_IPV4)
+		return xdp_done(EPX_CONTINUE, 0, tr); /* not IP at all (ARP, ...): the TC program counts it */
+	if (tr) {
+		tr->reason = EPX_PASS_IPV6_UNTRACED;
+		return XDP_PASS;
+	}
+	if (epx_is_drop(reason))
+		return xdp_done(reason, data_end - data, NULL);
+	if (reason)
+		return xdp_done(EPX_CONTINUE, 0, NULL);
+	/* packets of established connections keep flowing, as with kube-proxy (NEW only) */
+	s = scratch6_get();
+	if (!s)
+		return xdp_done(EPX_CONTINUE, 0, NULL);
+	s->key = ct6_key_make(&p.saddr, &p.daddr, p.sport, p.dport, p.proto, CT4_SVC);
+	if (ct6_lookup_svc(s, &s->key, bpf_ktime_get_ns()))
+		return xdp_done(EPX_CONTINUE, 0, NULL);
+	svc = lb6_lookup_packet_service(&p.daddr, p.dport, p.proto);
+	cfg = epx_lookup(epx_config, &zero);
+	if (!svc || !cfg)
+		return xdp_done(EPX_CONTINUE, 0, NULL);
+	reason = lb6_policy(svc, &p.saddr, lb6_origin(&p.saddr, ctx->ingress_ifindex, cfg->flags), cfg->flags, &c);
+	return xdp_done(xdp_early_drop(reason) ? reason : EPX_CONTINUE, data_end - data, NULL);
+}
+
 static __always_inline int xdp_lb_run(struct xdp_md *ctx, struct epx_trace_rec *tr)
 {
 	void *data = (void *)(long)ctx->data, *data_end = (void *)(long)ctx->data_end;
@@ -45,6 +84,8 @@ static __always_inline int xdp_lb_run(struct xdp_md *ctx, struct epx_trace_rec *
 	__u8 origin;
 
 	reason = pkt4_parse(data, data_end, data_end - data, &p);
+	if (reason == EPX_PASS_NOT_IPV4)
+		return xdp6_run(ctx, tr); /* IPv6, or not IP: passed on */
 	if (epx_is_drop(reason))
 		return xdp_done(reason, data_end - data, tr);
 	if (reason || p.frag == EPX_FRAG_LATER)

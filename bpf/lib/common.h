@@ -44,7 +44,7 @@
  * structs.Reason (same names without the EPX_ prefix); keep the values dense. */
 enum epx_reason {
 	EPX_CONTINUE = 0,                /* not a verdict: "not mine, go on" between helpers; never counted */
-	EPX_PASS_NOT_IPV4 = 1,           /* not IPv4 (ARP, IPv6, ...): untouched */
+	EPX_PASS_NOT_IPV4 = 1,           /* neither IPv4 nor IPv6 (ARP, LLDP, ...): untouched */
 	EPX_PASS_NOT_L4 = 2,             /* IPv4 but neither TCP nor UDP (ICMP, SCTP, ...): untouched */
 	EPX_PASS_NO_SERVICE = 3,         /* no connection, no service frontend: untouched */
 	EPX_PASS_FRAG_UNKNOWN = 4,       /* later fragment whose first fragment was not seen here: untouched */
@@ -84,10 +84,16 @@ enum epx_reason {
 	EPX_EV_HOST_STACK_FIB = 36,      /* not a verdict: slow path, the route lookup gave no decision to act on (no neighbour yet, local, unreachable, forwarding off, reverse-path check, ICMP redirect due) */
 	EPX_EV_HOST_STACK_MTU = 37,      /* not a verdict: slow path, larger than the route's MTU: the kernel fragments it or answers fragmentation needed */
 	EPX_EV_HOST_STACK_SKIP = 38,     /* not a verdict: slow path, not a packet to route here (fragment, IP options, TTL <= 1, not for this host, mark, mode switch) */
-	EPX_REASON_MAX = 39,
+	EPX_PASS_IPV6_FRAG = 39,         /* IPv6 packet with a fragment header: untouched (no IPv6 fragment tracking; the ip6tables mode reassembles) */
+	EPX_PASS_IPV6_NOT_L4 = 40,       /* IPv6 but neither TCP nor UDP after the extension headers (ICMPv6, neighbour discovery, ESP, ...): untouched */
+	EPX_DROP_MALFORMED_IPV6 = 41,    /* bad IPv6 version or payload length, truncated IPv6 or extension header */
+	EPX_DROP_IPV6_EXTHDRS = 42,      /* IPv6 extension header chain longer than the parser walks (pkt6.h): dropped, so that no chain carries a packet past the service rules */
+	EPX_PASS_IPV6_UNTRACED = 43,     /* trace run of an IPv6 packet: trace mode explains IPv4 only, nothing decided or written */
+	EPX_PASS_IPV6_OFF = 44,          /* IPv6 while the eBPF datapath does not serve it (CFG6_F_ON unset: ip6tables does): untouched */
+	EPX_REASON_MAX = 45,
 };
 #define EPX_DROP_FIRST EPX_DROP_MALFORMED_IP
-#define EPX_DROP_LAST EPX_DROP_REJECT_FAILED /* and EPX_DROP_CT_FULL, _HANDOVER_HELD, appended later (epx_is_drop) */
+#define EPX_DROP_LAST EPX_DROP_REJECT_FAILED /* and EPX_DROP_CT_FULL, _HANDOVER_HELD, _MALFORMED_IPV6, _IPV6_EXTHDRS, appended later (epx_is_drop) */
 
 /* ---- packet facts ---- */
 #define EPX_MAX_IP_HLEN 60
@@ -410,6 +416,116 @@ struct epx_trace_rec {
 	__be16 snat_port;
 	__u16 pad2;
 	__u32 ifindex;       /* the device the program saw (TC: skb->ifindex, XDP: the ingress device) */
+};
+
+/* ================= IPv6 (issue 10): the same datapath for the other family =================
+ * Separate maps (bpf/maps.c: epx_*6), so that the IPv6 proxier's service and backend ids, written
+ * by its own writer, live in their own id space and never collide with IPv4's.
+ *
+ * Addresses are struct epx_in6: four __be32 words holding the 16 bytes in network order, exactly
+ * as in the packet. Words rather than __u8[16]: addresses are compared and copied a word at a time
+ * (in6_eq), bpf_csum_diff takes __be32 arrays for the checksum fix-ups, and a struct (not a bare
+ * array) can be assigned, returned and used as a map key (epx_node_addr6).
+ *
+ * Family-free structs are reused, not duplicated: epx_svc6's value is struct lb4_service,
+ * epx_slot6's key struct lb4_slot_key, epx_affinity6's value struct lb4_affinity, epx_stats and
+ * epx_iface are shared, and so are the LB4_F_*, LB4_SCOPE_*, LB4_BE_*, CT4_* kind/flag/state
+ * constants, EPX_ORIGIN_* and the lifetimes and port range of epx_config (struct lb4_config). */
+struct epx_in6 {
+	__be32 w[4];
+};
+
+/* ---- services: frontend -> struct lb4_service ---- */
+struct lb6_key {
+	struct epx_in6 addr; /* clusterIP, externalIP or LB IP; :: = any node address (a NodePort) */
+	__be16 port;
+	__u8 proto;          /* IPPROTO_TCP / IPPROTO_UDP */
+	__u8 pad;
+};
+
+/* backends: id -> address (ids: the IPv6 writer's own, see above) */
+struct lb6_backend {
+	struct epx_in6 addr;
+	__be16 port;
+	__u8 flags; /* LB4_BE_* */
+	__u8 pad;
+};
+
+/* session affinity: (service, client) -> struct lb4_affinity */
+struct lb6_affinity_key {
+	__u32 svc_id;
+	struct epx_in6 client;
+};
+
+/* LPM keys: the pod CIDRs (epx_pod_cidr6), and loadBalancerSourceRanges per service */
+struct lpm6_key {
+	__u32 prefixlen;
+	struct epx_in6 addr;
+};
+
+struct lb6_range_key {
+	__u32 prefixlen; /* 32 (the service id) + the CIDR's prefix length */
+	__u32 svc_id;
+	struct epx_in6 addr;
+};
+
+/* ---- connection table: the same four kinds (CT4_SVC, CT4_REV_DNAT, CT4_SNAT, CT4_REV_SNAT) and
+ * the same flags and states as ct4, with 16-byte addresses. No early-drop queue and no mode-switch
+ * handover for IPv6 yet: a full table refuses the new connection (EPX_DROP_CT_FULL). */
+struct ct6_key {
+	struct epx_in6 saddr;
+	struct epx_in6 daddr;
+	__be16 sport;
+	__be16 dport;
+	__u8 proto;
+	__u8 kind; /* CT4_* */
+	__u16 pad;
+};
+
+struct ct6_entry {
+	__u64 expires;            /* CT4_SVC: bpf_ktime_get_ns() deadline */
+	struct epx_in6 nat_addr;  /* as ct4_entry's */
+	struct epx_in6 svc_addr;  /* frontend of the owning connection */
+	__be16 nat_port;
+	__be16 svc_port;
+	__u32 backend_id;         /* CT4_SVC: chosen backend */
+	struct epx_in6 snat_addr; /* CT4_SVC with CT4_F_MASQ: the source the backend sees */
+	__be16 snat_port;
+	__u8 flags;               /* CT4_F_* */
+	__u8 state;               /* CT4_S_* */
+	__u32 pad;
+};
+
+/* ---- per-CPU scratch of the IPv6 path (epx_scratch6, one entry): the connection steps' 40-byte
+ * keys and 72-byte entries, inlined at every step, do not fit tc_ingress's 512-byte stack beside
+ * the IPv4 path (the reason ct4_ring has its `half`), nor do the REJECT's quote and options. A
+ * packet runs to completion on its CPU, so one set per CPU suffices; each field has one job, so
+ * that nested steps never share one. ---- */
+#define EPX_IPV6_MAX_EXTLEN 256 /* bytes of extension headers the parser walks (pkt6.h) */
+#define EPX_ICMP6_QUOTE_MAX (40 + EPX_IPV6_MAX_EXTLEN + 8) /* icmp6.h: IPv6 header, extension headers, 8 L4 bytes */
+#define EPX_ICMP6_PARTIAL_PAD 24 /* icmp6.h: destination-options bytes from the original L4 offset on */
+#define EPX_ICMP6_OPTS_MAX (EPX_IPV6_MAX_EXTLEN + EPX_ICMP6_PARTIAL_PAD)
+
+struct scratch6 {
+	struct ct6_key key;    /* the step's own key: lookups, ct6_create's and ct6_snat_alloc's writes */
+	struct ct6_key owner;  /* ct6_owner: the CT4_SVC key of a half's connection */
+	struct ct6_key half;   /* ct6_forget: the halves it removes */
+	struct ct6_entry gone; /* ct6_forget: the connection removed, read before its entry goes */
+	struct ct6_entry val;  /* ct6_create: the entries it writes */
+	__u8 quote[EPX_ICMP6_QUOTE_MAX]; /* icmp6_reject: the quoted packet, moved behind the new headers */
+	__u8 opts[EPX_ICMP6_OPTS_MAX];   /* icmp6_reject: its destination-options header (a pod's packet) */
+};
+
+/* ---- node configuration for IPv6: a single-entry array beside epx_config, which keeps the
+ * flags, the masquerade port range and the lifetimes for both families ---- */
+/* lb6_config.flags */
+#define CFG6_F_ON 0x01 /* this node's IPv6 Services are the eBPF datapath's: the programs act on IPv6.
+			* Unset (the agent serves IPv6 with ip6tables, or programs none), IPv6 packets are
+			* untouched (EPX_PASS_IPV6_OFF): not parsed, translated or dropped. */
+
+struct lb6_config {
+	struct epx_in6 snat_addr; /* IPv6 masquerade source (:: = none: masquerade drops, SNAT_NO_ADDR) */
+	__u32 flags;              /* CFG6_F_* */
 };
 
 #endif /* EPX_COMMON_H */

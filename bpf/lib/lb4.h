@@ -85,17 +85,14 @@ static __always_inline int lb4_source_admitted(const struct lb4_service *svc, __
 	return epx_lookup(epx_src_range, &key) != NULL;
 }
 
-/* kube-proxy's choice for a new connection to `svc` from `saddr`. Returns 0 with `c` filled, or
- * EPX_REJECT / EPX_DROP_*. Masquerade here is the policy's; hairpin is added by the caller. */
-static __always_inline __u32 lb4_policy(const struct lb4_service *svc, __be32 saddr, __u8 origin, __u32 cfg_flags,
-					struct lb4_choice *c)
+/* The part of kube-proxy's choice that depends on neither family nor address: the endpoint set
+ * and the masquerade for a service with usable endpoints whose source ranges admitted the client,
+ * from where the packet comes (`origin`). lb4_policy and lb6_policy (lb6.h) end here. Returns 0
+ * with `c` filled, or EPX_REJECT / EPX_DROP_*. */
+static __always_inline __u32 lb_policy_scope(const struct lb4_service *svc, __u8 origin, __u32 cfg_flags,
+					     struct lb4_choice *c)
 {
 	int masq_all = !!(cfg_flags & CFG_F_MASQ_ALL);
-
-	if (!(svc->flags & LB4_F_HAS_ENDPOINTS))
-		return EPX_REJECT; /* rule 9: no usable endpoint anywhere */
-	if ((svc->flags & LB4_F_SOURCE_RANGES) && !lb4_source_admitted(svc, saddr))
-		return EPX_DROP_SOURCE_RANGE; /* rule 11 */
 
 	if (!(svc->flags & LB4_F_EXTERNAL)) {
 		/* clusterIP: masquerade what does not come from a pod (rules 1, 2); with
@@ -133,6 +130,18 @@ static __always_inline __u32 lb4_policy(const struct lb4_service *svc, __be32 sa
 		c->scope = LB4_SCOPE_LOCAL;
 		return svc->local_count ? 0 : EPX_DROP_NO_LOCAL_EXTERNAL;
 	}
+}
+
+/* kube-proxy's choice for a new connection to `svc` from `saddr`. Returns 0 with `c` filled, or
+ * EPX_REJECT / EPX_DROP_*. Masquerade here is the policy's; hairpin is added by the caller. */
+static __always_inline __u32 lb4_policy(const struct lb4_service *svc, __be32 saddr, __u8 origin, __u32 cfg_flags,
+					struct lb4_choice *c)
+{
+	if (!(svc->flags & LB4_F_HAS_ENDPOINTS))
+		return EPX_REJECT; /* rule 9: no usable endpoint anywhere */
+	if ((svc->flags & LB4_F_SOURCE_RANGES) && !lb4_source_admitted(svc, saddr))
+		return EPX_DROP_SOURCE_RANGE; /* rule 11 */
+	return lb_policy_scope(svc, origin, cfg_flags, c);
 }
 
 /* Choose a backend of `svc` in `scope` for `client` (rules 1, 10, 13). Returns 0 with *backend_id

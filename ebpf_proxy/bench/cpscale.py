@@ -193,8 +193,9 @@ def private_maps(services: int, endpoints: int, sizes: dict[str, int] | None = N
     backends = services * max(endpoints, 1)
     capacities = {**loader.MAX_ENTRIES, "epx_svc": max(services + 16, 1024),
                   "epx_backend": max(backends + 16, 1024), "epx_slot": max(2 * backends + 16, 1024),
-                  "epx_config": 1, "epx_stats": s.REASON_MAX, "epx_trace": 1, "epx_ct4_ring": 1, **(sizes or {})}
-    no_prealloc = {"epx_src_range", "epx_pod_cidr", "epx_ct4"}  # as bpf/maps.c creates them
+                  **loader.FIXED_ENTRIES, **(sizes or {})}
+    # as bpf/maps.c creates them: LPM tries (the kernel requires it) and the connection tables
+    no_prealloc = {name for name, spec in s.MAPS.items() if spec.kind == "lpm_trie"} | {"epx_ct4", "epx_ct6"}
     fds: dict[str, int] = {}
     try:
         for name, spec in s.MAPS.items():

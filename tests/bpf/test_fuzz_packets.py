@@ -218,6 +218,41 @@ def classify(frame: bytes) -> str | Parsed:
     return Parsed(**base, sport=sport, dport=dport)
 
 
+IPV6_EXTHDRS = {0: 8, 43: 8, 60: 8, 51: 4}  # hop-by-hop, routing, destination options, AH: their length unit
+IPV6_MAX_EXTHDRS, IPV6_MAX_EXTLEN = 4, 256  # bpf/lib/pkt6.h: what the walk takes
+
+
+def classify6(frame: bytes) -> R:
+    """What the IPv6 path (bpf/lib/pkt6.h, RFC 8200) must count for an IPv6 frame when no IPv6
+    service or connection exists (this world programs IPv4 only): a malformed IPv6 or extension
+    header, a chain longer than the walk, a fragment, not TCP/UDP, a TCP/UDP header cut short,
+    else nothing of ours."""
+    ip = frame[ETH_HLEN:]
+    if len(ip) < 40 or ip[0] >> 4 != 6 or 40 + struct.unpack("!H", ip[4:6])[0] > len(ip):
+        return R.DROP_MALFORMED_IPV6
+    end, off, nh = 40 + struct.unpack("!H", ip[4:6])[0], 40, ip[6]
+    for _ in range(IPV6_MAX_EXTHDRS):
+        if nh not in IPV6_EXTHDRS:
+            break
+        if off + 2 > end:
+            return R.DROP_MALFORMED_IPV6
+        nh, off = ip[off], off + (ip[off + 1] + (2 if nh == 51 else 1)) * IPV6_EXTHDRS[nh]
+        if off > end:
+            return R.DROP_MALFORMED_IPV6
+        if off > 40 + IPV6_MAX_EXTLEN:
+            return R.DROP_IPV6_EXTHDRS
+    if nh == 44:
+        return R.PASS_IPV6_FRAG
+    if nh in IPV6_EXTHDRS:
+        return R.DROP_IPV6_EXTHDRS
+    if nh not in (TCP, UDP):
+        return R.PASS_IPV6_NOT_L4
+    need = 20 if nh == TCP else 8
+    if end < off + need or (nh == TCP and ip[off + 12] >> 4 < 5):
+        return R.DROP_MALFORMED_L4
+    return R.PASS_NO_SERVICE
+
+
 # ---- the state the example runs against ----------------------------------------------------------
 
 
@@ -254,6 +289,7 @@ def set_up(datapath, maps: Maps) -> World:
     """Blank connection state, then four connections made by real packets."""
     for name in ("epx_ct4", "epx_frag4", "epx_affinity"):
         maps.clear(name)
+    maps.set_settings6(None)  # the IPv6 path on (CFG6_F_ON), no IPv6 service: its parser is what is fuzzed
     world = World()
     for proto in (TCP, UDP):
         for client, frontend in (((w.POD_CLIENT, 40000), (w.VIP, 80)),
@@ -481,6 +517,11 @@ def judge(world: World, prog: str, frame: bytes, verdict: int, out: bytes, count
     if kind == NOT_L4 and frame[ETH_HLEN + 9] == socket.IPPROTO_ICMP:
         judge_icmp(world, prog, frame, out, reason)
         return
+    if kind == NOT_IPV4 and frame[12:14] == b"\x86\xdd":  # the IPv6 path: this world has no IPv6 service
+        assert reason == classify6(frame), f"IPv6 frame got {reason.name}, expected {classify6(frame).name}"
+        if not reason.is_drop:
+            assert out == frame, f"{reason.name} modified the frame"
+        return
     if not isinstance(kind, Parsed):
         assert reason in (R.PASS_NOT_IPV4, R.PASS_NOT_L4, R.ARP_MASQ), f"{kind} frame got {reason.name}"
         if reason != R.ARP_MASQ:
@@ -680,7 +721,8 @@ def run_one(datapath, maps: Maps, world: World, prog: str, frame: bytes, seen: C
 MUST_SEE = [
     *[(prog, r, shape) for prog in ("tc_ingress", "tc_egress") for r, shape in (
         (R.DROP_MALFORMED_IP, MALFORMED_IP), (R.DROP_MALFORMED_L4, MALFORMED_L4), (R.PASS_NOT_IPV4, NOT_IPV4),
-        (R.PASS_NOT_L4, NOT_L4), (R.PASS_NO_SERVICE, "whole"), (R.PASS_FRAG_UNKNOWN, "later"))],
+        (R.PASS_NOT_L4, NOT_L4), (R.PASS_NO_SERVICE, "whole"), (R.PASS_FRAG_UNKNOWN, "later"),
+        (R.PASS_NO_SERVICE, NOT_IPV4), (R.DROP_MALFORMED_IPV6, NOT_IPV4))],  # IPv6 frames reached the IPv6 path
     *[("tc_ingress", r, shape) for r in (R.FWD_NEW, R.FWD_ESTABLISHED) for shape in ("whole", "first")],
     ("tc_ingress", R.FWD_ESTABLISHED, "later"), ("tc_ingress", R.REV_SNAT, "whole"),
     ("tc_ingress", R.REJECT, "whole"), ("tc_ingress", R.DROP_NO_LOCAL_EXTERNAL, "whole"),

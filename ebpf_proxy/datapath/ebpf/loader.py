@@ -68,8 +68,19 @@ MAX_ENTRIES: dict[str, int] = {
     "epx_ct4": 262144,
     "epx_frag4": 8192,
     "epx_sock_rev": 65536,
+    # IPv6 (bpf/maps.c): the same roles, their own maps, so the IPv6 writer's ids are its own
+    "epx_svc6": 65536,
+    "epx_backend6": 65536,
+    "epx_slot6": 262144,
+    "epx_affinity6": 65536,
+    "epx_src_range6": 16384,
+    "epx_node_addr6": 256,
+    "epx_pod_cidr6": 64,
+    "epx_ct6": 262144,
 }
-_FIXED_ENTRIES = {"epx_config": 1, "epx_stats": structs.REASON_MAX, "epx_trace": 1, "epx_ct4_ring": 1}
+# the arrays' sizes are the datapath's own, never configured
+FIXED_ENTRIES = {"epx_config": 1, "epx_stats": structs.REASON_MAX, "epx_trace": 1, "epx_ct4_ring": 1,
+                  "epx_config6": 1, "epx_scratch6": 1}
 
 # bcc program type names (BPF.<name>) and attach types (BPFAttachType.<name>)
 PROGRAMS: dict[str, tuple[str, str, str | None]] = {
@@ -190,7 +201,7 @@ def unmount_bpffs(path: Path) -> None:
 
 def _expected_sizes(max_entries: Mapping[str, int]) -> dict[str, tuple[int, int, int, int]]:
     """(map type, key size, value size, capacity) of each map of this build."""
-    sizes = {**max_entries, **_FIXED_ENTRIES}
+    sizes = {**max_entries, **FIXED_ENTRIES}
     return {
         name: (spec.type_id, ctypes.sizeof(spec.key), ctypes.sizeof(spec.leaf), sizes[name])
         for name, spec in structs.MAPS.items()

@@ -42,6 +42,15 @@ def ip_str(raw: int) -> str:
     return socket.inet_ntoa(raw.to_bytes(4, sys.byteorder))
 
 
+def in6(ip: str | None) -> s.In6:
+    """IPv6 address (None: ::) -> struct epx_in6, its 16 bytes in network order as in the packet."""
+    return s.In6.from_buffer_copy(socket.inet_pton(socket.AF_INET6, ip or "::"))
+
+
+def ip6_str(raw: s.In6) -> str:
+    return socket.inet_ntop(socket.AF_INET6, bytes(raw))
+
+
 def be16(port: int) -> int:
     return socket.htons(port)
 
@@ -237,6 +246,44 @@ def stream_items(fd: int, name: str) -> Iterator[tuple]:
         value = spec.leaf()
         if libbpf.map_lookup(fd, key, value):
             yield key, value
+
+
+@dataclass(frozen=True, slots=True)
+class Connection6:
+    """One epx_ct6 entry, decoded (Connection's IPv6 twin)."""
+
+    kind: int  # structs.CT4_*
+    proto: int
+    saddr: str
+    sport: int
+    daddr: str
+    dport: int
+    nat_addr: str
+    nat_port: int
+    svc_addr: str
+    svc_port: int
+    backend_id: int
+    snat_addr: str
+    snat_port: int
+    flags: int
+    expires_ns: int
+    state: int = 0
+
+
+def _connection6(k: s.CT6Key, v: s.CT6Entry) -> Connection6:
+    return Connection6(
+        kind=k.kind, proto=k.proto,
+        saddr=ip6_str(k.saddr), sport=port_int(k.sport), daddr=ip6_str(k.daddr), dport=port_int(k.dport),
+        nat_addr=ip6_str(v.nat_addr), nat_port=port_int(v.nat_port),
+        svc_addr=ip6_str(v.svc_addr), svc_port=port_int(v.svc_port), backend_id=v.backend_id,
+        snat_addr=ip6_str(v.snat_addr), snat_port=port_int(v.snat_port), flags=v.flags,
+        expires_ns=v.expires, state=v.state,
+    )
+
+
+def _lpm6(cidr: str) -> tuple[int, s.In6]:
+    net = ipaddress.IPv6Network(cidr, strict=False)
+    return net.prefixlen, in6(str(net.network_address))
 
 
 def _frontend_key(fe: Frontend) -> s.LB4Key:
@@ -737,6 +784,66 @@ class Maps:
         value.expires = expires_ns
         self._put("epx_ct4", key, value)
 
+    # -- IPv6 (the epx_*6 maps): a minimal writer with the IPv4 one's conventions. Service and
+    # backend ids are the IPv6 writer's own: the maps are separate, so they never collide. --
+
+    def set_settings6(self, snat_addr: str | None, on: bool = True) -> None:
+        """epx_config6: the IPv6 masquerade address (None: none) and whether the programs serve
+        IPv6 at all (CFG6_F_ON; off, IPv6 packets pass untouched, as while ip6tables serves it).
+        Flags, port range and lifetimes are epx_config's (set_settings), shared by both families."""
+        self._put("epx_config6", s.u32(0), s.LB6Config(snat_addr=in6(snat_addr), flags=s.CFG6_F_ON if on else 0))
+
+    def set_node_addrs6(self, addrs: Iterable[str]) -> int:
+        """Make epx_node_addr6 exactly `addrs`, touching only what differs. Returns the writes."""
+        wanted = {bytes(in6(a)) for a in addrs}
+        present = {bytes(key) for key in self.keys("epx_node_addr6")}
+        for raw in present - wanted:
+            libbpf.map_delete(self._fd("epx_node_addr6"), s.In6.from_buffer_copy(raw))
+        for raw in wanted - present:
+            self._put("epx_node_addr6", s.In6.from_buffer_copy(raw), s.u32(1))
+        return len(present ^ wanted)
+
+    def set_pod_cidrs6(self, cidrs: Iterable[str]) -> int:
+        """Make epx_pod_cidr6 exactly `cidrs`, touching only what differs. Returns the writes."""
+        wanted = {(plen, bytes(addr)) for plen, addr in map(_lpm6, cidrs)}
+        present = {(key.prefixlen, bytes(key.addr)) for key in self.keys("epx_pod_cidr6")}
+        for plen, raw in present - wanted:
+            libbpf.map_delete(self._fd("epx_pod_cidr6"), s.LPM6Key(prefixlen=plen, addr=s.In6.from_buffer_copy(raw)))
+        for plen, raw in wanted - present:
+            self._put("epx_pod_cidr6", s.LPM6Key(prefixlen=plen, addr=s.In6.from_buffer_copy(raw)), s.u32(1))
+        return len(present ^ wanted)
+
+    def set_service6(self, fe: Frontend, svc: Service) -> None:
+        """An IPv6 frontend (addr None: the nodePort on every node address) -> its service."""
+        key = s.LB6Key(addr=in6(fe.addr), port=be16(fe.port), proto=fe.proto)
+        value = s.LB4Service(id=svc.id, count=svc.count, local_count=svc.local_count,
+                             affinity_timeout=svc.affinity_timeout, flags=svc.flags)
+        self._put("epx_svc6", key, value)
+
+    def set_backend6(self, backend_id: int, be: Backend) -> None:
+        flags = (s.LB4_BE_IN_CLUSTER if be.in_cluster else 0) | (s.LB4_BE_IN_LOCAL if be.in_local else 0)
+        self._put("epx_backend6", s.u32(backend_id), s.LB6Backend(addr=in6(be.addr), port=be16(be.port), flags=flags))
+
+    def set_slots6(self, svc_id: int, scope: int, backend_ids: Sequence[int], previous: int = 0, bank: int = 0) -> None:
+        """set_slots for epx_slot6 (same order rules: slots before the count that exposes them)."""
+        for slot, backend_id in enumerate(backend_ids):
+            self._put("epx_slot6", s.LB4SlotKey(svc_id=svc_id, slot=slot, scope=scope, bank=bank), s.u32(backend_id))
+        for slot in range(len(backend_ids), previous):
+            libbpf.map_delete(self._fd("epx_slot6"), s.LB4SlotKey(svc_id=svc_id, slot=slot, scope=scope, bank=bank))
+
+    def add_source_range6(self, svc_id: int, cidr: str) -> None:
+        prefixlen, addr = _lpm6(cidr)
+        self._put("epx_src_range6", s.LB6RangeKey(prefixlen=32 + prefixlen, svc_id=svc_id, addr=addr), s.u32(1))
+
+    def affinity6(self, svc_id: int, client: str) -> tuple[int, int] | None:
+        """(backend id, last use in ns) remembered for an IPv6 client, if any."""
+        v = self._get("epx_affinity6", s.LB6AffinityKey(svc_id=svc_id, client=in6(client)))
+        return None if v is None else (v.backend_id, v.last_used)
+
+    def connections6(self, kind: int | None = None) -> list[Connection6]:
+        """The epx_ct6 entries (only those of `kind` when given), decoded."""
+        return [_connection6(k, v) for k, v in self._items("epx_ct6") if kind is None or k.kind == kind]
+
     # -- counters --
 
     def stats(self) -> dict[s.Reason, tuple[int, int]]:
@@ -774,6 +881,7 @@ class Maps:
             if name not in ARRAY_MAPS:
                 self.clear(name)
         self._put("epx_config", s.u32(0), s.LB4Config())
+        self._put("epx_config6", s.u32(0), s.LB6Config())
         self._put("epx_ct4_ring", s.u32(0), (s.CT4Ring * libbpf.num_possible_cpus())())
         self.reset_stats()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import ipaddress
 from dataclasses import dataclass
 
 u8, u16, u32, u64 = ctypes.c_ubyte, ctypes.c_ushort, ctypes.c_uint, ctypes.c_ulonglong
@@ -59,6 +60,12 @@ class Reason(enum.IntEnum):
     EV_HOST_STACK_FIB = 36  # slow path: the route lookup said so
     EV_HOST_STACK_MTU = 37  # slow path: larger than the route's MTU
     EV_HOST_STACK_SKIP = 38  # slow path: not a packet the fast path routes
+    PASS_IPV6_FRAG = 39
+    PASS_IPV6_NOT_L4 = 40
+    DROP_MALFORMED_IPV6 = 41
+    DROP_IPV6_EXTHDRS = 42
+    PASS_IPV6_UNTRACED = 43
+    PASS_IPV6_OFF = 44
 
     @property
     def is_drop(self) -> bool:
@@ -75,7 +82,7 @@ class Reason(enum.IntEnum):
 # the two, so a reworded comment without this mirror fails a test.
 REASON_DESCRIPTIONS: dict[Reason, str] = {
     Reason.CONTINUE: 'not a verdict: "not mine, go on" between helpers; never counted',
-    Reason.PASS_NOT_IPV4: "not IPv4 (ARP, IPv6, ...): untouched",
+    Reason.PASS_NOT_IPV4: "neither IPv4 nor IPv6 (ARP, LLDP, ...): untouched",
     Reason.PASS_NOT_L4: "IPv4 but neither TCP nor UDP (ICMP, SCTP, ...): untouched",
     Reason.PASS_NO_SERVICE: "no connection, no service frontend: untouched",
     Reason.PASS_FRAG_UNKNOWN: "later fragment whose first fragment was not seen here: untouched",
@@ -113,9 +120,15 @@ REASON_DESCRIPTIONS: dict[Reason, str] = {
     Reason.EV_HOST_STACK_FIB: "not a verdict: slow path, the route lookup gave no decision to act on (no neighbour yet, local, unreachable, forwarding off, reverse-path check, ICMP redirect due)",
     Reason.EV_HOST_STACK_MTU: "not a verdict: slow path, larger than the route's MTU: the kernel fragments it or answers fragmentation needed",
     Reason.EV_HOST_STACK_SKIP: "not a verdict: slow path, not a packet to route here (fragment, IP options, TTL <= 1, not for this host, mark, mode switch)",
+    Reason.PASS_IPV6_FRAG: "IPv6 packet with a fragment header: untouched (no IPv6 fragment tracking; the ip6tables mode reassembles)",
+    Reason.PASS_IPV6_NOT_L4: "IPv6 but neither TCP nor UDP after the extension headers (ICMPv6, neighbour discovery, ESP, ...): untouched",
+    Reason.DROP_MALFORMED_IPV6: "bad IPv6 version or payload length, truncated IPv6 or extension header",
+    Reason.DROP_IPV6_EXTHDRS: "IPv6 extension header chain longer than the parser walks (pkt6.h): dropped, so that no chain carries a packet past the service rules",
+    Reason.PASS_IPV6_UNTRACED: "trace run of an IPv6 packet: trace mode explains IPv4 only, nothing decided or written",
+    Reason.PASS_IPV6_OFF: "IPv6 while the eBPF datapath does not serve it (CFG6_F_ON unset: ip6tables does): untouched",
 }
 
-REASON_MAX = 39
+REASON_MAX = 45
 
 # Origins (EPX_ORIGIN_*)
 ORIGIN_POD, ORIGIN_NODE, ORIGIN_EXTERNAL, ORIGIN_LOCALHOST = 0, 1, 2, 3
@@ -319,6 +332,87 @@ class EpxTraceRec(_Struct):
     ]
 
 
+# ---- IPv6 (common.h's IPv6 section). Family-free structs are reused: epx_svc6 holds LB4Service,
+# epx_slot6 is keyed by LB4SlotKey, epx_affinity6 holds LB4Affinity. ----
+
+
+class In6(_Struct):
+    """struct epx_in6: an IPv6 address as four __be32 words, the 16 bytes in network order."""
+
+    _fields_ = [("w", be32 * 4)]
+
+    def __repr__(self) -> str:  # bytes(self) is the address as in the packet
+        return f"In6({ipaddress.IPv6Address(bytes(self))})"
+
+
+class LB6Key(_Struct):
+    _fields_ = [("addr", In6), ("port", be16), ("proto", u8), ("pad", u8)]
+
+
+class LB6Backend(_Struct):
+    _fields_ = [("addr", In6), ("port", be16), ("flags", u8), ("pad", u8)]
+
+
+class LB6AffinityKey(_Struct):
+    _fields_ = [("svc_id", u32), ("client", In6)]
+
+
+class LPM6Key(_Struct):
+    _fields_ = [("prefixlen", u32), ("addr", In6)]
+
+
+class LB6RangeKey(_Struct):
+    _fields_ = [("prefixlen", u32), ("svc_id", u32), ("addr", In6)]
+
+
+class CT6Key(_Struct):
+    _fields_ = [
+        ("saddr", In6),
+        ("daddr", In6),
+        ("sport", be16),
+        ("dport", be16),
+        ("proto", u8),
+        ("kind", u8),
+        ("pad", u16),
+    ]
+
+
+class CT6Entry(_Struct):
+    _fields_ = [
+        ("expires", u64),
+        ("nat_addr", In6),
+        ("svc_addr", In6),
+        ("nat_port", be16),
+        ("svc_port", be16),
+        ("backend_id", u32),
+        ("snat_addr", In6),
+        ("snat_port", be16),
+        ("flags", u8),
+        ("state", u8),
+        ("pad", u32),
+    ]
+
+
+IPV6_MAX_EXTLEN = 256
+ICMP6_QUOTE_MAX = 40 + IPV6_MAX_EXTLEN + 8
+ICMP6_PARTIAL_PAD = 24
+ICMP6_OPTS_MAX = IPV6_MAX_EXTLEN + ICMP6_PARTIAL_PAD
+
+
+class Scratch6(_Struct):
+    """struct scratch6: per-CPU working space of the IPv6 path (no state)."""
+
+    _fields_ = [("key", CT6Key), ("owner", CT6Key), ("half", CT6Key), ("gone", CT6Entry), ("val", CT6Entry),
+                ("quote", u8 * ICMP6_QUOTE_MAX), ("opts", u8 * ICMP6_OPTS_MAX)]
+
+
+CFG6_F_ON = 0x01  # lb6_config.flags: the programs act on IPv6 (common.h)
+
+
+class LB6Config(_Struct):
+    _fields_ = [("snat_addr", In6), ("flags", ctypes.c_uint32)]
+
+
 # enum bpf_map_type (include/uapi/linux/bpf.h), by the names bcc's BPF_TABLE takes in maps.c
 MAP_TYPES = {"hash": 1, "array": 2, "percpu_array": 6, "lru_hash": 9, "lpm_trie": 11}
 
@@ -356,5 +450,16 @@ MAPS: dict[str, MapSpec] = {
         MapSpec("epx_config", u32, LB4Config, "array"),
         MapSpec("epx_stats", u32, EpxStat, "percpu_array"),
         MapSpec("epx_trace", u32, EpxTraceRec, "percpu_array"),
+        # IPv6
+        MapSpec("epx_svc6", LB6Key, LB4Service),
+        MapSpec("epx_backend6", u32, LB6Backend),
+        MapSpec("epx_slot6", LB4SlotKey, u32),
+        MapSpec("epx_affinity6", LB6AffinityKey, LB4Affinity, "lru_hash"),
+        MapSpec("epx_src_range6", LB6RangeKey, u32, "lpm_trie"),
+        MapSpec("epx_node_addr6", In6, u32),
+        MapSpec("epx_pod_cidr6", LPM6Key, u32, "lpm_trie"),
+        MapSpec("epx_ct6", CT6Key, CT6Entry),  # a plain hash, as epx_ct4
+        MapSpec("epx_config6", u32, LB6Config, "array"),
+        MapSpec("epx_scratch6", u32, Scratch6, "percpu_array"),
     )
 }

@@ -1,0 +1,177 @@
+/* Service load balancing for IPv6: lb4.h's decisions (shared SEMANTICS.md) over the IPv6 maps.
+ *
+ * lb6_lookup_service         frontend -> service (exact frontend, else NodePort on a node address)
+ * lb6_lookup_packet_service  the same for a packet's destination (never ::)
+ * lb6_local_pod              the local-traffic detector (IPv6 pod CIDRs, or the shared epx_iface)
+ * lb6_origin                 pod / node / external
+ * lb6_policy                 source ranges and REJECT here, the rest is lb4.h's family-free
+ *                            lb_policy_scope: one policy for both families
+ * lb6_select_backend         session affinity, else a uniformly random slot
+ * lb6_forward                the ingress path: established connection, or a new one
+ *
+ * Live packets only (no trace record): an IPv6 trace run stops in tc6.h.
+ */
+#ifndef EPX_LB6_H
+#define EPX_LB6_H
+
+#include "lib/lb4.h"
+#include "lib/nat6.h"
+
+static __always_inline struct lb4_service *lb6_lookup_service(const struct epx_in6 *daddr, __be16 dport, __u8 proto)
+{
+	struct lb6_key key = { .addr = *daddr, .port = dport, .proto = proto };
+	struct lb4_service *svc = epx_lookup(epx_svc6, &key);
+
+	if (svc || !epx_lookup(epx_node_addr6, daddr))
+		return svc;
+	__builtin_memset(&key.addr, 0, sizeof(key.addr)); /* NodePort: any of this node's addresses */
+	return epx_lookup(epx_svc6, &key);
+}
+
+/* :: is the key NodePorts are stored under, never a destination on the wire (as 0.0.0.0 in
+ * lb4_lookup_packet_service: the kernel does not deliver it). */
+static __always_inline struct lb4_service *lb6_lookup_packet_service(const struct epx_in6 *daddr, __be16 dport,
+								     __u8 proto)
+{
+	return in6_is_zero(daddr) ? NULL : lb6_lookup_service(daddr, dport, proto);
+}
+
+static __always_inline int lb6_in_pod_cidr(const struct epx_in6 *saddr)
+{
+	struct lpm6_key key = { .prefixlen = 128, .addr = *saddr };
+
+	return epx_lookup(epx_pod_cidr6, &key) != NULL;
+}
+
+/* lb4_local_pod for IPv6: the CIDR detectors read epx_pod_cidr6; the interface detectors read the
+ * same epx_iface as IPv4 (a device is local for both families). */
+static __always_inline int lb6_local_pod(const struct epx_in6 *saddr, __u32 ifindex, __u32 cfg_flags)
+{
+	if (cfg_flags & CFG_F_DETECT_NONE)
+		return 0;
+	if (cfg_flags & CFG_F_DETECT_IFACE)
+		return !!(lb4_iface_flags(ifindex) & EPX_IF_LOCAL);
+	return lb6_in_pod_cidr(saddr);
+}
+
+static __always_inline __u8 lb6_origin(const struct epx_in6 *saddr, __u32 ifindex, __u32 cfg_flags)
+{
+	if (lb6_local_pod(saddr, ifindex, cfg_flags))
+		return EPX_ORIGIN_POD;
+	if (epx_lookup(epx_node_addr6, saddr))
+		return EPX_ORIGIN_NODE;
+	return EPX_ORIGIN_EXTERNAL;
+}
+
+static __always_inline int lb6_source_admitted(const struct lb4_service *svc, const struct epx_in6 *saddr)
+{
+	struct lb6_range_key key = { .prefixlen = 32 + 128, .svc_id = svc->id, .addr = *saddr };
+
+	return epx_lookup(epx_src_range6, &key) != NULL;
+}
+
+/* lb4_policy for an IPv6 client. */
+static __always_inline __u32 lb6_policy(const struct lb4_service *svc, const struct epx_in6 *saddr, __u8 origin,
+					__u32 cfg_flags, struct lb4_choice *c)
+{
+	if (!(svc->flags & LB4_F_HAS_ENDPOINTS))
+		return EPX_REJECT; /* rule 9 */
+	if ((svc->flags & LB4_F_SOURCE_RANGES) && !lb6_source_admitted(svc, saddr))
+		return EPX_DROP_SOURCE_RANGE; /* rule 11 */
+	return lb_policy_scope(svc, origin, cfg_flags, c);
+}
+
+/* lb4_select_backend over epx_affinity6 / epx_slot6 / epx_backend6. Returns 0 with *backend_id and
+ * *be filled, or EPX_DROP_NO_BACKEND. */
+static __always_inline __u32 lb6_select_backend(const struct lb4_service *svc, __u8 scope,
+						const struct epx_in6 *client, __u64 now, __u32 *backend_id,
+						struct lb6_backend *be)
+{
+	struct lb6_affinity_key akey = { .svc_id = svc->id, .client = *client };
+	__u8 member = scope == LB4_SCOPE_LOCAL ? LB4_BE_IN_LOCAL : LB4_BE_IN_CLUSTER;
+	__u16 count = scope == LB4_SCOPE_LOCAL ? svc->local_count : svc->count;
+	struct lb4_slot_key skey = { .svc_id = svc->id, .scope = scope, .bank = !!(svc->flags & LB4_F_SLOT_BANK) };
+	struct lb6_backend *found = NULL;
+	__u32 *id;
+
+	if (!count)
+		return EPX_DROP_NO_BACKEND;
+	if (svc->affinity_timeout) {
+		struct lb4_affinity *aff = epx_lookup(epx_affinity6, &akey);
+
+		if (aff && now - aff->last_used <= (__u64)svc->affinity_timeout * EPX_NSEC_PER_SEC) {
+			found = epx_lookup(epx_backend6, &aff->backend_id);
+			if (found && (found->flags & member))
+				*backend_id = aff->backend_id;
+			else
+				found = NULL;
+		}
+	}
+	if (!found) {
+		skey.slot = bpf_get_prandom_u32() % count;
+		id = epx_lookup(epx_slot6, &skey);
+		if (!id)
+			return EPX_DROP_NO_BACKEND;
+		*backend_id = *id;
+		found = epx_lookup(epx_backend6, id);
+		if (!found)
+			return EPX_DROP_NO_BACKEND;
+	}
+	*be = *found;
+	if (svc->affinity_timeout) {
+		struct lb4_affinity aff = { .last_used = now, .backend_id = *backend_id };
+
+		epx_update(epx_affinity6, &akey, &aff);
+	}
+	return 0;
+}
+
+/* Ingress: DNAT a packet of an established connection, or decide and record a new one (lb4_forward).
+ * Returns EPX_FWD_ESTABLISHED / EPX_FWD_NEW, EPX_PASS_NO_SERVICE, EPX_REJECT or a drop. The
+ * mode-switch handover (CFG_F_NETFILTER_*) is IPv4's: IPv6 connections are not moved. */
+static __always_inline __u32 lb6_forward(struct __sk_buff *skb, struct scratch6 *s, struct pkt6 *p,
+					 const struct lb4_config *cfg, __u64 now)
+{
+	struct ct6_entry *e;
+	struct lb4_service *svc;
+	struct lb4_choice c = {};
+	struct lb6_backend be;
+	__u32 backend_id, reason;
+	__u8 origin;
+
+	s->key = ct6_key_make(&p->saddr, &p->daddr, p->sport, p->dport, p->proto, CT4_SVC);
+	e = ct6_lookup_svc(s, &s->key, now);
+	/* a new SYN on a closing connection's tuple is a new connection (port reuse) */
+	if (e && p->proto == IPPROTO_TCP && (e->flags & CT4_F_CLOSING) &&
+	    (p->tcp_flags & (EPX_TCP_SYN | EPX_TCP_ACK)) == EPX_TCP_SYN) {
+		ct6_forget(s, &s->key, e);
+		e = NULL;
+	}
+	if (e) {
+		struct epx_in6 addr = e->nat_addr;
+		__be16 port = e->nat_port;
+
+		ct6_touch(e, cfg, p, 0, now);
+		reason = nat6_rewrite(skb, p, NAT4_DST, &addr, port);
+		return reason ? reason : EPX_FWD_ESTABLISHED;
+	}
+
+	svc = lb6_lookup_packet_service(&p->daddr, p->dport, p->proto);
+	if (!svc)
+		return EPX_PASS_NO_SERVICE;
+	origin = lb6_origin(&p->saddr, skb->ifindex, cfg->flags);
+	reason = lb6_policy(svc, &p->saddr, origin, cfg->flags, &c);
+	if (reason)
+		return reason;
+	reason = lb6_select_backend(svc, c.scope, &p->saddr, now, &backend_id, &be);
+	if (reason)
+		return reason;
+	/* rule 3, hairpin: a pod that lands on itself is masqueraded */
+	reason = ct6_create(s, p, cfg, now, backend_id, &be.addr, be.port, c.masq || in6_eq(&be.addr, &p->saddr));
+	if (reason)
+		return reason;
+	reason = nat6_rewrite(skb, p, NAT4_DST, &be.addr, be.port);
+	return reason ? reason : EPX_FWD_NEW;
+}
+
+#endif /* EPX_LB6_H */

@@ -1,0 +1,138 @@
+/* IPv6 address translation (nat4.h's counterpart): the in-place rewrite with its checksum
+ * fix-up, and the three translations that follow a connection's entries in epx_ct6 (masquerade,
+ * undoing masquerade, undoing DNAT). Each returns 0 when it does not apply, its EPX_* reason when
+ * it translated, or a drop reason. Live packets only: an IPv6 trace run stops before (tc6.h).
+ *
+ * Checksums: IPv6 has no header checksum; the addresses are covered by the TCP/UDP checksum's
+ * pseudo-header. A 16-byte address is too wide for bpf_l4_csum_replace's 2/4-byte forms, so the
+ * difference of the two addresses is computed with bpf_csum_diff and applied as a diff (size 0)
+ * with BPF_F_PSEUDO_HDR, which also keeps a CHECKSUM_PARTIAL skb right (see csum.h).
+ */
+#ifndef EPX_NAT6_H
+#define EPX_NAT6_H
+
+#include "lib/csum.h"
+#include "lib/ct6.h"
+
+/* Rewrite one side (NAT4_SRC / NAT4_DST) of `p` to addr:port. Returns 0, or EPX_DROP_NAT_FAILED
+ * when a helper failed (the packet may be half-written). */
+static __always_inline __u32 nat6_rewrite(struct __sk_buff *skb, struct pkt6 *p, int side, const struct epx_in6 *addr,
+					  __be16 port)
+{
+	struct epx_in6 old_addr = side == NAT4_SRC ? p->saddr : p->daddr;
+	__be16 old_port = side == NAT4_SRC ? p->sport : p->dport;
+	__u32 addr_off = ETH_HLEN + (side == NAT4_SRC ? offsetof(struct ipv6hdr, saddr) : offsetof(struct ipv6hdr, daddr));
+	__u32 port_off = p->l4_off + (side == NAT4_SRC ? offsetof(struct udphdr, source) : offsetof(struct udphdr, dest));
+	__u32 csum_off = p->l4_off + csum_l4_offset(p->proto);
+	__u64 mangled0 = csum_l4_flags(p->proto);
+	struct epx_in6 new_addr = *addr;
+
+	if (!in6_eq(&old_addr, &new_addr)) {
+		__s64 diff = bpf_csum_diff(old_addr.w, sizeof(old_addr), new_addr.w, sizeof(new_addr), 0);
+
+		if (diff < 0 || bpf_l4_csum_replace(skb, csum_off, 0, diff, BPF_F_PSEUDO_HDR | mangled0))
+			return EPX_DROP_NAT_FAILED;
+		if (bpf_skb_store_bytes(skb, addr_off, &new_addr, sizeof(new_addr), 0))
+			return EPX_DROP_NAT_FAILED;
+	}
+	if (old_port != port) {
+		if (bpf_l4_csum_replace(skb, csum_off, old_port, port, mangled0 | sizeof(port)))
+			return EPX_DROP_NAT_FAILED;
+		if (bpf_skb_store_bytes(skb, port_off, &port, sizeof(port), 0))
+			return EPX_DROP_NAT_FAILED;
+	}
+	if (side == NAT4_SRC) {
+		p->saddr = new_addr;
+		p->sport = port;
+	} else {
+		p->daddr = new_addr;
+		p->dport = port;
+	}
+	return 0;
+}
+
+/* Egress toward the backend: masquerade a masqueraded connection's forward packets (nat4_snat). */
+static __always_inline __u32 nat6_snat(struct __sk_buff *skb, struct scratch6 *s, struct pkt6 *p, __u64 now)
+{
+	struct ct6_entry *half, *owner;
+	struct epx_in6 addr;
+	__be16 port;
+	__u32 reason;
+
+	s->key = ct6_key_make(&p->saddr, &p->daddr, p->sport, p->dport, p->proto, CT4_SNAT);
+	half = epx_lookup(epx_ct6, &s->key);
+	if (!half)
+		return 0;
+	owner = ct6_owner(s, &p->saddr, p->sport, half, p->proto, now);
+	if (!owner || !(owner->flags & CT4_F_MASQ) || !in6_eq(&owner->nat_addr, &s->key.daddr) ||
+	    owner->nat_port != s->key.dport || owner->snat_port != half->nat_port) {
+		epx_delete(epx_ct6, &s->key); /* left behind by an earlier connection */
+		return 0;
+	}
+	addr = half->nat_addr;
+	port = half->nat_port;
+	reason = nat6_rewrite(skb, p, NAT4_SRC, &addr, port);
+	return reason ? reason : EPX_SNAT;
+}
+
+/* Whether daddr:dport may be this node's IPv6 masquerade address and port (CT4_REV_SNAT keys). */
+static __always_inline int nat6_is_masq_dest(const struct lb4_config *cfg, const struct lb6_config *cfg6,
+					     const struct epx_in6 *daddr, __be16 dport)
+{
+	__u16 port = epx_ntohs(dport);
+
+	return cfg6 && !in6_is_zero(&cfg6->snat_addr) && in6_eq(daddr, &cfg6->snat_addr) &&
+	       port >= cfg->snat_port_min && port <= cfg->snat_port_max;
+}
+
+/* Ingress from the backend: a reply to a masqueraded connection goes back to the real client. */
+static __always_inline __u32 nat6_rev_snat(struct __sk_buff *skb, struct scratch6 *s, struct pkt6 *p,
+					   const struct lb4_config *cfg, __u64 now)
+{
+	struct ct6_entry *half, *owner;
+	struct epx_in6 addr;
+	__be16 port;
+	__u32 reason;
+
+	if (!nat6_is_masq_dest(cfg, ct6_config(), &p->daddr, p->dport))
+		return 0;
+	s->key = ct6_key_make(&p->saddr, &p->daddr, p->sport, p->dport, p->proto, CT4_REV_SNAT);
+	half = epx_lookup(epx_ct6, &s->key);
+	if (!half)
+		return 0;
+	addr = half->nat_addr;
+	port = half->nat_port;
+	owner = ct6_owner(s, &addr, port, half, p->proto, now);
+	if (!owner || owner->snat_port != s->key.dport || !in6_eq(&owner->nat_addr, &s->key.saddr) ||
+	    owner->nat_port != s->key.sport)
+		return 0; /* stale: left for the port allocator to reclaim */
+	reason = nat6_rewrite(skb, p, NAT4_DST, &addr, port);
+	return reason ? reason : EPX_REV_SNAT;
+}
+
+/* Egress toward the client: a reply leaves with the frontend it was sent to as its source. */
+static __always_inline __u32 nat6_rev_dnat(struct __sk_buff *skb, struct scratch6 *s, struct pkt6 *p,
+					   const struct lb4_config *cfg, __u64 now)
+{
+	struct ct6_entry *half, *owner;
+	struct epx_in6 addr;
+	__be16 port;
+	__u32 reason;
+
+	s->key = ct6_key_make(&p->saddr, &p->daddr, p->sport, p->dport, p->proto, CT4_REV_DNAT);
+	half = epx_lookup(epx_ct6, &s->key);
+	if (!half)
+		return 0;
+	owner = ct6_owner(s, &p->daddr, p->dport, half, p->proto, now);
+	if (!owner || !in6_eq(&owner->nat_addr, &s->key.saddr) || owner->nat_port != s->key.sport) {
+		epx_delete(epx_ct6, &s->key);
+		return 0;
+	}
+	ct6_touch(owner, cfg, p, 1, now);
+	addr = half->nat_addr;
+	port = half->nat_port;
+	reason = nat6_rewrite(skb, p, NAT4_SRC, &addr, port);
+	return reason ? reason : EPX_REV_DNAT;
+}
+
+#endif /* EPX_NAT6_H */

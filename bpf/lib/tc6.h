@@ -1,0 +1,84 @@
+/* The IPv6 half of the TC programs (tc_lb.c): the same steps as IPv4, over the IPv6 maps.
+ *
+ * tc6_ingress: a reply to a masqueraded connection gets its real client back as destination;
+ *   a packet of a known connection is DNATed to its backend; a packet to a service frontend
+ *   starts a connection, or is rejected with ICMPv6 port unreachable (built here, redirected by
+ *   the caller), or dropped with its reason.
+ * tc6_egress: forward packets of masqueraded connections get the masquerade source; replies get
+ *   the frontend back as source (on egress toward the client, as IPv4: PLATFORM.md pitfall 2).
+ * Both return the reason to count; a frame that is not IPv6 gets EPX_PASS_NOT_IPV4 back, for the
+ * caller's own handling of non-IP frames (ARP).
+ *
+ * Trace mode explains IPv4 only: an IPv6 trace run is parsed and ends with
+ * EPX_PASS_IPV6_UNTRACED, before anything could be looked up or written.
+ * Not for IPv6 yet: ICMPv6 errors about connections (icmp4_err.h's twin), fragments, the socket
+ * LB and its local masquerade, the mode-switch handover.
+ */
+#ifndef EPX_TC6_H
+#define EPX_TC6_H
+
+#include "lib/lb6.h"
+#include "lib/icmp6.h"
+#include "lib/stats.h"
+
+static __always_inline __u32 tc6_ingress(struct __sk_buff *skb, struct epx_trace_rec *tr)
+{
+	struct pkt6 p = {};
+	struct scratch6 *s;
+	struct lb4_config *cfg;
+	__u32 zero = 0, reason;
+	__u64 now;
+
+	reason = pkt6_parse_skb(skb, &p);
+	if (reason == EPX_PASS_NOT_IPV4)
+		return reason;
+	if (tr)
+		return EPX_PASS_IPV6_UNTRACED;
+	if (reason)
+		return reason;
+	cfg = epx_lookup(epx_config, &zero);
+	s = scratch6_get();
+	if (!cfg || !s)
+		return EPX_PASS_NO_SERVICE;
+	now = bpf_ktime_get_ns();
+
+	reason = nat6_rev_snat(skb, s, &p, cfg, now);
+	if (!reason)
+		reason = lb6_forward(skb, s, &p, cfg, now);
+	/* a local pod's packet may be CHECKSUM_PARTIAL (see icmp6.h): it came in on a pod device, or
+	 * its source is in the detector's pod CIDR */
+	if (reason == EPX_REJECT &&
+	    icmp6_reject(skb, &p, s, (lb4_iface_flags(skb->ifindex) & EPX_IF_POD) || lb6_in_pod_cidr(&p.saddr)))
+		return EPX_DROP_REJECT_FAILED;
+	return reason;
+}
+
+static __always_inline __u32 tc6_egress(struct __sk_buff *skb, struct epx_trace_rec *tr)
+{
+	struct pkt6 p = {};
+	struct scratch6 *s;
+	struct lb4_config *cfg;
+	__u32 zero = 0, reason;
+	__u64 now;
+
+	reason = pkt6_parse_skb(skb, &p);
+	if (reason == EPX_PASS_NOT_IPV4)
+		return reason;
+	if (tr)
+		return EPX_PASS_IPV6_UNTRACED;
+	if (reason)
+		return reason;
+	cfg = epx_lookup(epx_config, &zero);
+	s = scratch6_get();
+	if (!cfg || !s)
+		return EPX_PASS_NO_SERVICE;
+	now = bpf_ktime_get_ns();
+
+	/* as IPv4: a hairpin tuple that is both forward and reply is taken as forward */
+	reason = nat6_snat(skb, s, &p, now);
+	if (!reason)
+		reason = nat6_rev_dnat(skb, s, &p, cfg, now);
+	return reason ? reason : EPX_PASS_NO_SERVICE;
+}
+
+#endif /* EPX_TC6_H */

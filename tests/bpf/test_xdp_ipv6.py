@@ -1,0 +1,109 @@
+"""xdp_lb for IPv6: the early drops of new connections (eTP=Local / iTP=Local without a local
+endpoint, loadBalancerSourceRanges) and of malformed IPv6, decided as tc_ingress decides them;
+everything else passes untouched and uncounted (the TC program counts it)."""
+
+from __future__ import annotations
+
+import pytest
+from scapy.layers.inet6 import IPv6ExtHdrDestOpt, IPv6ExtHdrFragment
+
+from ebpf_proxy.datapath.ebpf import structs as s
+from ebpf_proxy.datapath.ebpf import testrun
+from tests.bpf import world6 as w6
+from tests.bpf.packets import TC_ACT_SHOT, XDP_DROP, XDP_PASS, counted, run
+from tests.bpf.world6 import NODE6, NODE_PORT, OUTSIDE6, POD6, VIP6, tcp6, udp6
+
+pytestmark = [pytest.mark.bpf, pytest.mark.root]
+
+R = s.Reason
+HAS, ETP, ITP = s.LB4_F_HAS_ENDPOINTS, s.LB4_F_ETP_LOCAL, s.LB4_F_ITP_LOCAL
+RANGED = w6.web6(frontends=((w6.LB_IP6, 80, w6.EXT | s.LB4_F_SOURCE_RANGES),), ranges=("2001:db8:113::/48",))
+
+
+@pytest.fixture
+def maps6(maps):
+    w6.install_node6(maps)
+    return maps
+
+
+DROPS = {
+    "eTP=Local from outside, no local endpoint": (w6.web6(flags=HAS | ETP, local=()), tcp6(OUTSIDE6, 40000, NODE6, NODE_PORT),
+                                                  R.DROP_NO_LOCAL_EXTERNAL),
+    "eTP=Local behind a destination-options header": (w6.web6(flags=HAS | ETP, local=()),
+                                                      tcp6(OUTSIDE6, 40000, NODE6, NODE_PORT, ext=(IPv6ExtHdrDestOpt(),)),
+                                                      R.DROP_NO_LOCAL_EXTERNAL),
+    "iTP=Local, no local endpoint": (w6.web6(flags=HAS | ITP, cluster=(), local=(), proto=w6.UDP_P), udp6(POD6, 5000, VIP6, 80),
+                                     R.DROP_NO_LOCAL_INTERNAL),
+    "source range denies": (RANGED, tcp6(w6.OUTSIDE6_2, 40000, w6.LB_IP6, 80), R.DROP_SOURCE_RANGE),
+    "5 extension headers": (w6.web6(), tcp6(OUTSIDE6, 40000, VIP6, 80, ext=tuple(IPv6ExtHdrDestOpt() for _ in range(5))),
+                            R.DROP_IPV6_EXTHDRS),
+    "payload length beyond the frame": (w6.web6(), bytes(tcp6(OUTSIDE6, 40000, VIP6, 80))[:-4], R.DROP_MALFORMED_IPV6),
+}
+
+PASSES = {
+    "eTP=Local with a local endpoint": (w6.web6(flags=HAS | ETP), tcp6(OUTSIDE6, 40000, NODE6, NODE_PORT)),
+    "eTP=Local from a pod": (w6.web6(flags=HAS | ETP, local=()), tcp6(POD6, 40000, NODE6, NODE_PORT)),
+    "source range admits": (RANGED, tcp6(OUTSIDE6, 40000, w6.LB_IP6, 80)),
+    "no endpoints: the TC program rejects": (w6.web6(flags=0, cluster=(), local=()), tcp6(OUTSIDE6, 40000, VIP6, 80)),
+    "not a service": (w6.web6(), tcp6(OUTSIDE6, 40000, "2001:db8::99", 80)),
+    ":: is not a node address": (w6.web6(flags=HAS | ETP, local=()), tcp6(OUTSIDE6, 40000, "::", NODE_PORT)),
+    "fragment: the TC program counts it": (w6.web6(flags=HAS | ETP, local=()),
+                                           tcp6(OUTSIDE6, 40000, NODE6, NODE_PORT, ext=(IPv6ExtHdrFragment(m=1),))),
+}
+
+
+@pytest.mark.parametrize("name", DROPS)
+def test_xdp_drops_like_tc(datapath, maps6, name):
+    svc, pkt, reason = DROPS[name]
+    w6.install6(maps6, svc)
+    assert run(datapath, "xdp_lb", pkt).verdict == XDP_DROP
+    assert counted(maps6) == {reason: 1}
+    maps6.reset_stats()
+    assert run(datapath, "tc_ingress", pkt).verdict == TC_ACT_SHOT
+    assert counted(maps6) == {reason: 1}
+
+
+@pytest.mark.parametrize("name", PASSES)
+def test_xdp_passes_untouched_and_uncounted(datapath, maps6, name):
+    svc, pkt = PASSES[name]
+    w6.install6(maps6, svc)
+    out = run(datapath, "xdp_lb", pkt)
+    assert out.verdict == XDP_PASS and out.raw == bytes(pkt)
+    assert counted(maps6) == {}
+    assert not maps6.connections6()
+
+
+def test_established_connection_passes_after_its_local_endpoint_left(datapath, maps6):
+    """kube-proxy drops only NEW connections for eTP=Local without local endpoints."""
+    svc = w6.web6(flags=HAS | ETP)
+    w6.install6(maps6, svc)
+    run(datapath, "tc_ingress", tcp6(OUTSIDE6, 40000, NODE6, NODE_PORT))
+    maps6.set_slots6(svc.id, s.LB4_SCOPE_LOCAL, [], previous=1)
+    w6.install6(maps6, w6.web6(flags=HAS | ETP, local=()))
+    assert run(datapath, "xdp_lb", tcp6(OUTSIDE6, 40000, NODE6, NODE_PORT, flags="A")).verdict == XDP_PASS
+    assert run(datapath, "xdp_lb", tcp6(OUTSIDE6, 40001, NODE6, NODE_PORT)).verdict == XDP_DROP
+
+
+def test_an_xdp_trace_run_of_an_ipv6_packet_passes_and_writes_nothing(datapath, maps6):
+    w6.install6(maps6, w6.web6(flags=HAS | ETP, local=()))
+    meta = bytes(s.EpxTraceMeta(magic=s.TRACE_MAGIC, nonce=0x3000002))
+    frame = bytes(tcp6(OUTSIDE6, 40000, NODE6, NODE_PORT))
+    ctx = testrun.XdpMd(data=len(meta), data_end=len(meta) + len(frame))
+    out = testrun.run(datapath.prog_fds["xdp_lb"], meta + frame, ctx=ctx)
+    assert out.retval == XDP_PASS
+    rec = maps6.trace_record(0x3000002)
+    assert rec is not None and rec.reason == R.PASS_IPV6_UNTRACED
+    assert counted(maps6) == {}
+
+
+def test_an_xdp_trace_run_of_arp_still_passes_it_on(datapath, maps6):
+    """Only IPv6 is untraced: a frame of neither family is passed on to TC, as before."""
+    from scapy.layers.l2 import ARP, Ether  # noqa: PLC0415
+
+    meta = bytes(s.EpxTraceMeta(magic=s.TRACE_MAGIC, nonce=0x3000003))
+    frame = bytes(Ether(dst="ff:ff:ff:ff:ff:ff") / ARP(pdst="10.96.0.10"))
+    ctx = testrun.XdpMd(data=len(meta), data_end=len(meta) + len(frame))
+    out = testrun.run(datapath.prog_fds["xdp_lb"], meta + frame, ctx=ctx)
+    assert out.retval == XDP_PASS
+    rec = maps6.trace_record(0x3000003)
+    assert rec is not None and rec.reason == R.CONTINUE
