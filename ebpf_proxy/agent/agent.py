@@ -328,11 +328,12 @@ class Agent:
         return build_node_config(self.config, local, self.tracker.node, family)
 
     def _mode_for(self, family: int) -> str:
-        """The datapath mode of a family. The eBPF datapath is IPv4-only for now, so in ebpf mode
-        the IPv6 family is served by ip6tables (this mode's fallback), and says so once."""
+        """The datapath mode of a family. EbpfDatapath programs IPv4 only for now (the programs'
+        IPv6 path, off until switched on, has no writer here yet), so in ebpf mode the IPv6 family
+        is served by ip6tables (this mode's fallback), and says so once."""
         if family == 6 and self.mode == "ebpf":
-            log.warning("ebpf mode: IPv6 Services are served by ip6tables (the eBPF datapath is IPv4-only "
-                        "for now)", extra={"node": self.node_name, "family": "IPv6", "mode": "iptables"})
+            log.warning("ebpf mode: IPv6 Services are served by ip6tables (the eBPF datapath's IPv6 path is "
+                        "not switched on yet)", extra={"node": self.node_name, "family": "IPv6", "mode": "iptables"})
             return "iptables"
         return self.mode
 

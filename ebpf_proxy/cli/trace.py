@@ -7,7 +7,7 @@ asked for, so this command works on nodes (and in builds) without it. `--mode au
 the node runs: eBPF when the datapath's maps are pinned, else iptables.
 
 An IPv6 flow is asked of the node's IPv6 proxier: its ip6tables rules, in either mode, since the
-eBPF programs serve IPv4 only and the agent's ebpf mode serves IPv6 with ip6tables (the answer
+agent's ebpf mode serves IPv6 with ip6tables (its eBPF IPv6 path is not switched on yet; the answer
 says so).
 
 Exit status: 0 with an answer; 1 when the question or the node's state cannot be read (the
@@ -38,7 +38,7 @@ Exit status: 0 with an answer, 1 on an error naming its cause, 2 when eBPF traci
 """
 
 EBPF_UNAVAILABLE = "ebpf tracing not available in this build (no ebpf_proxy.explain.ebpf_trace): use --mode iptables"
-IPV6_BY_IP6TABLES = ("the eBPF programs serve IPv4 only: this node's agent serves IPv6 with ip6tables, "
+IPV6_BY_IP6TABLES = ("this node's agent serves IPv6 with ip6tables, not eBPF (its IPv6 path is not on yet), "
                      "whose rules were walked")
 
 

@@ -127,8 +127,8 @@ class EbpfDatapath(Datapath):
     ) -> None:
         super().__init__(node)
         if node.family != 4:  # the agent serves IPv6 with ip6tables in ebpf mode (agent.py _mode_for)
-            raise ValueError(f"node {node.node_name}: the eBPF datapath programs IPv4 only, "
-                             f"not IPv{node.family} (NodeConfig.family)")
+            raise ValueError(f"node {node.node_name}: EbpfDatapath programs IPv4 only so far (the programs' "
+                             f"IPv6 path has no writer here yet), not IPv{node.family} (NodeConfig.family)")
         if xdp_mode not in ("generic", "native", "off"):
             raise ValueError(f"xdp_mode: {xdp_mode!r} is not one of generic, native, off")
         if host_routing not in HOST_ROUTING_MODES:
