@@ -22,9 +22,11 @@ from __future__ import annotations
 import ipaddress
 
 import threading
-from dataclasses import dataclass
-from typing import Iterable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Iterable, Mapping
 
+from ebpf_proxy.model.compact import compact_mapping
+from ebpf_proxy.model.endpoints import EndpointList
 from ebpf_proxy.model.types import (
     ChangeSet,
     Endpoint,
@@ -69,7 +71,7 @@ class NodeState:
 @dataclass(frozen=True, slots=True)
 class _Slice:
     service_key: str
-    endpoints: dict[ServicePortName, tuple[Endpoint, ...]]
+    endpoints: Mapping[ServicePortName, tuple[Endpoint, ...]]  # OneEntry or dict (compact_mapping)
     trigger_time: float | None
 
 
@@ -84,14 +86,17 @@ class ChangeTracker:
         self._services: dict[str, dict[ServicePortName, ServicePort]] = {}
         self._slices: dict[tuple[str, str], _Slice] = {}
         # service key -> its slices' keys, sorted: a tuple, as most services have one slice
-        # (a one-element set costs 216 bytes, the tuple 48; 10,000 Services make it count)
-        self._slices_by_service: dict[str, tuple[tuple[str, str], ...]] = {}
+        # (a one-element set costs 216 bytes, the tuple 48; 10,000 Services make it count), and
+        # a lone slice's key as it is (_slice_keys / _set_slice_keys)
+        self._slices_by_service: dict[str, tuple] = {}
         self._endpoints: dict[str, dict[ServicePortName, tuple[Endpoint, ...]]] = {}
         self._flat_services: dict[ServicePortName, ServicePort] = {}
-        self._flat_endpoints: dict[ServicePortName, tuple[Endpoint, ...]] = {}
-        # _flat_endpoints of the service ports that exist (what take() hands out), kept in step
-        # by every change so that take() need not filter 10,000 entries each sync
+        # every service port's endpoints, in two parts kept in step by every change: those of the
+        # service ports that exist (what take() hands out: it need not filter 10,000 entries each
+        # sync), and the others (slices listed before their Service, or left by it). Not a whole
+        # copy beside the visible ones: one dict of 100,000 entries less (~5 MiB, bench/cpscale.py)
         self._visible_endpoints: dict[ServicePortName, tuple[Endpoint, ...]] = {}
+        self._hidden_endpoints: dict[ServicePortName, tuple[Endpoint, ...]] = {}
         # take() hands these two dicts out as the ProxyState, uncopied: copying 100,000 entries
         # twice was most of the time from one endpoint change to the kernel. The copy is made
         # after the sync instead (commit() → _unshare(), off the change's path), or by a change
@@ -119,19 +124,21 @@ class ChangeTracker:
     def update_service(self, namespace: str, name: str, ports: Iterable[ServicePort]) -> bool:
         """The Service's current programmable ports ([] = not proxied). Returns whether anything changed."""
         key = f"{namespace}/{name}"
-        new = {p.name: p for p in ports}
+        new = compact_mapping({p.name: p for p in ports})
         with self._lock:
+            new = _named_as(self._endpoints.get(key, ()), new)
             old = self._services.get(key, {})
             if new == old:
                 return False
             self._own_locked()
             for spn in old:
                 self._flat_services.pop(spn, None)
-                self._visible_endpoints.pop(spn, None)
+                if spn in self._visible_endpoints:
+                    self._hidden_endpoints[spn] = self._visible_endpoints.pop(spn)
             self._flat_services.update(new)
             for spn in new:
-                if spn in self._flat_endpoints:
-                    self._visible_endpoints[spn] = self._flat_endpoints[spn]
+                if spn in self._hidden_endpoints:
+                    self._visible_endpoints[spn] = self._hidden_endpoints.pop(spn)
             if new:
                 self._services[key] = new
             else:
@@ -148,8 +155,9 @@ class ChangeTracker:
         slice_key = (namespace, slice_name)
         service_key = f"{namespace}/{service}"
         # kept in merged form, so that a service with one slice (most of them) shares it as is
-        new = _Slice(service_key, _merge_endpoints([endpoints]), trigger_time)
+        merged = _merge_endpoints([endpoints])
         with self._lock:
+            new = _Slice(service_key, _named_as(self._services.get(service_key, ()), merged), trigger_time)
             old = self._slices.get(slice_key)
             self._slices[slice_key] = new
             self._link(service_key, slice_key)
@@ -189,18 +197,26 @@ class ChangeTracker:
         with self._lock:
             return self._node
 
-    def _link(self, service_key: str, slice_key: tuple[str, str]) -> None:
+    def _slice_keys(self, service_key: str) -> tuple[tuple[str, str], ...]:
         keys = self._slices_by_service.get(service_key, ())
+        return (keys,) if keys and type(keys[0]) is str else keys  # type: ignore[return-value]
+
+    def _set_slice_keys(self, service_key: str, keys: tuple[tuple[str, str], ...]) -> None:
+        # a lone slice's key as it is, not in a 1-tuple: ~48 bytes a Service (most have one slice)
+        self._slices_by_service[service_key] = keys[0] if len(keys) == 1 else keys  # type: ignore[assignment]
+
+    def _link(self, service_key: str, slice_key: tuple[str, str]) -> None:
+        keys = self._slice_keys(service_key)
         if slice_key not in keys:
-            self._slices_by_service[service_key] = tuple(sorted((*keys, slice_key)))
+            self._set_slice_keys(service_key, tuple(sorted((*keys, slice_key))))
 
     def _unlink(self, service_key: str, slice_key: tuple[str, str]) -> None:
-        keys = self._slices_by_service.get(service_key, ())
-        self._slices_by_service[service_key] = tuple(k for k in keys if k != slice_key)
+        keys = self._slice_keys(service_key)
+        self._set_slice_keys(service_key, tuple(k for k in keys if k != slice_key))
 
     def _remerge(self, service_key: str) -> bool:
         """Recompute one service's endpoints from all its slices; mark it dirty if they changed."""
-        merged = _merge(self._slices[k] for k in self._slices_by_service.get(service_key, ()))
+        merged = _merge(self._slices[k] for k in self._slice_keys(service_key))
         if not self._slices_by_service.get(service_key):
             self._slices_by_service.pop(service_key, None)
         old = self._endpoints.get(service_key, {})
@@ -208,12 +224,14 @@ class ChangeTracker:
             return False
         self._own_locked()
         for spn in old:
-            self._flat_endpoints.pop(spn, None)
+            self._hidden_endpoints.pop(spn, None)
             self._visible_endpoints.pop(spn, None)
-        self._flat_endpoints.update(merged)
         for spn, eps in merged.items():
             if spn in self._flat_services:
                 self._visible_endpoints[spn] = eps
+                self._hidden_endpoints.pop(spn, None)
+            else:
+                self._hidden_endpoints[spn] = eps
         if merged:
             self._endpoints[service_key] = merged
         else:
@@ -319,6 +337,23 @@ class ChangeTracker:
         self._in_flight_topology = False
 
 
+def _named_as(known: Iterable[ServicePortName], by_port: Mapping[ServicePortName, Any]) -> Mapping[ServicePortName, Any]:
+    """`by_port` keyed by the very ServicePortName objects of `known` that equal its keys (a
+    ServicePort value renamed to match), so that a Service's ports and its slices' endpoints share
+    one name object, and the slice's copy of the Service's name goes (~120 bytes a Service: ~12
+    MiB at 100,000, bench/cpscale.py). Equal names, equal values: nothing else changes."""
+    names = {spn: spn for spn in known}
+    if not names or all(names.get(spn, spn) is spn for spn in by_port):
+        return by_port
+    out = {}
+    for spn, value in by_port.items():
+        same = names.get(spn, spn)
+        if same is not spn and isinstance(value, ServicePort):
+            value = replace(value, name=same)
+        out[same] = value
+    return compact_mapping(out)
+
+
 def _store(target: dict, key: str, value: dict) -> None:
     if value:
         target[key] = value
@@ -326,7 +361,7 @@ def _store(target: dict, key: str, value: dict) -> None:
         target.pop(key, None)
 
 
-def _merge(slices: Iterable[_Slice]) -> dict[ServicePortName, tuple[Endpoint, ...]]:
+def _merge(slices: Iterable[_Slice]) -> Mapping[ServicePortName, tuple[Endpoint, ...]]:
     """Endpoints of one service across its slices (iterated in name order), deduplicated by ip:port.
     A lone slice's endpoints are already in that form (_merge_endpoints is idempotent): shared,
     not copied, which at 10,000 Services saves a dict and a tuple per service port."""
@@ -336,8 +371,9 @@ def _merge(slices: Iterable[_Slice]) -> dict[ServicePortName, tuple[Endpoint, ..
     return _merge_endpoints(sl.endpoints for sl in slices)
 
 
-def _merge_endpoints(parts: Iterable[EndpointsByPort]) -> dict[ServicePortName, tuple[Endpoint, ...]]:
-    """Endpoints by port from several sources, deduplicated by ip:port and sorted.
+def _merge_endpoints(parts: Iterable[EndpointsByPort]) -> Mapping[ServicePortName, tuple[Endpoint, ...]]:
+    """Endpoints by port from several sources, deduplicated by ip:port and sorted, packed
+    (EndpointList: a Sequence of Endpoint equal to the sorted tuple).
 
     The same endpoint may transiently appear in two slices; the first one wins, except that a
     local copy is preferred (kube-proxy's EndpointSliceCache does the same)."""
@@ -348,7 +384,9 @@ def _merge_endpoints(parts: Iterable[EndpointsByPort]) -> dict[ServicePortName, 
             for ep in eps:
                 if ep.addr not in seen or (ep.is_local and not seen[ep.addr].is_local):
                     seen[ep.addr] = ep
-    return {spn: tuple(sorted(eps.values())) for spn, eps in by_port.items() if eps}
+    # packed (model/endpoints.py): at 100,000 Services x 10 endpoints the Endpoint objects and
+    # their IP strings were 165 MiB; the packed lists ~20 MiB
+    return compact_mapping({spn: EndpointList.pack(sorted(eps.values())) for spn, eps in by_port.items() if eps})
 
 
 def _changed_ports(old_svc: Mapping, new_svc: Mapping, old_eps: Mapping, new_eps: Mapping) -> set[ServicePortName]:

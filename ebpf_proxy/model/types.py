@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import ipaddress
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 DEFAULT_AFFINITY_TIMEOUT_SECONDS = 10800  # kube's default for sessionAffinity=ClientIP
@@ -264,10 +264,12 @@ class ProxyState:
     """A whole desired state: every programmable service port and its endpoints."""
 
     services: dict[ServicePortName, ServicePort] = field(default_factory=dict)
-    endpoints: dict[ServicePortName, tuple[Endpoint, ...]] = field(default_factory=dict)
+    # a tuple, or (from the change tracker) a model.endpoints.EndpointList: a packed Sequence of
+    # Endpoint equal to the tuple; readers iterate it
+    endpoints: dict[ServicePortName, Sequence[Endpoint]] = field(default_factory=dict)
     topology: NodeTopology = NodeTopology()
 
-    def endpoints_of(self, name: ServicePortName) -> tuple[Endpoint, ...]:
+    def endpoints_of(self, name: ServicePortName) -> Sequence[Endpoint]:
         return self.endpoints.get(name, ())
 
 

@@ -24,7 +24,7 @@ import ipaddress
 import logging
 from collections import Counter, defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ebpf_proxy.datapath.ebpf import structs as s
 from ebpf_proxy.datapath.ebpf.maps import IPPROTO, Backend, Frontend, Maps, Service, slot_bank
@@ -117,9 +117,9 @@ def entries_of(snap: Snapshot, svc_id: int) -> ServiceEntries:
         source_ranges=frozenset(snap.ranges.get(svc_id, ())),
         bank=bank,
     )
-    for fe, own in entries.frontends.items():
-        if snap.records[fe] != entries.service(own):
-            entries.frontends[fe] = own | UNSETTLED
+    unsettled = {fe: own | UNSETTLED for fe, own in entries.frontends.items() if snap.records[fe] != entries.service(own)}
+    if unsettled:  # ServiceEntries.frontends is read-only: a new one, in the same order
+        entries = replace(entries, frontends={**dict(entries.frontends.items()), **unsettled})
     return entries
 
 

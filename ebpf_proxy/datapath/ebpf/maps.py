@@ -88,6 +88,109 @@ class Backend:
     in_local: bool = False
 
 
+_PACKED_BACKEND = struct.Struct("=I4sHB")  # backend id, address (network order), port, scope bits
+_IN_CLUSTER, _IN_LOCAL = 1, 2
+
+
+def _canonical_v4(addr: object) -> bool:
+    """Whether `addr` is the one dotted quad inet_ntoa gives back for its bytes (so packing loses nothing)."""
+    try:
+        return type(addr) is str and socket.inet_ntoa(socket.inet_aton(addr)) == addr
+    except OSError:
+        return False
+
+
+class Backends(Mapping[int, Backend]):
+    """A service port's backends (backend id -> Backend), packed: 11 bytes each in one bytes object.
+
+    ServiceEntries held them as a dict of Backend records: at 100,000 Services x 10 endpoints
+    ~1.3 KiB a service port (dict, records, id ints), ~130 MiB of the agent's 637 MiB
+    (bench/cpscale.py). Reading is a Mapping as before, in the order given (the order
+    ServicePrograms writes them); values are Backend records built on access, equal to the ones
+    packed. Lookups by id scan (a service port's backends are few; _write takes dict(items())
+    once for its lookups). Build with `pack`, which keeps a plain dict for what the packed form
+    cannot hold exactly (an address not in canonical dotted-quad form, a port beyond 16 bits)."""
+
+    __slots__ = ("_packed",)
+
+    def __init__(self, packed: bytes) -> None:
+        self._packed = packed
+
+    @classmethod
+    def pack(cls, backends: Mapping[int, Backend] | Iterable[tuple[int, Backend]]) -> "Backends | dict[int, Backend]":
+        if isinstance(backends, Backends):
+            return backends
+        items = list(dict(backends).items())  # a dict's keys: one entry per id, the last one given
+        if not all(type(bid) is int and 0 <= bid < 1 << 32 and type(be) is Backend and _canonical_v4(be.addr)
+                   and type(be.port) is int and 0 <= be.port < 1 << 16
+                   and type(be.in_cluster) is bool and type(be.in_local) is bool for bid, be in items):
+            return dict(items)
+        return cls(b"".join(_PACKED_BACKEND.pack(bid, socket.inet_aton(be.addr), be.port,
+                                                 (_IN_CLUSTER if be.in_cluster else 0) | (_IN_LOCAL if be.in_local else 0))
+                            for bid, be in items))
+
+    @classmethod
+    def of(cls, rows: Iterable[tuple[int, str, int, bool, bool]]) -> "Backends | dict[int, Backend]":
+        """pack() of {id: Backend(addr, port, in_cluster, in_local)} for (id, addr, port,
+        in_cluster, in_local) rows (a repeated id: the last row, as in a dict), without making the
+        Backend records (a million of them in a 100,000-Service full sync)."""
+        rows = list(rows)
+        if len({row[0] for row in rows}) != len(rows) or not all(type(bid) is int and 0 <= bid < 1 << 32 and _canonical_v4(addr) and type(port) is int
+                   and 0 <= port < 1 << 16 and type(c) is bool and type(loc) is bool for bid, addr, port, c, loc in rows):
+            return cls.pack({bid: Backend(addr, port, c, loc) for bid, addr, port, c, loc in rows})
+        aton = socket.inet_aton
+        return cls(b"".join(_PACKED_BACKEND.pack(bid, aton(addr), port, (_IN_CLUSTER if c else 0) | (_IN_LOCAL if loc else 0))
+                            for bid, addr, port, c, loc in rows))
+
+    def map_entries(self) -> list[tuple[bytes, bytes]]:
+        """(epx_backend key, value) of each backend, packed, in order: what Maps.set_backends()
+        writes for items(), without making the Backend records."""
+        return [(_U32.pack(bid), _LB4_BACKEND.pack(addr, socket.htons(port), (s.LB4_BE_IN_CLUSTER if bits & _IN_CLUSTER else 0)
+                                                   | (s.LB4_BE_IN_LOCAL if bits & _IN_LOCAL else 0)))
+                for bid, addr, port, bits in _PACKED_BACKEND.iter_unpack(self._packed)]
+
+    def __len__(self) -> int:
+        return len(self._packed) // _PACKED_BACKEND.size
+
+    def __iter__(self) -> Iterator[int]:
+        for bid, _, _, _ in _PACKED_BACKEND.iter_unpack(self._packed):
+            yield bid
+
+    def items(self):  # type: ignore[override]
+        return [(bid, Backend(socket.inet_ntoa(addr), port, bool(bits & _IN_CLUSTER), bool(bits & _IN_LOCAL)))
+                for bid, addr, port, bits in _PACKED_BACKEND.iter_unpack(self._packed)]
+
+    def values(self):  # type: ignore[override]
+        return [be for _, be in self.items()]
+
+    def __getitem__(self, backend_id: int) -> Backend:
+        for bid, addr, port, bits in _PACKED_BACKEND.iter_unpack(self._packed):
+            if bid == backend_id:
+                return Backend(socket.inet_ntoa(addr), port, bool(bits & _IN_CLUSTER), bool(bits & _IN_LOCAL))
+        raise KeyError(backend_id)
+
+    def __contains__(self, backend_id: object) -> bool:
+        return any(bid == backend_id for bid in self)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Backends):  # a dict's equality: the order does not count
+            if self._packed == other._packed:
+                return True
+            return len(self._packed) == len(other._packed) and \
+                sorted(_PACKED_BACKEND.iter_unpack(self._packed)) == sorted(_PACKED_BACKEND.iter_unpack(other._packed))
+        if isinstance(other, Mapping):
+            return dict(self.items()) == dict(other.items())
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # as a dict's
+
+    def __repr__(self) -> str:
+        return repr(dict(self.items()))
+
+    def __reduce__(self) -> tuple:
+        return (Backends, (self._packed,))
+
+
 # NodeSettings.local_detect: how the local-traffic detector decides (lb4_local_pod in bpf/lib/lb4.h)
 DETECT_CIDR, DETECT_IFACE, DETECT_NONE = "cidr", "iface", "none"
 _DETECT_FLAGS = {DETECT_CIDR: 0, DETECT_IFACE: s.CFG_F_DETECT_IFACE, DETECT_NONE: s.CFG_F_DETECT_NONE}
@@ -597,6 +700,10 @@ class Maps:
     def set_backends(self, entries: Sequence[tuple[int, Backend]]) -> None:
         """set_backend() of each (backend id, backend), in order, batched (see _put_packed)."""
         self._put_packed("epx_backend", [(_U32.pack(bid), pack_backend(be)) for bid, be in entries])
+
+    def set_backend_entries(self, entries: Sequence[tuple[bytes, bytes]]) -> None:
+        """set_backends() of entries already packed (Backends.map_entries), in order, batched."""
+        self._put_packed("epx_backend", list(entries))
 
     def backend(self, backend_id: int) -> Backend | None:
         v = self._get("epx_backend", s.u32(backend_id))

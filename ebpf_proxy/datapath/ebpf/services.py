@@ -8,8 +8,10 @@ endpoint) for as long as that endpoint stays, so CT and affinity entries that ou
 point at someone else. (An endpoint that leaves and comes back gets a new id.)
 
 Memory: the only per-service state is `current`, one compact ServiceEntries per service port (the
-ids live in it), about 1 KiB each; nothing is kept for what was deleted, so endpoint and service
-churn never accumulate (10,000 service ports: ~9 MiB).
+ids live in it): backends packed (maps.Backends), slots packed (SlotIds), a lone frontend in a
+OneEntry; ~650 bytes a service port of 10 endpoints (100,000 of them: ~64 MiB of RSS, was ~186,
+bench/cpscale.py). Nothing is kept for what was deleted, so endpoint and service churn never
+accumulate.
 
 Slots are kept stable: a backend keeps its slot while it stays, a leaving backend's slot is
 taken by a newcomer or by the last slot's backend. Writes are ordered so that a packet never
@@ -34,8 +36,10 @@ from __future__ import annotations
 import ipaddress
 import itertools
 from collections import Counter
-from collections.abc import Callable, Iterable
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ebpf_proxy.datapath.ebpf import structs as s
 from ebpf_proxy.datapath.ebpf.maps import (
@@ -44,6 +48,7 @@ from ebpf_proxy.datapath.ebpf.maps import (
     DETECT_NONE,
     IPPROTO,
     Backend,
+    Backends,
     Frontend,
     MapFull,
     Maps,
@@ -52,9 +57,64 @@ from ebpf_proxy.datapath.ebpf.maps import (
 )
 from ebpf_proxy.model import NodeConfig, ProxyState
 from ebpf_proxy.model.categorize import categorize
+from ebpf_proxy.model.compact import compact_mapping
 from ebpf_proxy.model.types import Endpoint, NodeTopology, Protocol, ServicePort, ServicePortName
 
 SUPPORTED = (Protocol.TCP, Protocol.UDP)  # SCTP's CRC32c cannot be updated incrementally in BPF
+
+
+_ID_SIZE = array("I").itemsize
+
+
+class SlotIds(Sequence[int]):
+    """A scope's backend ids by slot, packed as u32s: a tuple of ids held an int object per slot
+    (~45 MiB of the agent at 100,000 Services x 10 endpoints, bench/cpscale.py), this ~7 MiB.
+    Reads as the tuple it replaces: indexing, iteration, len, and equal (and hashing alike) to a
+    tuple of the same ids. Build with `pack`, which keeps () and ids beyond 32 bits as a tuple."""
+
+    __slots__ = ("_packed",)
+
+    def __init__(self, packed: bytes) -> None:
+        self._packed = packed
+
+    @classmethod
+    def pack(cls, ids: Iterable[int]) -> "SlotIds | tuple[int, ...]":
+        if isinstance(ids, SlotIds):
+            return ids
+        ids = tuple(ids)
+        if not ids or not all(type(i) is int and 0 <= i < 1 << (8 * _ID_SIZE) for i in ids):
+            return ids
+        return cls(array("I", ids).tobytes())
+
+    def __len__(self) -> int:
+        return len(self._packed) // _ID_SIZE
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(memoryview(self._packed).cast("I"))
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return tuple(self)[index]
+        return memoryview(self._packed).cast("I")[index]
+
+    def __contains__(self, value: object) -> bool:
+        return value in memoryview(self._packed).cast("I").tolist()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, SlotIds):
+            return self._packed == other._packed
+        if isinstance(other, tuple):  # as a tuple: equal to a tuple of the same, never to a list
+            return tuple(self) == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return repr(tuple(self))
+
+    def __reduce__(self) -> tuple:
+        return (SlotIds, (self._packed,))
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,13 +122,22 @@ class ServiceEntries:
     """Everything one service port puts in the maps (ids already allocated)."""
 
     svc_id: int
-    frontends: dict[Frontend, int]  # frontend -> its LB4_F_* flags
+    # frontend -> its LB4_F_* flags; read-only (a one-frontend dict given is kept as a OneEntry)
+    frontends: Mapping[Frontend, int]
     affinity_timeout: int
-    backends: dict[int, Backend]  # backend id -> backend
-    cluster_slots: tuple[int, ...]  # backend ids by slot
-    local_slots: tuple[int, ...]
+    # backend id -> backend, packed (maps.Backends, a Mapping: ~130 MiB less at 100,000 Services
+    # x 10 endpoints); a dict given is packed here
+    backends: Mapping[int, Backend]
+    cluster_slots: Sequence[int]  # backend ids by slot (SlotIds: packed; a tuple given is packed here)
+    local_slots: Sequence[int]
     source_ranges: frozenset[str]
     bank: int = 0  # which epx_slot bank holds the slots (the module docstring: the bank swap)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "frontends", compact_mapping(self.frontends))
+        object.__setattr__(self, "backends", Backends.pack(self.backends))
+        object.__setattr__(self, "cluster_slots", SlotIds.pack(self.cluster_slots))
+        object.__setattr__(self, "local_slots", SlotIds.pack(self.local_slots))
 
     def service(self, flags: int) -> Service:
         """The epx_svc record of a frontend with LB4_F_* `flags` (without LB4_F_SLOT_BANK: the bank is ours)."""
@@ -241,12 +310,13 @@ class ServicePrograms:
         # per endpoint was a fifth of a 100,000-Service sync (bench/cpscale.py)
         cluster, local = {id(ep) for ep in sets.cluster}, {id(ep) for ep in sets.local}
         known = {(be.addr, be.port): bid for bid, be in old.backends.items()} if old else {}
-        backends: dict[int, Backend] = {}
+        rows: list[tuple[int, str, int, bool, bool]] = []  # Backends.of: no Backend record each
         ids: dict[int, int] = {}
         for ep in sets.all_reachable:
             bid = known.get((ep.ip, ep.port)) or next(self._next_backend)
             ids[id(ep)] = bid
-            backends[bid] = Backend(ep.ip, ep.port, in_cluster=id(ep) in cluster, in_local=id(ep) in local)
+            rows.append((bid, ep.ip, ep.port, id(ep) in cluster, id(ep) in local))
+        backends = Backends.of(rows)
 
         base = (s.LB4_F_HAS_ENDPOINTS if sets.has_any else 0)
         base |= s.LB4_F_ETP_LOCAL if svc.external_policy_local else 0
@@ -328,7 +398,7 @@ class ServicePrograms:
     def _write(self, old: ServiceEntries | None, new: ServiceEntries | None) -> int:
         writes = 0
         m = self.maps
-        old_backends = old.backends if old else {}
+        old_backends = dict(old.backends.items()) if old else {}  # looked up by id: once, not a scan each
         svc_id = new.svc_id if new else old.svc_id  # type: ignore[union-attr]
 
         # a bank swap: the new slots go to the other bank whole, the old bank goes after the flip
@@ -336,8 +406,12 @@ class ServicePrograms:
         if new:
             # each map's writes in one batch, in the order single writes would make them (a
             # batch is written entry by entry, in order: readers see the same sequence)
-            backends = [(bid, be) for bid, be in new.backends.items() if old_backends.get(bid) != be]
-            m.set_backends(backends)
+            if old is None and isinstance(new.backends, Backends):  # every one new: packed as they are
+                backends = new.backends.map_entries()
+                m.set_backend_entries(backends)
+            else:
+                backends = [(bid, be) for bid, be in new.backends.items() if old_backends.get(bid) != be]
+                m.set_backends(backends)
             same_bank = old is not None and not swapped
             slot_writes = []
             for scope, slots, before in (
@@ -378,8 +452,9 @@ class ServicePrograms:
         for cidr in (old.source_ranges if old else frozenset()) - (new.source_ranges if new else frozenset()):
             m.delete_source_range(svc_id, cidr)
             writes += 1
+        new_ids = set(new.backends) if new else set()
         for bid in old_backends:
-            if not new or bid not in new.backends:
+            if bid not in new_ids:
                 m.delete_backend(bid)
                 writes += 1
         return writes
