@@ -226,7 +226,7 @@ class NodeSettings:
 
 @dataclass(frozen=True, slots=True)
 class Connection:
-    """One epx_ct4 entry, decoded."""
+    """One epx_ct4 (or epx_ct6) entry, decoded."""
 
     kind: int  # structs.CT4_*
     proto: int
@@ -351,30 +351,9 @@ def stream_items(fd: int, name: str) -> Iterator[tuple]:
             yield key, value
 
 
-@dataclass(frozen=True, slots=True)
-class Connection6:
-    """One epx_ct6 entry, decoded (Connection's IPv6 twin)."""
-
-    kind: int  # structs.CT4_*
-    proto: int
-    saddr: str
-    sport: int
-    daddr: str
-    dport: int
-    nat_addr: str
-    nat_port: int
-    svc_addr: str
-    svc_port: int
-    backend_id: int
-    snat_addr: str
-    snat_port: int
-    flags: int
-    expires_ns: int
-    state: int = 0
-
-
-def _connection6(k: s.CT6Key, v: s.CT6Entry) -> Connection6:
-    return Connection6(
+def _connection6(k: s.CT6Key, v: s.CT6Entry) -> Connection:
+    """An epx_ct6 entry as a Connection (its addresses are strings: either family)."""
+    return Connection(
         kind=k.kind, proto=k.proto,
         saddr=ip6_str(k.saddr), sport=port_int(k.sport), daddr=ip6_str(k.daddr), dport=port_int(k.dport),
         nat_addr=ip6_str(v.nat_addr), nat_port=port_int(v.nat_port),
@@ -947,7 +926,7 @@ class Maps:
         v = self._get("epx_affinity6", s.LB6AffinityKey(svc_id=svc_id, client=in6(client)))
         return None if v is None else (v.backend_id, v.last_used)
 
-    def connections6(self, kind: int | None = None) -> list[Connection6]:
+    def connections6(self, kind: int | None = None) -> list[Connection]:
         """The epx_ct6 entries (only those of `kind` when given), decoded."""
         return [_connection6(k, v) for k, v in self._items("epx_ct6") if kind is None or k.kind == kind]
 
