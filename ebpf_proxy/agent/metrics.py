@@ -59,7 +59,9 @@ class DatapathCounters(Collector):
         return (CounterMetricFamily(self.PACKETS, "Packets the datapath counted, by reason and verdict", labels=labels),
                 CounterMetricFamily(self.BYTES, "Bytes the datapath counted, by reason and verdict", labels=labels),
                 CounterMetricFamily(self.EVENTS, "Events the datapath counted, by reason (EV_CT_EARLY_DROP: a "
-                                    "connection dropped to make room in a full connection table)", labels=["reason"]))
+                                    "connection dropped to make room in a full connection table; EV_HOST_ROUTED_*: "
+                                    "packets the host-routing fast path forwarded; EV_HOST_STACK_*: packets it left "
+                                    "to the host stack, and why)", labels=["reason"]))
 
     def describe(self) -> Iterator[CounterMetricFamily]:
         return iter(self._families())
