@@ -11,6 +11,13 @@
  * (nat4_masq_local), which recognises the socket by its cookie in epx_sock_rev. UDP
  * sockets that receive get the frontend back as the peer address (recvmsg4), using epx_sock_rev.
  *
+ * TCP and UDP sockets only. SCTP sockets are left to the kernel: an SCTP association may
+ * address several peer addresses (sctp_connectx, multi-homing) that one rewrite of connect()'s
+ * address would not cover, and the machines this was built on have no SCTP sockets at all
+ * (CONFIG_IP_SCTP unset), so nothing could test it. A node process's SCTP packet to a service
+ * is therefore not balanced by the eBPF datapath (the TC programs see it only on egress, where
+ * no DNAT happens): node-originated SCTP to a Service is a known gap of the eBPF mode.
+ *
  * REJECT becomes ECONNREFUSED from connect()/sendmsg() itself (bpf_set_retval), which is what a
  * TCP client sees after kube-proxy's ICMP port unreachable; policy drops fail with EPERM.
  *
@@ -55,7 +62,7 @@ static __always_inline int sock4_decide(struct bpf_sock_addr *ctx, __u8 hook, in
 	__be32 src;
 	int masq_source;
 
-	if (!cfg || (proto != IPPROTO_TCP && proto != IPPROTO_UDP)) {
+	if (!cfg || (proto != IPPROTO_TCP && proto != IPPROTO_UDP)) { /* SCTP too: see above */
 		if (tr)
 			tr->flags |= cfg ? 0 : EPX_TRACE_F_NETNS;
 		return 1;

@@ -19,6 +19,8 @@
  *   3. a node socket bound to 127.0.0.0/8 that the socket LB sent to a backend is masqueraded
  *      (127.0.0.1:<nodePort>, rule 8), as kube-proxy's POSTROUTING MASQUERADE does, and the ARP
  *      request its first packet may cause announces the masquerade address, not 127.0.0.1.
+ * TCP, UDP and SCTP alike (their ports sit at the same offsets). An SCTP packet whose ports a run
+ * changed gets its CRC32c updated once, when the run is done (tc_sctp_done; the math in sctp.h).
  * Masquerade is split the same way kube-proxy splits it (mark in PREROUTING, MASQUERADE in
  * POSTROUTING): decided at ingress, applied at egress, after the kernel routed the DNATed packet;
  * rewriting the source to a node address at ingress would make the kernel drop it as martian.
@@ -49,6 +51,20 @@ static __always_inline int tc_done(struct __sk_buff *skb, __u32 reason, struct e
 	return epx_is_drop(reason) ? TC_ACT_SHOT : TC_ACT_OK;
 }
 
+/* The end of a run: an SCTP packet let through gets its CRC32c for the ports its translations
+ * changed (nat4.h: nat4_sctp_finish), out here where nothing of the run is left on the stack.
+ * "Let through" includes a redirect: the host-routing fast path (fib4.h) hands the packet on only
+ * once the program returns, so its DNAT, and the masquerade fib4_egress_work does for a pod's
+ * veth, are covered here too. (A REJECT's redirect is ICMP by now: nothing to do.)
+ * The header was read before, so this cannot fail short of a bug; if it does, the packet (already
+ * counted under its verdict) is dropped and counted under EPX_DROP_NAT_FAILED too. */
+static __always_inline int tc_sctp_done(struct __sk_buff *skb, int verdict, struct epx_trace_rec *tr)
+{
+	if (verdict == TC_ACT_SHOT || !nat4_sctp_finish(skb))
+		return verdict;
+	return tc_done(skb, EPX_DROP_NAT_FAILED, tr);
+}
+
 static __always_inline struct lb4_config *tc_config(void)
 {
 	__u32 zero = 0;
@@ -77,6 +93,7 @@ static __always_inline int tc_ingress_run(struct __sk_buff *skb, struct epx_trac
 		return tc_done(skb, icmp4_err_ingress(skb, &p, cfg, bpf_ktime_get_ns()), tr);
 	if (reason)
 		return tc_done(skb, reason, tr);
+	nat4_sctp_begin(skb, &p);
 	cfg = tc_config();
 	if (!cfg)
 		return tc_done(skb, EPX_PASS_NO_SERVICE, tr);
@@ -113,9 +130,9 @@ int tc_ingress(struct __sk_buff *skb)
 	if (trace_skb_requested(skb)) { /* the one test live packets pay */
 		struct epx_trace_rec *tr = trace_skb_begin(skb, EPX_HOOK_TC_INGRESS);
 
-		return tr ? tc_ingress_run(skb, tr) : TC_ACT_OK;
+		return tr ? tc_sctp_done(skb, tc_ingress_run(skb, tr), tr) : TC_ACT_OK;
 	}
-	return tc_ingress_run(skb, NULL);
+	return tc_sctp_done(skb, tc_ingress_run(skb, NULL), NULL);
 }
 
 static __always_inline int tc_egress_run(struct __sk_buff *skb, struct epx_trace_rec *tr)
@@ -134,6 +151,7 @@ static __always_inline int tc_egress_run(struct __sk_buff *skb, struct epx_trace
 		reason = icmp4_err_egress(skb, &p, bpf_ktime_get_ns());
 	if (reason)
 		return tc_done(skb, reason, tr);
+	nat4_sctp_begin(skb, &p);
 	cfg = tc_config();
 	if (!cfg)
 		return tc_done(skb, EPX_PASS_NO_SERVICE, tr);
@@ -154,7 +172,7 @@ int tc_egress(struct __sk_buff *skb)
 	if (trace_skb_requested(skb)) { /* the one test live packets pay */
 		struct epx_trace_rec *tr = trace_skb_begin(skb, EPX_HOOK_TC_EGRESS);
 
-		return tr ? tc_egress_run(skb, tr) : TC_ACT_OK;
+		return tr ? tc_sctp_done(skb, tc_egress_run(skb, tr), tr) : TC_ACT_OK;
 	}
-	return tc_egress_run(skb, NULL);
+	return tc_sctp_done(skb, tc_egress_run(skb, NULL), NULL);
 }

@@ -37,6 +37,13 @@
 #endif
 #define epx_ntohs(x) epx_htons(x)
 #define epx_ntohl(x) epx_htonl(x)
+/* little-endian fields (SCTP's CRC32c) */
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define epx_cpu_to_le32(x) ((__le32)(x))
+#else
+#define epx_cpu_to_le32(x) ((__le32)__builtin_bswap32(x))
+#endif
+#define epx_le32_to_cpu(x) ((__u32)epx_cpu_to_le32(x))
 
 /* ---- verdict and drop reasons: one per-CPU counter each (stats map index) ----
  * Every packet a program looks at is counted under exactly one reason. Helpers return 0
@@ -45,7 +52,7 @@
 enum epx_reason {
 	EPX_CONTINUE = 0,                /* not a verdict: "not mine, go on" between helpers; never counted */
 	EPX_PASS_NOT_IPV4 = 1,           /* neither IPv4 nor IPv6 (ARP, LLDP, ...): untouched */
-	EPX_PASS_NOT_L4 = 2,             /* IPv4 but neither TCP nor UDP (ICMP, SCTP, ...): untouched */
+	EPX_PASS_NOT_L4 = 2,             /* IPv4 but neither TCP, UDP nor SCTP (ICMP, ...): untouched */
 	EPX_PASS_NO_SERVICE = 3,         /* no connection, no service frontend: untouched */
 	EPX_PASS_FRAG_UNKNOWN = 4,       /* later fragment whose first fragment was not seen here: untouched */
 	EPX_FWD_NEW = 5,                 /* new connection: backend chosen, DNAT */
@@ -55,7 +62,7 @@ enum epx_reason {
 	EPX_REV_DNAT = 9,                /* reply: frontend restored as source */
 	EPX_REJECT = 10,                 /* no usable endpoint: ICMP port unreachable sent back (kube-proxy REJECT) */
 	EPX_DROP_MALFORMED_IP = 11,      /* bad version/IHL/total length, truncated IP header */
-	EPX_DROP_MALFORMED_L4 = 12,      /* truncated TCP/UDP header, bad TCP data offset */
+	EPX_DROP_MALFORMED_L4 = 12,      /* truncated TCP/UDP/SCTP header, bad TCP data offset */
 	EPX_DROP_NO_LOCAL_EXTERNAL = 13, /* externalTrafficPolicy=Local, from outside, no local endpoint */
 	EPX_DROP_NO_LOCAL_INTERNAL = 14, /* internalTrafficPolicy=Local, no local endpoint */
 	EPX_DROP_SOURCE_RANGE = 15,      /* loadBalancerSourceRanges does not admit the client */
@@ -85,15 +92,16 @@ enum epx_reason {
 	EPX_EV_HOST_STACK_MTU = 37,      /* not a verdict: slow path, larger than the route's MTU: the kernel fragments it or answers fragmentation needed */
 	EPX_EV_HOST_STACK_SKIP = 38,     /* not a verdict: slow path, not a packet to route here (fragment, IP options, TTL <= 1, not for this host, mark, mode switch) */
 	EPX_PASS_IPV6_FRAG = 39,         /* IPv6 packet with a fragment header: untouched (no IPv6 fragment tracking; the ip6tables mode reassembles) */
-	EPX_PASS_IPV6_NOT_L4 = 40,       /* IPv6 but neither TCP nor UDP after the extension headers (ICMPv6, neighbour discovery, ESP, ...): untouched */
+	EPX_PASS_IPV6_NOT_L4 = 40,       /* IPv6 but neither TCP nor UDP after the extension headers (ICMPv6, neighbour discovery, SCTP, ESP, ...): untouched */
 	EPX_DROP_MALFORMED_IPV6 = 41,    /* bad IPv6 version or payload length, truncated IPv6 or extension header */
 	EPX_DROP_IPV6_EXTHDRS = 42,      /* IPv6 extension header chain longer than the parser walks (pkt6.h): dropped, so that no chain carries a packet past the service rules */
 	EPX_PASS_IPV6_UNTRACED = 43,     /* trace run of an IPv6 packet: trace mode explains IPv4 only, nothing decided or written */
 	EPX_PASS_IPV6_OFF = 44,          /* IPv6 while the eBPF datapath does not serve it (CFG6_F_ON unset: ip6tables does): untouched */
-	EPX_REASON_MAX = 45,
+	EPX_DROP_SCTP_FRAG = 45,         /* SCTP first fragment whose port must change: its CRC32c covers the whole datagram, whose length a first fragment does not tell (sctp.h) */
+	EPX_REASON_MAX = 46,
 };
 #define EPX_DROP_FIRST EPX_DROP_MALFORMED_IP
-#define EPX_DROP_LAST EPX_DROP_REJECT_FAILED /* and EPX_DROP_CT_FULL, _HANDOVER_HELD, _MALFORMED_IPV6, _IPV6_EXTHDRS, appended later (epx_is_drop) */
+#define EPX_DROP_LAST EPX_DROP_REJECT_FAILED /* and EPX_DROP_CT_FULL, _HANDOVER_HELD, _MALFORMED_IPV6, _IPV6_EXTHDRS, _SCTP_FRAG, appended later (epx_is_drop) */
 
 /* ---- packet facts ---- */
 #define EPX_MAX_IP_HLEN 60
@@ -113,7 +121,7 @@ enum epx_reason {
 struct lb4_key {
 	__be32 addr;  /* clusterIP, externalIP or LB IP; 0 = any node address (a NodePort) */
 	__be16 port;  /* service port, or the nodePort */
-	__u8 proto;   /* IPPROTO_TCP / IPPROTO_UDP */
+	__u8 proto;   /* IPPROTO_TCP / IPPROTO_UDP / IPPROTO_SCTP */
 	__u8 pad;
 };
 
@@ -208,7 +216,7 @@ struct ct4_key {
 /* ct4_entry.flags */
 #define CT4_F_MASQ 0x01       /* connection is masqueraded (SNAT entries exist) */
 #define CT4_F_SEEN_REPLY 0x02 /* a reply went back: established timeouts apply */
-#define CT4_F_CLOSING 0x04    /* TCP FIN or RST seen: closing timeout applies */
+#define CT4_F_CLOSING 0x04    /* TCP FIN or RST seen, SCTP ABORT or SHUTDOWN COMPLETE: closing timeout applies */
 #define CT4_F_SOCK_MASQ 0x08  /* a node socket masqueraded on egress (nat4_masq_local): no packet of it
 			       * crosses lb4_forward, so the SNAT halves keep it alive */
 /* TCP close tracking (ct4_tcp_state): when may a masquerade port be handed to a new connection? */
@@ -216,7 +224,8 @@ struct ct4_key {
 #define CT4_F_FIN_REPLY 0x20  /* the backend sent FIN */
 #define CT4_F_TIME_WAIT 0x40  /* the backend closed first: it keeps the tuple in TIME_WAIT (60 s) */
 #define CT4_F_DONE 0x80       /* over, and the backend holds nothing of it (RST, or it closed second
-			       * and the client acknowledged its FIN): its masquerade port is free */
+			       * and the client acknowledged its FIN; SCTP: ABORT or SHUTDOWN COMPLETE,
+			       * after which neither end keeps the association): its masquerade port is free */
 
 struct ct4_entry {
 	__u64 expires;    /* CT4_SVC: bpf_ktime_get_ns() deadline */
@@ -258,6 +267,12 @@ struct ct4_ring {
 	 * icmp4_reject's zero padding (it clears what it uses). Per CPU, and a program runs to its end
 	 * on one CPU, so nothing else writes it meanwhile. */
 	struct bpf_fib_lookup fib;
+	/* scratch, for the same full stack: the half entries ct4_create writes (ct4.h), the reply's
+	 * (CT4_REV_DNAT) and the masquerade's (CT4_SNAT, CT4_REV_SNAT). The connection's own entry
+	 * stays on the stack, where the verifier knows the flags ct4_touch branches on. */
+	struct ct4_entry rev_dnat;
+	struct ct4_entry snat;
+	struct ct4_entry rev_snat;
 };
 
 /* ---- IPv4 fragments: ports of a datagram, learnt from its first fragment ---- */
@@ -344,8 +359,13 @@ struct lb4_config {
 	__u32 udp_timeout;       /* seconds, until the first reply */
 	__u32 udp_stream_timeout;/* seconds, after a reply */
 	__u32 tcp_close_wait_timeout; /* seconds, after a FIN one way only (conntrack's CLOSE_WAIT) */
-	__u32 pad;
+	/* SCTP: kube-proxy sets no SCTP conntrack timeout, so nf_conntrack's defaults apply (three
+	 * fields: the first in what was padding, the others after host_netns_cookie, which keeps its
+	 * offset) */
+	__u32 sctp_timeout;      /* seconds, until the first reply (COOKIE_WAIT, COOKIE_ECHOED: 3) */
 	__u64 host_netns_cookie; /* socket LB acts only in this netns (0: every netns) */
+	__u32 sctp_est_timeout;  /* seconds, after a reply (ESTABLISHED: 210; heartbeats every 30 s keep it) */
+	__u32 sctp_close_timeout;/* seconds, after ABORT or SHUTDOWN COMPLETE (CLOSED: 10) */
 };
 
 /* ---- per-CPU counters ---- */

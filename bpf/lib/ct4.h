@@ -9,8 +9,12 @@
  *
  * Lifetimes follow nf_conntrack's shape (seconds from epx_config, kube-proxy's conntrack settings):
  * TCP before the first reply, established, half closed (a FIN one way: CLOSE_WAIT) and closed
- * (FINs both ways, or RST); UDP before and after the first reply. Every packet of the
- * connection, in either direction, pushes the deadline forward.
+ * (FINs both ways, or RST); UDP before and after the first reply; SCTP before and after the first
+ * reply, and closed (ABORT or SHUTDOWN COMPLETE, either way: nf_conntrack's CLOSED), with
+ * nf_conntrack's SCTP defaults, which kube-proxy leaves alone (its other SCTP states, the
+ * shutdown handshake and HEARTBEAT_SENT, keep the established lifetime here: the association
+ * still holds its tuple). Every packet of the connection, in either direction, pushes the
+ * deadline forward.
  *
  * Masquerade ports. A port toward one backend ip:port is busy while its connection lives, and a
  * TCP connection lives tcp_close_timeout (10 s) past its last FIN, like conntrack's. Holding the
@@ -70,6 +74,11 @@ static __always_inline __u64 ct4_lifetime_ns(const struct lb4_config *cfg, __u8 
 			secs = cfg->tcp_est_timeout;
 		else
 			secs = cfg->tcp_syn_timeout;
+	} else if (proto == IPPROTO_SCTP) {
+		if (flags & CT4_F_CLOSING)
+			secs = cfg->sctp_close_timeout;
+		else
+			secs = (flags & CT4_F_SEEN_REPLY) ? cfg->sctp_est_timeout : cfg->sctp_timeout;
 	} else {
 		secs = (flags & CT4_F_SEEN_REPLY) ? cfg->udp_stream_timeout : cfg->udp_timeout;
 	}
@@ -103,7 +112,8 @@ static __always_inline void ct4_touch(struct ct4_entry *e, const struct lb4_conf
 
 	if (reply)
 		flags |= CT4_F_SEEN_REPLY;
-	if (p->proto == IPPROTO_TCP && p->frag != EPX_FRAG_LATER)
+	/* SCTP's flags are only ever SYN or RST (pkt4_sctp_flags): ABORT or SHUTDOWN COMPLETE is done */
+	if ((p->proto == IPPROTO_TCP || p->proto == IPPROTO_SCTP) && p->frag != EPX_FRAG_LATER)
 		flags = ct4_tcp_state(flags, p->tcp_flags, reply);
 	if (flags != e->flags)
 		e->flags = flags;
@@ -185,7 +195,8 @@ static __always_inline int ct4_evictable(const struct ct4_entry *e, __u8 proto, 
 {
 	if (e->expires <= now || !(e->state & CT4_S_ASSURED))
 		return 1;
-	return proto == IPPROTO_TCP && (e->flags & CT4_F_CLOSING);
+	/* nf_conntrack's can_early_drop: closing TCP, and closing SCTP (sctp_can_early_drop) */
+	return (proto == IPPROTO_TCP || proto == IPPROTO_SCTP) && (e->flags & CT4_F_CLOSING);
 }
 
 /* Drop connections to make room for `need` entries (counted under EPX_EV_CT_EARLY_DROP, one per
@@ -280,16 +291,13 @@ static __always_inline __u32 ct4_snat_check(const struct lb4_config *cfg)
 	return 0;
 }
 
-/* Pick a masquerade port for (backend, snat addr) and insert the CT4_REV_SNAT entry.
- * Random start, then linear probing: an unused port, or one whose holder is done with it, is
- * taken at once; one the backend may still hold in TIME_WAIT only when the probes found nothing
- * better. Returns 0 with *port set, or a drop reason. */
+/* Pick a masquerade port for (backend, snat addr) and insert the CT4_REV_SNAT entry `rev` (its
+ * client and frontend filled in). Random start, then linear probing: an unused port, or one whose
+ * holder is done with it, is taken at once; one the backend may still hold in TIME_WAIT only when
+ * the probes found nothing better. Returns 0 with *port set, or a drop reason. */
 static __always_inline __u32 ct4_snat_alloc(const struct pkt4 *p, const struct lb4_config *cfg, __be32 be_addr,
-					    __be16 be_port, __u64 now, __be16 *port)
+					    __be16 be_port, __u64 now, __be16 *port, struct ct4_entry *rev)
 {
-	struct ct4_entry rev = {
-		.nat_addr = p->saddr, .nat_port = p->sport, .svc_addr = p->daddr, .svc_port = p->dport,
-	};
 	struct ct4_key key = ct4_key_make(be_addr, cfg->snat_addr, be_port, 0, p->proto, CT4_REV_SNAT);
 	__u32 min = cfg->snat_port_min, max = cfg->snat_port_max;
 	__u32 range, start;
@@ -307,7 +315,7 @@ static __always_inline __u32 ct4_snat_alloc(const struct pkt4 *p, const struct l
 		__u32 use;
 
 		key.dport = epx_htons((__u16)(min + (start + i) % range));
-		long err = epx_insert(epx_ct4, &key, &rev);
+		long err = epx_insert(epx_ct4, &key, rev);
 
 		if (err == 0)
 			goto claimed;
@@ -315,7 +323,7 @@ static __always_inline __u32 ct4_snat_alloc(const struct pkt4 *p, const struct l
 			return EPX_DROP_CT_FULL; /* not the port range: the table */
 		old = epx_lookup(epx_ct4, &key);
 		use = old ? ct4_snat_port_use(old, &key, p->proto, now) : CT4_PORT_FREE;
-		if (use == CT4_PORT_FREE && ct4_snat_claim(&key, &rev) == 0)
+		if (use == CT4_PORT_FREE && ct4_snat_claim(&key, rev) == 0)
 			goto claimed;
 		if (use == CT4_PORT_TIME_WAIT && !last_resort)
 			last_resort = key.dport;
@@ -323,14 +331,16 @@ static __always_inline __u32 ct4_snat_alloc(const struct pkt4 *p, const struct l
 	if (!last_resort)
 		return EPX_DROP_SNAT_NO_PORT;
 	key.dport = last_resort;
-	if (ct4_snat_claim(&key, &rev))
+	if (ct4_snat_claim(&key, rev))
 		return EPX_DROP_SNAT_NO_PORT;
 claimed:
 	*port = key.dport;
 	return 0;
 }
 
-/* One attempt of ct4_create. On failure nothing it wrote stays behind (the table does not evict). */
+/* One attempt of ct4_create. On failure nothing it wrote stays behind (the table does not evict).
+ * The half entries are built in this CPU's scratch (common.h: struct ct4_ring), not on
+ * tc_ingress's 512-byte stack: beside the SCTP paths it has no room left for them. */
 static __always_inline __u32 ct4_create_once(const struct pkt4 *p, const struct lb4_config *cfg, __u64 now,
 					     __u32 backend_id, __be32 be_addr, __be16 be_port, __u8 masq)
 {
@@ -338,23 +348,30 @@ static __always_inline __u32 ct4_create_once(const struct pkt4 *p, const struct 
 		.nat_addr = be_addr, .nat_port = be_port, .svc_addr = p->daddr, .svc_port = p->dport,
 		.backend_id = backend_id,
 	};
-	struct ct4_entry half = { .nat_addr = p->daddr, .nat_port = p->dport, .svc_addr = p->daddr, .svc_port = p->dport };
+	__u32 zero = 0;
+	struct ct4_ring *s = epx_lookup(epx_ct4_ring, &zero);
 	struct ct4_key key;
 	__u32 reason;
 	long err;
 
+	if (!s)
+		return EPX_DROP_CT_FAILED;
+	s->rev_dnat = (struct ct4_entry){ .nat_addr = p->daddr, .nat_port = p->dport, .svc_addr = p->daddr,
+					  .svc_port = p->dport };
 	if (masq) {
-		reason = ct4_snat_alloc(p, cfg, be_addr, be_port, now, &e.snat_port);
+		s->rev_snat = (struct ct4_entry){ .nat_addr = p->saddr, .nat_port = p->sport, .svc_addr = p->daddr,
+						  .svc_port = p->dport };
+		reason = ct4_snat_alloc(p, cfg, be_addr, be_port, now, &e.snat_port, &s->rev_snat);
 		if (reason)
 			return reason;
 		e.snat_addr = cfg->snat_addr;
 		e.flags = masq | CT4_F_MASQ;
 		/* forward: client -> backend leaves as snat_addr:snat_port -> backend */
-		struct ct4_entry snat = {
+		s->snat = (struct ct4_entry){
 			.nat_addr = e.snat_addr, .nat_port = e.snat_port, .svc_addr = p->daddr, .svc_port = p->dport,
 		};
 		key = ct4_key_make(p->saddr, be_addr, p->sport, be_port, p->proto, CT4_SNAT);
-		err = epx_update(epx_ct4, &key, &snat);
+		err = epx_update(epx_ct4, &key, &s->snat);
 		if (err) {
 			key = ct4_key_make(be_addr, e.snat_addr, be_port, e.snat_port, p->proto, CT4_REV_SNAT);
 			epx_delete(epx_ct4, &key);
@@ -370,7 +387,7 @@ static __always_inline __u32 ct4_create_once(const struct pkt4 *p, const struct 
 	}
 	/* reply: backend -> client leaves with the frontend as source */
 	key = ct4_key_make(be_addr, p->saddr, be_port, p->sport, p->proto, CT4_REV_DNAT);
-	err = epx_update(epx_ct4, &key, &half);
+	err = epx_update(epx_ct4, &key, &s->rev_dnat);
 	if (!err) {
 		ct4_touch(&e, cfg, p, 0, now);
 		key = ct4_key_make(p->saddr, p->daddr, p->sport, p->dport, p->proto, CT4_SVC);

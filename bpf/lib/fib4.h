@@ -99,6 +99,7 @@ static __always_inline __u32 fib4_mtu_len(struct __sk_buff *skb, const struct pk
 
 	if (!skb->gso_size)
 		return tot_len;
+	/* SCTP's GSO packets carry GSO_BY_FRAGS (0xffff) here: too big, the kernel decides */
 	if (p->proto != IPPROTO_TCP)
 		return p->ip_hlen + sizeof(struct udphdr) + skb->gso_size;
 	if ((void *)(tcp + 1) > data_end)

@@ -15,6 +15,17 @@
  * possible checksum positions on zero bytes (an option byte, or the ICMP "unused" field); the
  * range then sums to a valid checksum already (zeros + a valid ICMP message), so the kernel
  * writes 0 over 0. Replies to other clients carry no options.
+ *
+ * SCTP (any protocol: kube-proxy's REJECT rule matches SCTP too) is quoted the same way: the
+ * IP header and 8 bytes, its ports and verification tag, which is what the client's SCTP
+ * (sctp_v4_err) needs to find its association. A pod's SCTP packet whose CRC32c the pod left to
+ * its veth is CHECKSUM_PARTIAL with csum_not_inet, csum_offset 8: a software completion would
+ * write a CRC32c (not a zero) over the padding's bytes 8-11, and no layout makes that a no-op.
+ * It does not happen: the reply goes back out of the pod's own host-side veth, which offloads
+ * SCTP CRCs (tx-checksum-sctp, on by default on veths), so nothing is computed on the way and
+ * the pod's ICMP receive path accepts a CHECKSUM_PARTIAL skb as checked. With that offload
+ * turned off on the host side, such a reply would fail its IP checksum at the pod: the client
+ * then times out instead of being refused.
  */
 #ifndef EPX_ICMP4_H
 #define EPX_ICMP4_H

@@ -15,7 +15,8 @@
  *     as with conntrack);
  *   - the quoted header's other side becomes the new address and port;
  *   - checksums: outer IP; quoted IP; the quoted L4 checksum when the quote holds it (UDP: when
- *     not 0; TCP: only when the quote holds a whole TCP header, the kernel's own rule), and the
+ *     not 0; TCP: only when the quote holds a whole TCP header, the kernel's own rule; SCTP:
+ *     never, see below), and the
  *     ICMP checksum for every quoted byte changed. The ICMP checksum is updated incrementally:
  *     the kernel recomputes it, which is the same result for a valid error; an invalid one stays
  *     invalid and its receiver drops it (conntrack would not have translated it either).
@@ -31,8 +32,13 @@
  * replies. An error changes no connection state (conntrack does not refresh a connection for a
  * related packet), so a trace run takes the same path.
  *
+ * SCTP's quoted CRC32c is left as it is. The SCTP receiving the error (sctp_v4_err) finds its
+ * association by the quoted ports and verification tag and never checks the quoted CRC, which a
+ * truncated quote could not match anyway; conntrack (sctp_manip_pkt) rewrites it only when the
+ * quote holds the whole 12-byte header, with a CRC32c of the truncated quote, as meaningless.
+ *
  * Untouched and counted: errors quoting no such connection (EPX_PASS_ICMP_NO_CT: also a later
- * fragment, or a protocol other than TCP/UDP, quoted), errors whose quote is cut short or not
+ * fragment, or a protocol other than TCP/UDP/SCTP, quoted), errors whose quote is cut short or not
  * IPv4 (EPX_PASS_ICMP_MALFORMED), fragmented errors and ICMP that is not an error (PASS_NOT_L4).
  * The IPv6 twin (icmp6_err.h) has the same shape and shares csum.h's csum_quoted_replace; its
  * ICMPv6 checksum also covers a pseudo-header (the outer addresses), and there is no quoted IP
@@ -90,7 +96,7 @@ static __always_inline __u32 icmp4_err_parse(struct __sk_buff *skb, const struct
 	in_hlen = in.ihl * 4;
 	if (in.version != 4 || in_hlen < sizeof(in))
 		return EPX_PASS_ICMP_MALFORMED;
-	if (in.protocol != IPPROTO_TCP && in.protocol != IPPROTO_UDP)
+	if (in.protocol != IPPROTO_TCP && in.protocol != IPPROTO_UDP && in.protocol != IPPROTO_SCTP)
 		return EPX_PASS_ICMP_NO_CT; /* we translate no other protocol */
 	if (in.frag_off & epx_htons(EPX_IP_OFFSET))
 		return EPX_PASS_ICMP_NO_CT; /* a later fragment quotes no ports */
@@ -103,7 +109,7 @@ static __always_inline __u32 icmp4_err_parse(struct __sk_buff *skb, const struct
 	e->sport = ports[0];
 	e->dport = ports[1];
 	e->proto = in.protocol;
-	e->in_l4_csum = 0;
+	e->in_l4_csum = 0; /* SCTP: its CRC32c stays (see above) */
 	if (in.protocol == IPPROTO_UDP && ports[3])
 		e->in_l4_csum = e->in_l4_off + offsetof(struct udphdr, check);
 	else if (in.protocol == IPPROTO_TCP && e->in_l4_off + sizeof(struct tcphdr) <= end)

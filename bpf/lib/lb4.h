@@ -232,8 +232,8 @@ static __always_inline __u32 lb4_forward(struct __sk_buff *skb, struct pkt4 *p, 
 	__u8 origin;
 	int hairpin;
 
-	/* a new SYN on a closing connection's tuple is a new connection (port reuse) */
-	if (e && p->proto == IPPROTO_TCP && (e->flags & CT4_F_CLOSING) &&
+	/* a new SYN (SCTP: INIT) on a closing connection's tuple is a new connection (port reuse) */
+	if (e && (p->proto == IPPROTO_TCP || p->proto == IPPROTO_SCTP) && (e->flags & CT4_F_CLOSING) &&
 	    (p->tcp_flags & (EPX_TCP_SYN | EPX_TCP_ACK)) == EPX_TCP_SYN) {
 		if (!tr)
 			ct4_forget(&key, e);

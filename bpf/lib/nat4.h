@@ -14,19 +14,30 @@
 #define NAT4_DST 1
 
 /* Rewrite one side of `p` to addr:port. Later fragments carry no L4 header: only the address
- * (and the IP checksum) changes; their L4 checksum was fixed in the first fragment.
- * Returns 0, or EPX_DROP_NAT_FAILED when a helper failed (the packet may be half-written). */
+ * (and the IP checksum) changes; their L4 checksum was fixed in the first fragment. SCTP has no
+ * pseudo-header: an address leaves its CRC32c alone; a port changes it, which nat4_sctp_finish
+ * updates once for the packet's every rewrite.
+ * Returns 0, or EPX_DROP_NAT_FAILED when a helper failed (the packet may be half-written), or
+ * EPX_DROP_SCTP_FRAG for an SCTP first fragment whose port must change (sctp.h). */
 static __always_inline __u32 nat4_rewrite(struct __sk_buff *skb, struct pkt4 *p, int side, __be32 addr, __be16 port)
 {
 	__be32 old_addr = side == NAT4_SRC ? p->saddr : p->daddr;
 	__be16 old_port = side == NAT4_SRC ? p->sport : p->dport;
 	__u32 addr_off = ETH_HLEN + (side == NAT4_SRC ? offsetof(struct iphdr, saddr) : offsetof(struct iphdr, daddr));
-	/* the port fields sit at the same offsets in TCP and UDP headers */
+	/* the port fields sit at the same offsets in TCP, UDP and SCTP headers */
 	__u32 port_off = p->l4_off + (side == NAT4_SRC ? offsetof(struct udphdr, source) : offsetof(struct udphdr, dest));
 	__u32 csum_off = p->l4_off + csum_l4_offset(p->proto);
 	__u64 mangled0 = csum_l4_flags(p->proto);
 
-	if (p->frag != EPX_FRAG_LATER) {
+	if (p->proto == IPPROTO_SCTP) {
+		if (p->frag != EPX_FRAG_LATER && old_port != port) {
+			if (p->frag == EPX_FRAG_FIRST)
+				return EPX_DROP_SCTP_FRAG;
+			/* RECOMPUTE_CSUM: no checksum field compensates in a CHECKSUM_COMPLETE sum */
+			if (bpf_skb_store_bytes(skb, port_off, &port, sizeof(port), BPF_F_RECOMPUTE_CSUM))
+				return EPX_DROP_NAT_FAILED;
+		}
+	} else if (p->frag != EPX_FRAG_LATER) {
 		if (old_addr != addr &&
 		    bpf_l4_csum_replace(skb, csum_off, old_addr, addr, BPF_F_PSEUDO_HDR | mangled0 | sizeof(addr)))
 			return EPX_DROP_NAT_FAILED;
@@ -51,6 +62,28 @@ static __always_inline __u32 nat4_rewrite(struct __sk_buff *skb, struct pkt4 *p,
 		p->dport = port;
 	}
 	return 0;
+}
+
+/* SCTP: a TC program's translations change a packet's ports at most once per side, and its
+ * CRC32c is updated once for all of them, when the program is done (nat4_sctp_finish, from
+ * tc_lb.c's entries), from the ports as parsed. Those wait in the skb's scratch words (cb[],
+ * of which the trace signal uses cb[0] and cb[1]) rather than on the stack: kept there across
+ * the whole program, they overflowed tc_ingress's 512-byte stack. */
+#define NAT4_SCTP_PORTS_CB 2
+
+/* After parsing: remember an SCTP packet's ports. */
+static __always_inline void nat4_sctp_begin(struct __sk_buff *skb, const struct pkt4 *p)
+{
+	if (p->proto == IPPROTO_SCTP)
+		skb->cb[NAT4_SCTP_PORTS_CB] = sctp4_ports_word(p->sport, p->dport);
+}
+
+/* After the translations of a packet the program lets through: its CRC32c for the ports they
+ * changed. Only an SCTP packet that nat4_sctp_begin saw can have changed ports: any other
+ * packet is left alone by sctp4_crc_update. Returns 0 or -1. */
+static __always_inline int nat4_sctp_finish(struct __sk_buff *skb)
+{
+	return sctp4_crc_update(skb, skb->cb[NAT4_SCTP_PORTS_CB]);
 }
 
 /* ---- which halves count: shared by the packet path here and the ICMP error path (icmp4_err.h),

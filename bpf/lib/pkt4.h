@@ -1,7 +1,7 @@
 /* IPv4 packet parsing shared by the TC and XDP programs: one parser, so both see the same facts.
  *
  * Malformed packets (bad version, IHL < 5, total length shorter than the header or longer than
- * the frame, TCP/UDP header cut short, TCP data offset < 5) get a drop reason: the kernel would
+ * the frame, TCP/UDP/SCTP header cut short, TCP data offset < 5) get a drop reason: the kernel would
  * drop them too, and nothing later has to second-guess a header. IP options are fine: the L4
  * header is found from the IHL.
  *
@@ -28,6 +28,8 @@
 #define EPX_TCP_RST 0x04
 #define EPX_TCP_ACK 0x10
 
+#include "lib/sctp.h" /* after EPX_IP_*: it reads them */
+
 /* Linear bytes the programs read: Ethernet + the longest IP header + a TCP header. */
 #define EPX_PULL_LEN (ETH_HLEN + EPX_MAX_IP_HLEN + sizeof(struct tcphdr))
 
@@ -41,11 +43,24 @@ struct pkt4 {
 	__u16 ip_hlen;  /* IHL * 4 */
 	__u8 proto;
 	__u8 frag;      /* EPX_FRAG_* */
-	__u8 tcp_flags;
+	__u8 tcp_flags; /* TCP's flags; SCTP: its first chunk as the TCP flag that means the same to the
+			 * connection table (pkt4_sctp_flags), so that one state machine serves both */
 };
 
+/* SCTP's first chunk in TCP's words: INIT opens an association (SYN); ABORT and SHUTDOWN
+ * COMPLETE end it with nothing kept on either side (RST: its masquerade port is free at once).
+ * Everything else (DATA, SACK, HEARTBEAT, the rest of the handshakes) is 0, an ordinary packet. */
+static __always_inline __u8 pkt4_sctp_flags(__u8 chunk)
+{
+	if (chunk == SCTP4_CHUNK_INIT)
+		return EPX_TCP_SYN;
+	if (chunk == SCTP4_CHUNK_ABORT || chunk == SCTP4_CHUNK_SHUTDOWN_COMPLETE)
+		return EPX_TCP_RST;
+	return 0;
+}
+
 /* Fill `p` from a frame; `wire_len` is the whole frame's length (linear or not).
- * Returns 0 for a TCP/UDP packet, else the epx_reason to count (a pass or a drop). */
+ * Returns 0 for a TCP/UDP/SCTP packet, else the epx_reason to count (a pass or a drop). */
 static __always_inline __u32 pkt4_parse(void *data, void *data_end, __u32 wire_len, struct pkt4 *p)
 {
 	struct ethhdr *eth = data;
@@ -69,7 +84,7 @@ static __always_inline __u32 pkt4_parse(void *data, void *data_end, __u32 wire_l
 	p->ip_id = ip->id;
 	p->ip_hlen = hlen;
 	p->l4_off = ETH_HLEN + hlen;
-	if (p->proto != IPPROTO_TCP && p->proto != IPPROTO_UDP)
+	if (p->proto != IPPROTO_TCP && p->proto != IPPROTO_UDP && p->proto != IPPROTO_SCTP)
 		return EPX_PASS_NOT_L4;
 
 	frag_off = epx_ntohs(ip->frag_off);
@@ -88,6 +103,18 @@ static __always_inline __u32 pkt4_parse(void *data, void *data_end, __u32 wire_l
 		p->sport = tcp->source;
 		p->dport = tcp->dest;
 		p->tcp_flags = ((__u8 *)tcp)[13];
+	} else if (p->proto == IPPROTO_SCTP) {
+		struct sctp4_hdr *sctp = l4;
+		__u8 *chunk = (void *)(sctp + 1);
+
+		if ((void *)(sctp + 1) > data_end || tot < hlen + sizeof(*sctp))
+			return EPX_DROP_MALFORMED_L4;
+		p->sport = sctp->source;
+		p->dport = sctp->dest;
+		/* a packet without a chunk, or whose chunk lies past the pulled bytes, reads as DATA:
+		 * nothing the connection table acts on */
+		if ((void *)(chunk + 1) <= data_end && tot >= hlen + sizeof(*sctp) + 1)
+			p->tcp_flags = pkt4_sctp_flags(*chunk);
 	} else {
 		struct udphdr *udp = l4;
 

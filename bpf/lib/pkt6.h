@@ -14,7 +14,9 @@
  *     length longer than the frame, a version other than 6: EPX_DROP_MALFORMED_IPV6 (the kernel
  *     drops those too);
  *   - no TCP/UDP at the end of the chain (ICMPv6, neighbour discovery, ESP, no next header):
- *     EPX_PASS_IPV6_NOT_L4, untouched;
+ *     EPX_PASS_IPV6_NOT_L4, untouched. SCTP too: the IPv4 path serves it (sctp.h), the IPv6 path
+ *     not yet (its CRC32c update reads an IPv4 header, and nat6/ct6 know TCP and UDP), so an
+ *     IPv6 SCTP packet is left to the stack (ip6tables serves IPv6 Services today);
  *   - a TCP/UDP header cut short, a TCP data offset < 5: EPX_DROP_MALFORMED_L4 (as IPv4).
  * A frame whose Ethernet type is not IPv6 gets EPX_PASS_NOT_IPV4 (neither family).
  */

@@ -82,9 +82,21 @@ def _csum(data: bytes) -> int:
     return ~total & 0xFFFF
 
 
+def _crc32c(data: bytes) -> int:
+    """CRC32c (Castagnoli, RFC 3309; SCTP's checksum, RFC 4960 appendix B), bit by bit: traces
+    build one short packet."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
 def build_frame(flow: FlowSpec, dst_mac: bytes = b"\x02\0\0\0\0\x0b", src_mac: bytes = b"\x02\0\0\0\0\x0a") -> bytes:
-    """Ethernet + IPv4 + a TCP SYN (or a UDP datagram with 4 bytes of payload), checksums valid.
-    A plain builder rather than scapy: the agent image, where `trace` runs, has no scapy."""
+    """Ethernet + IPv4 + a TCP SYN (or a UDP datagram with 4 bytes of payload, or an SCTP INIT),
+    checksums valid. A plain builder rather than scapy: the agent image, where `trace` runs, has
+    no scapy."""
     src, dst = socket.inet_aton(flow.src), socket.inet_aton(flow.dst)
     if flow.protocol == Protocol.UDP:
         proto, payload = socket.IPPROTO_UDP, b"ping"
@@ -96,19 +108,25 @@ def build_frame(flow: FlowSpec, dst_mac: bytes = b"\x02\0\0\0\0\x0b", src_mac: b
         l4 = struct.pack("!HHIIBBHHH", flow.sport, flow.dport, 1, 0, 5 << 4, 0x02, 64240, 0, 0)
         check = _csum(src + dst + struct.pack("!BBH", 0, proto, len(l4)) + l4)
         l4 = l4[:16] + struct.pack("!H", check) + l4[18:]
+    elif flow.protocol == Protocol.SCTP:
+        proto = socket.IPPROTO_SCTP
+        # INIT (type 1, 20 bytes): initiate tag, a_rwnd, outbound and inbound streams, initial TSN
+        init = struct.pack("!BBHIIHHI", 1, 0, 20, 0x65707874, 65535, 1, 1, 1)
+        l4 = struct.pack("!HHII", flow.sport, flow.dport, 0, 0) + init  # verification tag 0: an INIT's
+        l4 = l4[:8] + struct.pack("<I", _crc32c(l4)) + l4[12:]  # stored little-endian, as the kernel does
     else:
-        raise TraceError(f"{flow.protocol.value}: the eBPF datapath serves TCP and UDP only (SCTP is iptables-only)")
+        raise TraceError(f"{flow.protocol.value}: the eBPF datapath serves TCP, UDP and SCTP only")
     ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(l4), 1, 0x4000, 64, proto, 0, src, dst)
     ip = ip[:10] + struct.pack("!H", _csum(ip)) + ip[12:]
     return dst_mac + src_mac + b"\x08\x00" + ip + l4
 
 
 def _frame_dst(frame: bytes) -> tuple[str, int] | None:
-    """(daddr, dport) of an IPv4 TCP/UDP frame."""
+    """(daddr, dport) of an IPv4 TCP/UDP/SCTP frame."""
     if len(frame) < 34 or frame[12:14] != b"\x08\x00":
         return None
     ihl = (frame[14] & 0x0F) * 4
-    if frame[23] not in (socket.IPPROTO_TCP, socket.IPPROTO_UDP) or len(frame) < 14 + ihl + 4:
+    if frame[23] not in (socket.IPPROTO_TCP, socket.IPPROTO_UDP, socket.IPPROTO_SCTP) or len(frame) < 14 + ihl + 4:
         return None
     return socket.inet_ntoa(frame[30:34]), struct.unpack("!H", frame[14 + ihl + 2: 14 + ihl + 4])[0]
 
@@ -507,6 +525,10 @@ def _trace(dp: _Datapath, ipr, flow: FlowSpec, names: Names | None, cgroup: str 
     details: dict = {"dryRun": True}
 
     if flow.origin == "host":
+        if flow.protocol == Protocol.SCTP:
+            raise TraceError("sctp from the node itself: the socket LB serves TCP and UDP sockets only, and the TC "
+                             "programs do not translate the node's own packets (bpf/sock_lb.c): the eBPF datapath "
+                             "does not balance node-originated SCTP")
         cg = Path(cgroup) if cgroup else socket_lb_cgroup(dp.pin_dir)
         rec = _run_sock(dp, flow, cg)
         reason = s.Reason(rec.reason)

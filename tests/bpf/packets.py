@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import struct
+
 from scapy.layers.inet import ICMP, IP, TCP, UDP
 from scapy.layers.l2 import Ether
+from scapy.layers.sctp import SCTP, SCTPChunkData, SCTPChunkInit, crc32c
 from scapy.packet import Packet, Raw
 
 from ebpf_proxy.datapath.ebpf import structs as s
@@ -31,6 +34,32 @@ def tcp(src: str, sport: int, dst: str, dport: int, flags: str = "S", payload: b
 def udp(src: str, sport: int, dst: str, dport: int, payload: bytes = b"ping", **kw) -> Packet:
     udp_kw = {k: kw.pop(k) for k in ("chksum",) if k in kw}
     return Ether(src=MAC_PEER, dst=MAC_NODE) / IP(src=src, dst=dst, **kw) / UDP(sport=sport, dport=dport, **udp_kw) / Raw(payload)
+
+
+def sctp(src: str, sport: int, dst: str, dport: int, *chunks: Packet, tag: int = 0, chksum: int | None = None,
+         **ip) -> Packet:
+    """An SCTP packet (an INIT unless chunks are given), its CRC32c computed by scapy unless
+    `chksum` is given (0: left to the device, as an offloading stack leaves it)."""
+    chunks = chunks or (SCTPChunkInit(init_tag=0x1234, a_rwnd=65535, n_out_streams=1, n_in_streams=1, init_tsn=7),)
+    pkt = Ether(src=MAC_PEER, dst=MAC_NODE) / IP(src=src, dst=dst, **ip) / SCTP(sport=sport, dport=dport, tag=tag,
+                                                                               chksum=chksum)
+    for chunk in chunks:
+        pkt = pkt / chunk
+    return pkt
+
+
+def sctp_data(src: str, sport: int, dst: str, dport: int, payload: bytes = b"hello", **kw) -> Packet:
+    return sctp(src, sport, dst, dport, SCTPChunkData(tsn=8, data=payload), tag=0x1234, **kw)
+
+
+def sctp_crc_valid(pkt: Packet) -> bool:
+    """Whether the SCTP packet's CRC32c is right: computed here over the SCTP bytes as the IP
+    header bounds them, the field taken as zero (RFC 4960 appendix B), stored as scapy and the
+    kernel store it."""
+    ip = bytes(pkt[IP])
+    hlen, tot = (ip[0] & 15) * 4, struct.unpack("!H", ip[2:4])[0]
+    l4 = ip[hlen:tot]
+    return crc32c(l4[:8] + bytes(4) + l4[12:]) == struct.unpack(">I", l4[8:12])[0]
 
 
 @dataclass
@@ -61,6 +90,9 @@ def assert_checksums_valid(pkt: Packet) -> None:
     assert IP(bytes(fresh)).chksum == ip.chksum, "IP checksum invalid"
     if ip.flags.MF or ip.frag:
         return
+    if SCTP in ip:
+        assert sctp_crc_valid(pkt), "SCTP CRC32c invalid"
+        return
     for layer in (TCP, UDP, ICMP):
         if layer in ip:
             if layer is UDP and ip[UDP].chksum == 0:
@@ -72,9 +104,9 @@ def assert_checksums_valid(pkt: Packet) -> None:
 
 
 def endpoints(pkt: Packet) -> tuple[tuple[str, int], tuple[str, int]]:
-    """((src, sport), (dst, dport)) of a TCP or UDP packet."""
+    """((src, sport), (dst, dport)) of a TCP, UDP or SCTP packet."""
     ip = pkt[IP]
-    l4 = ip[TCP] if TCP in ip else ip[UDP]
+    l4 = ip[TCP] if TCP in ip else ip[SCTP] if SCTP in ip else ip[UDP]
     return (ip.src, l4.sport), (ip.dst, l4.dport)
 
 

@@ -21,13 +21,13 @@ output is one of
   what the kernel's own IPv4 input would refuse) says the frame is malformed, and the policy
   drops (eTP=Local without a local endpoint) only for that service's frontend.
 
-Frames: well-formed TCP/UDP built here (every byte controlled, IP options included), to
+Frames: well-formed TCP/UDP/SCTP (valid CRC32c) built here (every byte controlled, IP options included), to
 frontends, backends, clients, the masquerade address and elsewhere, then mutated: truncated at
 any length, IHL, version or total length rewritten, bad IP or L4 checksums, fragments (first and
 later), other protocols, other ethertypes (IPv6, ARP, VLAN and QinQ tags), bytes flipped, or
 random bytes altogether; and ICMP errors (and other ICMP) quoting such a packet, or a packet of
-a set-up connection as it travels, cut at any length or damaged. Before each example four connections are set up by real packets (a pod
-to the clusterIP and an outside client to the NodePort, masqueraded; TCP and UDP), so generated
+a set-up connection as it travels, cut at any length or damaged. Before each example six connections are set up by real packets (a pod
+to the clusterIP and an outside client to the NodePort, masqueraded; TCP, UDP and SCTP), so generated
 replies and forward packets hit the reverse paths too.
 
 The cgroup sock_addr programs (connect4, sendmsg4, recvmsg4) see socket calls, not packets:
@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 import pytest
 from hypothesis import given, seed, settings
 from hypothesis import strategies as st
+from scapy.layers.sctp import crc32c
 
 from ebpf_proxy.datapath.ebpf import structs as s
 from ebpf_proxy.datapath.ebpf import testrun
@@ -59,22 +60,23 @@ pytestmark = [pytest.mark.bpf, pytest.mark.root]
 
 R = s.Reason
 PROGRAMS = ("xdp_lb", "tc_egress", "tc_ingress")  # ingress last: it is the one that creates connections
-TCP, UDP = socket.IPPROTO_TCP, socket.IPPROTO_UDP
+TCP, UDP, SCTP = socket.IPPROTO_TCP, socket.IPPROTO_UDP, 132
 ETH_HLEN = 14
 
-# The world: web (TCP and UDP: clusterIP, NodePort, externalIP, LB IP), a service without
+# The world: web (TCP, UDP and SCTP: clusterIP, NodePort, externalIP, LB IP), a service without
 # endpoints (REJECT), an eTP=Local NodePort without a local endpoint (DROP from outside), and an
 # LB IP with loadBalancerSourceRanges and session affinity (DROP for clients outside the range).
 NO_EP_VIP = "10.96.0.20"
 LOCAL_ONLY_PORT = 30090
 WEB_TCP = w.web()
 WEB_UDP = w.web(id=2, proto=UDP)
+WEB_SCTP = w.web(id=6, proto=SCTP)
 NO_EP = w.Svc(id=3, frontends=((NO_EP_VIP, 80, 0),), flags=0)
 ETP_LOCAL = w.Svc(id=4, frontends=((None, LOCAL_ONLY_PORT, w.EXT | s.LB4_F_ETP_LOCAL),), cluster=(w.REMOTE_EP,))
 RANGED_LB_IP = "192.0.2.81"
 RANGED = w.Svc(id=5, frontends=((RANGED_LB_IP, 443, w.EXT | s.LB4_F_SOURCE_RANGES),), cluster=(w.REMOTE_EP2,),
                ranges=("203.0.113.0/24",), affinity=60)  # loadBalancerSourceRanges and ClientIP affinity
-SERVICES = (WEB_TCP, WEB_UDP, NO_EP, ETP_LOCAL, RANGED)
+SERVICES = (WEB_TCP, WEB_UDP, WEB_SCTP, NO_EP, ETP_LOCAL, RANGED)
 NODE_ADDRS = (w.NODE_IP, w.NODE_IP2)
 
 
@@ -139,9 +141,13 @@ class Spec:
         elif self.proto == UDP:
             l4 = struct.pack("!HHHH", self.sport, self.dport, 8 + len(self.payload), 0)
             csum_at = 6
+        elif self.proto == SCTP:
+            l4, csum_at = struct.pack("!HHII", self.sport, self.dport, 1, 0), None  # CRC32c below
         else:
             l4, csum_at = struct.pack("!HH", self.sport, self.dport), None
         l4 += self.payload
+        if self.proto == SCTP:
+            l4 = l4[:8] + struct.pack(">I", crc32c(l4)) + l4[12:]
         if csum_at is not None and not (self.proto == UDP and self.udp_no_csum):
             c = checksum(pseudo(src, dst, self.proto, len(l4)) + l4)
             if self.proto == UDP and c == 0:
@@ -193,7 +199,7 @@ class Parsed:
 def classify(frame: bytes) -> str | Parsed:
     """The frame as the IPv4 input path sees it (RFC 791/793/768; the kernel's ip_rcv_core checks):
     not IPv4; a malformed IP header (version, IHL < 5, total length below the header or beyond
-    the frame); not TCP/UDP; a TCP/UDP header cut short (or data offset < 5); else the tuple."""
+    the frame); not TCP/UDP/SCTP; a TCP/UDP/SCTP header cut short (or data offset < 5); else the tuple."""
     if len(frame) < ETH_HLEN or frame[12:14] != b"\x08\x00":
         return NOT_IPV4
     ip = frame[ETH_HLEN:]
@@ -206,12 +212,12 @@ def classify(frame: bytes) -> str | Parsed:
     base = dict(src=socket.inet_ntoa(ip[12:16]), dst=socket.inet_ntoa(ip[16:20]), proto=proto,
                 ip_id=struct.unpack("!H", ip[4:6])[0], hlen=hlen, later=bool(frag & 0x1FFF),
                 first=bool(frag & 0x2000) and not frag & 0x1FFF)
-    if proto not in (TCP, UDP):
+    if proto not in (TCP, UDP, SCTP):
         return NOT_L4
     if base["later"]:
         return Parsed(**base)
     l4 = ip[hlen:]
-    need = 20 if proto == TCP else 8
+    need = 20 if proto == TCP else 12 if proto == SCTP else 8
     if len(l4) < need or tot < hlen + need or (proto == TCP and l4[12] >> 4 < 5):
         return MALFORMED_L4
     sport, dport = struct.unpack("!HH", l4[:4])
@@ -286,12 +292,12 @@ def _run(datapath, prog: str, frame: bytes) -> testrun.RunResult:
 
 
 def set_up(datapath, maps: Maps) -> World:
-    """Blank connection state, then four connections made by real packets."""
+    """Blank connection state, then six connections made by real packets (TCP, UDP, SCTP)."""
     for name in ("epx_ct4", "epx_frag4", "epx_affinity"):
         maps.clear(name)
     maps.set_settings6(None)  # the IPv6 path on (CFG6_F_ON), no IPv6 service: its parser is what is fuzzed
     world = World()
-    for proto in (TCP, UDP):
+    for proto in (TCP, UDP, SCTP):
         for client, frontend in (((w.POD_CLIENT, 40000), (w.VIP, 80)),
                                  ((w.OUTSIDE, 40001), (w.NODE_IP, w.NODE_PORT))):
             syn = Spec(client[0], client[1], frontend[0], frontend[1], proto, payload=b"x").frame()
@@ -301,7 +307,7 @@ def set_up(datapath, maps: Maps) -> World:
             out = _run(datapath, "tc_egress", fwd.packet)
             src = _tuple(out.packet)[0]
             world.conns.append(Conn(proto, client, frontend, backend, snat=src if src != client else None))
-    assert [c.snat is not None for c in world.conns] == [False, True, False, True]
+    assert [c.snat is not None for c in world.conns] == [False, True] * 3
     return world
 
 
@@ -311,7 +317,8 @@ def allowed(world: World, reason: R, p: Parsed, prog: str) -> tuple[str, set[tup
     if p.later:  # no ports: follows its first fragment's translation in this program, if any
         addr = world.fragments.get((p.src, p.dst, p.ip_id, p.proto, prog))
         side = "src" if reason in (R.SNAT, R.REV_DNAT) else "dst"
-        return side, {(addr, 0)} if addr else set()
+        addrs = addr if isinstance(addr, set) else {addr} if addr else set()  # a set: see DROP_SCTP_FRAG
+        return side, {(a, 0) for a in addrs}
     mine = [c for c in world.conns if c.proto == p.proto]
     if reason == R.FWD_NEW:
         svc = frontend_of(p.dst, p.dport, p.proto)
@@ -341,10 +348,11 @@ def check_translation(frame: bytes, out: bytes, p: Parsed, side: str, targets: s
     new_addr = socket.inet_ntoa(out[addr_at:addr_at + 4])
     new_port = 0 if p.later else struct.unpack("!H", out[port_at:port_at + 2])[0]
     assert (new_addr, new_port) in targets, f"{side} rewritten to {new_addr}:{new_port}, allowed: {sorted(targets)}"
-    csum_at = p.l4_off + (16 if p.proto == TCP else 6)
+    csum_at = p.l4_off + (16 if p.proto == TCP else 8 if p.proto == SCTP else 6)
+    csum_len = 4 if p.proto == SCTP else 2
     may_change = set(range(addr_at, addr_at + 4)) | {ETH_HLEN + 10, ETH_HLEN + 11}
     if not p.later:
-        may_change |= {port_at, port_at + 1, csum_at, csum_at + 1}
+        may_change |= {port_at, port_at + 1, *range(csum_at, csum_at + csum_len)}
     changed = {i for i in range(len(frame)) if frame[i] != out[i]}
     assert changed <= may_change, f"bytes {sorted(changed - may_change)} changed beyond the rewritten fields"
     ip_end = ETH_HLEN + p.hlen
@@ -354,6 +362,15 @@ def check_translation(frame: bytes, out: bytes, p: Parsed, side: str, targets: s
         return
     tot = struct.unpack("!H", frame[ETH_HLEN + 2:ETH_HLEN + 4])[0]
     end = ETH_HLEN + tot
+    if p.proto == SCTP:  # CRC32c over the SCTP packet, no pseudo-header; a 0 field stays 0 (offloaded)
+        def valid(f: bytes) -> bool:
+            return crc32c(f[p.l4_off:p.l4_off + 8] + bytes(4) + f[p.l4_off + 12:end]) == \
+                struct.unpack(">I", f[csum_at:csum_at + 4])[0]
+        if frame[csum_at:csum_at + 4] == bytes(4):
+            assert out[csum_at:csum_at + 4] == bytes(4), "a pending (0) CRC32c must stay 0"
+        elif not p.first:
+            assert valid(out) == valid(frame), "SCTP CRC32c not updated for the rewrite"
+        return
     old_csum = struct.unpack("!H", frame[csum_at:csum_at + 2])[0]
     new_csum = struct.unpack("!H", out[csum_at:csum_at + 2])[0]
     if p.proto == UDP and old_csum == 0:
@@ -405,7 +422,7 @@ def classify_icmp(frame: bytes, p_hlen: int) -> str | Quote:
     """An IPv4 ICMP frame (classify said NOT_L4) as an ICMP error (RFC 792): not an error (or a
     fragment of one, or too short for its ICMP header); a quote that is cut short (an IP header
     and 8 bytes of L4 are required) or not IPv4 with IHL >= 5; a quote of a later fragment or of
-    neither TCP nor UDP; else the quote."""
+    neither TCP, UDP nor SCTP; else the quote (SCTP's CRC32c is never rewritten: icmp4_err.h)."""
     ip = frame[ETH_HLEN:]
     tot = struct.unpack("!H", ip[2:4])[0]
     end = ETH_HLEN + tot
@@ -417,7 +434,7 @@ def classify_icmp(frame: bytes, p_hlen: int) -> str | Quote:
         return ICMP_MALFORMED
     qhlen = (frame[q] & 15) * 4
     proto = frame[q + 9]
-    if proto not in (TCP, UDP) or struct.unpack("!H", frame[q + 6:q + 8])[0] & 0x1FFF:
+    if proto not in (TCP, UDP, SCTP) or struct.unpack("!H", frame[q + 6:q + 8])[0] & 0x1FFF:
         return ICMP_OTHER
     l4 = q + qhlen
     if end < l4 + 8:
@@ -536,6 +553,12 @@ def judge(world: World, prog: str, frame: bytes, verdict: int, out: bytes, count
         if p.first:
             addr_at = ETH_HLEN + (12 if side == "src" else 16)
             world.fragments[(p.src, p.dst, p.ip_id, p.proto, prog)] = socket.inet_ntoa(out[addr_at:addr_at + 4])
+    elif reason == R.DROP_SCTP_FRAG:
+        assert p.proto == SCTP and p.first, "only an SCTP first fragment is refused for its CRC"
+        would = {t for r in TRANSLATIONS for t in allowed(world, r, p, prog)[1]}
+        assert {port for _, port in would} - {p.sport, p.dport}, "refused though no port would change"
+        # the ports were remembered at parse: its later fragments follow the connection's addresses
+        world.fragments[(p.src, p.dst, p.ip_id, p.proto, prog)] = {addr for addr, _ in would}
     elif reason == R.REJECT:
         assert frontend_of(p.dst, p.dport, p.proto) is NO_EP and not p.later, "REJECT for a service with endpoints"
         check_reject(frame, out, p)
@@ -726,6 +749,7 @@ MUST_SEE = [
     *[("tc_ingress", r, shape) for r in (R.FWD_NEW, R.FWD_ESTABLISHED) for shape in ("whole", "first")],
     ("tc_ingress", R.FWD_ESTABLISHED, "later"), ("tc_ingress", R.REV_SNAT, "whole"),
     ("tc_ingress", R.REJECT, "whole"), ("tc_ingress", R.DROP_NO_LOCAL_EXTERNAL, "whole"),
+    ("tc_ingress", R.DROP_SCTP_FRAG, "first"),
     ("tc_ingress", R.DROP_SOURCE_RANGE, "whole"), ("xdp_lb", R.DROP_SOURCE_RANGE, "whole"),
     *[("tc_egress", r, shape) for r in (R.SNAT, R.REV_DNAT) for shape in ("whole", "first", "later")],
     ("xdp_lb", None, "whole"), ("xdp_lb", None, NOT_IPV4), ("xdp_lb", R.DROP_MALFORMED_IP, MALFORMED_IP),

@@ -12,18 +12,21 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import socket
 import threading
 from dataclasses import replace
 
 import pytest
 from scapy.layers.inet import IP, TCP
 from scapy.layers.l2 import Ether
+from scapy.layers.sctp import SCTP
 
 from ebpf_proxy.datapath.ebpf import structs as s
 from ebpf_proxy.datapath.ebpf import loader, testrun
 from ebpf_proxy.datapath.ebpf.datapath import resolve_host_routing
-from tests.bpf.netlab import BACKEND_IP, NODE_OUTSIDE_SIDE, POD_IP, sh
-from tests.bpf.packets import TC_ACT_OK, TC_ACT_REDIRECT, assert_checksums_valid
+from ebpf_proxy.datapath.ebpf.maps import Backend, Frontend, Service
+from tests.bpf.netlab import BACKEND_IP, NODE_OUTSIDE_SIDE, OUTSIDE_IP, POD_IP, sh
+from tests.bpf.packets import TC_ACT_OK, TC_ACT_REDIRECT, assert_checksums_valid, sctp, sctp_crc_valid
 from tests.bpf.test_attach import BACKEND_PORT, NODE_PORT, PORT, SETTINGS, VIP, lab  # noqa: F401 (the fixture)
 
 pytestmark = [pytest.mark.bpf, pytest.mark.root]
@@ -33,6 +36,7 @@ ROUTED = replace(SETTINGS, handover=s.CFG_F_HOST_ROUTING)  # the datapath sets t
 HOST_EVENTS = (R.EV_HOST_ROUTED_PEER, R.EV_HOST_ROUTED_NEIGH, R.EV_HOST_STACK_FIB, R.EV_HOST_STACK_MTU,
                R.EV_HOST_STACK_SKIP)
 BACKEND_MAC = "02:00:00:00:01:31"
+SCTP_P = socket.IPPROTO_SCTP
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _CLONE_NEWNET = 0x40000000
 
@@ -112,6 +116,28 @@ def test_to_another_device_redirects_to_the_next_hop(node, datapath, maps):
     assert_checksums_valid(out)
     assert host_events(maps) == {R.EV_HOST_ROUTED_NEIGH: 1}
     assert R.PASS_NO_SERVICE not in counts(maps), "the egress hook still runs there: nothing done for it"
+
+
+def test_sctp_redirected_by_the_fast_path_gets_its_crc32c_for_every_port_changed(node, datapath, maps):
+    """SCTP's CRC32c is updated once tc_ingress is done (tc_lb.c: tc_sctp_done), a redirect
+    included: here a NodePort's DNAT (30080 -> 8080) and the masquerade (a new source port) that
+    fib4_egress_work does for the backend pod's veth, in one run, then bpf_redirect_peer."""
+    sid = 10 + SCTP_P
+    maps.set_backend(sid, Backend(BACKEND_IP, BACKEND_PORT))
+    maps.set_slots(sid, s.LB4_SCOPE_CLUSTER, [sid])
+    maps.set_service(Frontend(None, NODE_PORT, SCTP_P), Service(sid, 1, 0, 0, s.LB4_F_HAS_ENDPOINTS | s.LB4_F_EXTERNAL))
+    maps.set_ifaces({node.ifindex("vbe"): s.EPX_IF_POD | s.EPX_IF_PEER})
+    frame = sctp(OUTSIDE_IP, 40000, NODE_OUTSIDE_SIDE, NODE_PORT, flags="DF")
+    frame[Ether].dst = _mac(node, "vout")
+    assert sctp_crc_valid(frame)
+    result = run_in_node(node, datapath, bytes(frame), node.ifindex("vout"))
+    assert result.retval == TC_ACT_REDIRECT
+    out = Ether(result.packet)
+    assert (out[IP].src, out[IP].dst, out[SCTP].dport) == (NODE_OUTSIDE_SIDE, BACKEND_IP, BACKEND_PORT)
+    assert 61000 <= out[SCTP].sport <= 65535 and out[IP].ttl == 63
+    assert_checksums_valid(out)  # the CRC32c computed from scratch
+    assert host_events(maps) == {R.EV_HOST_ROUTED_PEER: 1}
+    assert counts(maps)[R.FWD_NEW] == 1 and counts(maps)[R.SNAT] == 1
 
 
 @pytest.mark.parametrize("case", ["ttl 1", "larger than the route MTU", "larger than an unlocked route MTU",

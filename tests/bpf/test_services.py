@@ -78,7 +78,16 @@ def test_entries_for_local_policies():
 def test_not_programmed():
     programs = ServicePrograms(maps=None)
     assert programs.entries(replace(WEB, cluster_ip=None), (REMOTE,)) is None  # headless
-    assert programs.entries(replace(WEB, protocol=Protocol.SCTP), (REMOTE,)) is None
+    assert programs.entries(replace(WEB, cluster_ip="fd00:10:96::a"), (REMOTE,)) is None  # IPv6: ip6tables
+
+
+def test_sctp_is_programmed_like_tcp():
+    """Issue 10: SCTP frontends (protocol 132), the same entries as TCP's otherwise."""
+    programs = ServicePrograms(maps=None)
+    tcp_entries = programs.entries(WEB, (REMOTE,))
+    sctp_entries = ServicePrograms(maps=None).entries(replace(WEB, protocol=Protocol.SCTP), (REMOTE,))
+    assert sctp_entries.frontends == {replace(fe, proto=132): flags for fe, flags in tcp_entries.frontends.items()}
+    assert (sctp_entries.backends, sctp_entries.cluster_slots) == (tcp_entries.backends, tcp_entries.cluster_slots)
 
 
 class _NullMaps:

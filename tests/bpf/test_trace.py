@@ -239,7 +239,7 @@ def test_trace_record_layout_is_per_cpu_aligned():
 
 # ---- trace_ebpf on a real (throw-away) node: the answer matches what real traffic does ----
 
-from ebpf_proxy.explain.ebpf_trace import trace_ebpf  # noqa: E402
+from ebpf_proxy.explain.ebpf_trace import TraceError, trace_ebpf  # noqa: E402
 from ebpf_proxy.explain.packet import FlowSpec  # noqa: E402
 from ebpf_proxy.lab._setns import run_in_netns  # noqa: E402
 from ebpf_proxy.model import Protocol  # noqa: E402
@@ -320,6 +320,27 @@ def test_trace_ebpf_asks_the_socket_lb_for_node_traffic(lab, datapath, maps, pin
     assert host.reason.startswith("SOCK_FWD")
     assert live[0] == "ok" and live[1].split(":")[0] == host.source_after == netlab.NODE_BACKEND_SIDE
     assert (dead.verdict, dead.reason.split(":")[0]) == ("reject", "SOCK_REJECT")
+
+
+def test_trace_ebpf_explains_sctp(lab, datapath, maps, pin_dir):
+    """An SCTP INIT traced like TCP and UDP: DNAT from a pod, masquerade from outside, REJECT
+    without endpoints; node-originated SCTP is refused with the reason (no socket LB for it)."""
+    sctp = 132
+    maps.set_service(Frontend(VIP, PORT, sctp), Service(10 + 6, 1, 0, 0, s.LB4_F_HAS_ENDPOINTS))
+    maps.set_service(Frontend(None, NODE_PORT, sctp), Service(10 + 6, 1, 0, 0, s.LB4_F_HAS_ENDPOINTS | s.LB4_F_EXTERNAL))
+    maps.set_service(Frontend(DEAD_VIP, PORT, sctp), Service(99, 0, 0, 0, 0))
+    before = quiet_state(maps)
+    pod = node_trace(lab, pin_dir, FlowSpec(netlab.POD_IP, VIP, PORT, protocol=Protocol.SCTP, origin="pod"))
+    assert (pod.verdict, pod.backends, pod.masquerade, pod.reason.split(":")[0]) == ("dnat", (BACKEND,), False, "FWD_NEW")
+    assert f"DNAT to {BACKEND}" in pod.steps[0].action
+    out = node_trace(lab, pin_dir, FlowSpec(netlab.OUTSIDE_IP, netlab.NODE_OUTSIDE_SIDE, NODE_PORT,
+                                            protocol=Protocol.SCTP, origin="external"))
+    assert (out.verdict, out.masquerade, [st.hook for st in out.steps]) == ("dnat", True, ["xdp", "tc-ingress", "tc-egress"])
+    dead = node_trace(lab, pin_dir, FlowSpec(netlab.POD_IP, DEAD_VIP, PORT, protocol=Protocol.SCTP, origin="pod"))
+    assert (dead.verdict, dead.reason.split(":")[0]) == ("reject", "REJECT")
+    with pytest.raises(TraceError, match="node-originated SCTP"):
+        node_trace(lab, pin_dir, FlowSpec(netlab.NODE_OUTSIDE_SIDE, VIP, PORT, protocol=Protocol.SCTP, origin="host"))
+    assert quiet_state(maps) == before, "tracing wrote nothing"
 
 
 ITP_VIP, LOCAL_NODE_PORT = "10.96.0.77", 30081  # iTP=Local and eTP=Local, neither with a local endpoint

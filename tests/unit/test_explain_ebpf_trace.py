@@ -1,8 +1,8 @@
 """The pure parts of the eBPF trace (no root): the frame it hands the kernel, and the words it uses."""
 
-import pytest
 from scapy.layers.inet import IP, TCP, UDP
 from scapy.layers.l2 import Ether
+from scapy.layers.sctp import SCTP, SCTPChunkInit
 
 from ebpf_proxy.datapath.ebpf import structs as s
 from ebpf_proxy.explain import ebpf_trace
@@ -34,9 +34,20 @@ def test_udp_frame_has_valid_checksums():
     _valid_checksums(raw, UDP)
 
 
-def test_sctp_is_refused_with_the_reason():
-    with pytest.raises(ebpf_trace.TraceError, match="iptables"):
-        ebpf_trace.build_frame(FlowSpec("10.244.5.4", "10.96.0.10", 80, protocol=Protocol.SCTP))
+def test_sctp_frame_is_an_init_with_a_valid_crc32c():
+    raw = ebpf_trace.build_frame(FlowSpec("10.244.5.4", "10.96.0.10", 80, sport=41000, protocol=Protocol.SCTP))
+    pkt = Ether(raw)
+    assert (pkt[SCTP].sport, pkt[SCTP].dport, pkt[SCTP].tag, pkt[SCTPChunkInit].type) == (41000, 80, 0, 1)
+    fresh = Ether(raw)
+    del fresh[IP].chksum
+    del fresh[SCTP].chksum
+    fresh = Ether(bytes(fresh))  # scapy computes both, the CRC32c as the kernel stores it
+    assert (fresh[IP].chksum, fresh[SCTP].chksum) == (pkt[IP].chksum, pkt[SCTP].chksum)
+    assert ebpf_trace._frame_dst(raw) == ("10.96.0.10", 80)
+
+
+def test_crc32c_is_castagnolis():
+    assert ebpf_trace._crc32c(b"123456789") == 0xE3069283  # the check value of CRC-32C
 
 
 def test_reason_is_the_name_and_what_it_means():

@@ -25,6 +25,7 @@ from ebpf_proxy.datapath.ebpf import libbpf
 from ebpf_proxy.datapath.ebpf import structs as s
 
 IPPROTO = {"TCP": socket.IPPROTO_TCP, "UDP": socket.IPPROTO_UDP, "SCTP": 132}
+_CLOSABLE = (IPPROTO["TCP"], IPPROTO["SCTP"])  # protocols whose closing connections the gc may drop early
 # Array maps: a fixed number of entries that are never deleted (config, counters, trace records,
 # the early-drop queues).
 ARRAY_MAPS = tuple(name for name, spec in s.MAPS.items() if spec.kind in ("array", "percpu_array"))
@@ -218,6 +219,10 @@ class NodeSettings:
     udp_timeout: int = 30
     udp_stream_timeout: int = 120
     tcp_close_wait_timeout: int = 3600
+    # SCTP: nf_conntrack's defaults (kube-proxy sets none): COOKIE_WAIT/ECHOED, ESTABLISHED, CLOSED
+    sctp_timeout: int = 3
+    sctp_est_timeout: int = 210
+    sctp_close_timeout: int = 10
     host_netns_cookie: int = 0
     handover: int = 0  # structs.CFG_F_NETFILTER_* while a mode switch moves connections (agent/handover.py)
     adopted_masq: bool = False  # structs.CFG_F_ADOPTED_MASQ: such connections are in epx_ct4
@@ -556,6 +561,9 @@ class Maps:
             udp_timeout=cfg.udp_timeout,
             udp_stream_timeout=cfg.udp_stream_timeout,
             tcp_close_wait_timeout=cfg.tcp_close_wait_timeout,
+            sctp_timeout=cfg.sctp_timeout,
+            sctp_est_timeout=cfg.sctp_est_timeout,
+            sctp_close_timeout=cfg.sctp_close_timeout,
             host_netns_cookie=cfg.host_netns_cookie,
         )
 
@@ -816,10 +824,11 @@ class Maps:
                 else:
                     halves.append((k, v))
         capacity = libbpf.map_info(fd).max_entries
-        # nf_conntrack's gc worker, above 95 % full, also early-drops TCP connections that are closing
+        # nf_conntrack's gc worker, above 95 % full, also early-drops TCP and SCTP connections that
+        # are closing (can_early_drop; ct4_evictable)
         pressed = entries >= PRESSURE_FILL * capacity
         gone = {t for t, v in owners.items()
-                if v.expires <= now_ns or (pressed and t[4] == socket.IPPROTO_TCP and v.flags & s.CT4_F_CLOSING)}
+                if v.expires <= now_ns or (pressed and t[4] in _CLOSABLE and v.flags & s.CT4_F_CLOSING)}
         collected = 0
         for t in gone:
             if self._delete_if_unchanged(_svc_key(t), owners.pop(t)):

@@ -60,7 +60,8 @@ from ebpf_proxy.model.categorize import categorize
 from ebpf_proxy.model.compact import compact_mapping
 from ebpf_proxy.model.types import Endpoint, NodeTopology, Protocol, ServicePort, ServicePortName
 
-SUPPORTED = (Protocol.TCP, Protocol.UDP)  # SCTP's CRC32c cannot be updated incrementally in BPF
+# SCTP's CRC32c is updated incrementally on a port rewrite (bpf/lib/sctp.h: a CRC is linear over GF(2))
+SUPPORTED = (Protocol.TCP, Protocol.UDP, Protocol.SCTP)
 
 
 _ID_SIZE = array("I").itemsize
@@ -300,7 +301,7 @@ class ServicePrograms:
     def entries(self, svc: ServicePort, endpoints: tuple[Endpoint, ...],
                 topology: NodeTopology = NodeTopology()) -> ServiceEntries | None:
         """The map entries for `svc` seen from this node (`topology`: its name and zone, for the
-        endpoints' hints), or None when it is not programmed (headless, SCTP, IPv6)."""
+        endpoints' hints), or None when it is not programmed (headless, IPv6)."""
         if svc.cluster_ip is None or svc.protocol not in SUPPORTED or ipaddress.ip_address(svc.cluster_ip).version != 4:
             return None
         old = self.current.get(svc.name)

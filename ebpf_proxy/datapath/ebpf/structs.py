@@ -66,6 +66,7 @@ class Reason(enum.IntEnum):
     DROP_IPV6_EXTHDRS = 42
     PASS_IPV6_UNTRACED = 43
     PASS_IPV6_OFF = 44
+    DROP_SCTP_FRAG = 45
 
     @property
     def is_drop(self) -> bool:
@@ -83,7 +84,7 @@ class Reason(enum.IntEnum):
 REASON_DESCRIPTIONS: dict[Reason, str] = {
     Reason.CONTINUE: 'not a verdict: "not mine, go on" between helpers; never counted',
     Reason.PASS_NOT_IPV4: "neither IPv4 nor IPv6 (ARP, LLDP, ...): untouched",
-    Reason.PASS_NOT_L4: "IPv4 but neither TCP nor UDP (ICMP, SCTP, ...): untouched",
+    Reason.PASS_NOT_L4: "IPv4 but neither TCP, UDP nor SCTP (ICMP, ...): untouched",
     Reason.PASS_NO_SERVICE: "no connection, no service frontend: untouched",
     Reason.PASS_FRAG_UNKNOWN: "later fragment whose first fragment was not seen here: untouched",
     Reason.FWD_NEW: "new connection: backend chosen, DNAT",
@@ -93,7 +94,7 @@ REASON_DESCRIPTIONS: dict[Reason, str] = {
     Reason.REV_DNAT: "reply: frontend restored as source",
     Reason.REJECT: "no usable endpoint: ICMP port unreachable sent back (kube-proxy REJECT)",
     Reason.DROP_MALFORMED_IP: "bad version/IHL/total length, truncated IP header",
-    Reason.DROP_MALFORMED_L4: "truncated TCP/UDP header, bad TCP data offset",
+    Reason.DROP_MALFORMED_L4: "truncated TCP/UDP/SCTP header, bad TCP data offset",
     Reason.DROP_NO_LOCAL_EXTERNAL: "externalTrafficPolicy=Local, from outside, no local endpoint",
     Reason.DROP_NO_LOCAL_INTERNAL: "internalTrafficPolicy=Local, no local endpoint",
     Reason.DROP_SOURCE_RANGE: "loadBalancerSourceRanges does not admit the client",
@@ -121,14 +122,15 @@ REASON_DESCRIPTIONS: dict[Reason, str] = {
     Reason.EV_HOST_STACK_MTU: "not a verdict: slow path, larger than the route's MTU: the kernel fragments it or answers fragmentation needed",
     Reason.EV_HOST_STACK_SKIP: "not a verdict: slow path, not a packet to route here (fragment, IP options, TTL <= 1, not for this host, mark, mode switch)",
     Reason.PASS_IPV6_FRAG: "IPv6 packet with a fragment header: untouched (no IPv6 fragment tracking; the ip6tables mode reassembles)",
-    Reason.PASS_IPV6_NOT_L4: "IPv6 but neither TCP nor UDP after the extension headers (ICMPv6, neighbour discovery, ESP, ...): untouched",
+    Reason.PASS_IPV6_NOT_L4: "IPv6 but neither TCP nor UDP after the extension headers (ICMPv6, neighbour discovery, SCTP, ESP, ...): untouched",
     Reason.DROP_MALFORMED_IPV6: "bad IPv6 version or payload length, truncated IPv6 or extension header",
     Reason.DROP_IPV6_EXTHDRS: "IPv6 extension header chain longer than the parser walks (pkt6.h): dropped, so that no chain carries a packet past the service rules",
     Reason.PASS_IPV6_UNTRACED: "trace run of an IPv6 packet: trace mode explains IPv4 only, nothing decided or written",
     Reason.PASS_IPV6_OFF: "IPv6 while the eBPF datapath does not serve it (CFG6_F_ON unset: ip6tables does): untouched",
+    Reason.DROP_SCTP_FRAG: "SCTP first fragment whose port must change: its CRC32c covers the whole datagram, whose length a first fragment does not tell (sctp.h)",
 }
 
-REASON_MAX = 45
+REASON_MAX = 46
 
 # Origins (EPX_ORIGIN_*)
 ORIGIN_POD, ORIGIN_NODE, ORIGIN_EXTERNAL, ORIGIN_LOCALHOST = 0, 1, 2, 3
@@ -262,7 +264,7 @@ BPF_FIB_LOOKUP_SIZE = 64  # sizeof(struct bpf_fib_lookup)
 class CT4Ring(_Struct):
     # fib: struct bpf_fib_lookup (the kernel's UAPI), scratch space of bpf/lib/fib4.h: only its size matters here
     _fields_ = [("head", u32), ("tail", u32), ("half", CT4Key), ("keys", CT4Key * CT4_RING_SLOTS),
-                ("fib", u8 * BPF_FIB_LOOKUP_SIZE)]
+                ("fib", u8 * BPF_FIB_LOOKUP_SIZE), ("rev_dnat", CT4Entry), ("snat", CT4Entry), ("rev_snat", CT4Entry)]
 
 
 class Frag4Key(_Struct):
@@ -293,8 +295,10 @@ class LB4Config(_Struct):
         ("udp_timeout", u32),
         ("udp_stream_timeout", u32),
         ("tcp_close_wait_timeout", u32),
-        ("pad", u32),
+        ("sctp_timeout", u32),
         ("host_netns_cookie", u64),
+        ("sctp_est_timeout", u32),
+        ("sctp_close_timeout", u32),
     ]
 
 
