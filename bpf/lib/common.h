@@ -98,7 +98,9 @@ enum epx_reason {
 	EPX_PASS_IPV6_UNTRACED = 43,     /* trace run of an IPv6 packet: trace mode explains IPv4 only, nothing decided or written */
 	EPX_PASS_IPV6_OFF = 44,          /* IPv6 while the eBPF datapath does not serve it (CFG6_F_ON unset: ip6tables does): untouched */
 	EPX_DROP_SCTP_FRAG = 45,         /* SCTP first fragment whose port must change: its CRC32c covers the whole datagram, whose length a first fragment does not tell (sctp.h) */
-	EPX_REASON_MAX = 46,
+	EPX_PASS_ICMP6_EXTHDRS = 46,     /* ICMPv6 error whose quoted packet has a longer extension header chain than the parser walks (pkt6.h): untouched, never translated */
+	EPX_PASS_ICMP6_FRAG = 47,        /* ICMPv6 error quoting a packet with a fragment header: untouched (no IPv6 fragment tracking: such a packet was never translated) */
+	EPX_REASON_MAX = 48,
 };
 #define EPX_DROP_FIRST EPX_DROP_MALFORMED_IP
 #define EPX_DROP_LAST EPX_DROP_REJECT_FAILED /* and EPX_DROP_CT_FULL, _HANDOVER_HELD, _MALFORMED_IPV6, _IPV6_EXTHDRS, _SCTP_FRAG, appended later (epx_is_drop) */

@@ -98,19 +98,29 @@ static __always_inline struct ct6_entry *ct6_lookup_svc(struct scratch6 *s, stru
 	return e;
 }
 
-/* The live connection owning `half`, whose client side is client:cport (in s->owner). */
+/* The entry at `key` if it has not expired, read only (ct4_find_svc: an ICMP error's lookup
+ * changes no connection). */
+static __always_inline struct ct6_entry *ct6_find_svc(struct ct6_key *key, __u64 now)
+{
+	struct ct6_entry *e = epx_lookup(epx_ct6, key);
+
+	return e && e->expires > now ? e : NULL;
+}
+
+/* The live connection owning `half`, whose client side is client:cport (in s->owner); `ro`: an
+ * expired owner is left in place (ct4_owner). */
 static __always_inline struct ct6_entry *ct6_owner(struct scratch6 *s, const struct epx_in6 *client, __be16 cport,
-						   const struct ct6_entry *half, __u8 proto, __u64 now)
+						   const struct ct6_entry *half, __u8 proto, __u64 now, int ro)
 {
 	s->owner = ct6_key_make(client, &half->svc_addr, cport, half->svc_port, proto, CT4_SVC);
-	return ct6_lookup_svc(s, &s->owner, now);
+	return ro ? ct6_find_svc(&s->owner, now) : ct6_lookup_svc(s, &s->owner, now);
 }
 
 /* What the holder of REV_SNAT entry `old` at `key` still needs its port for (CT4_PORT_*). */
 static __always_inline __u32 ct6_snat_port_use(struct scratch6 *s, const struct ct6_entry *old,
 					       const struct ct6_key *key, __u8 proto, __u64 now)
 {
-	struct ct6_entry *owner = ct6_owner(s, &old->nat_addr, old->nat_port, old, proto, now);
+	struct ct6_entry *owner = ct6_owner(s, &old->nat_addr, old->nat_port, old, proto, now, 0);
 
 	if (!owner || owner->snat_port != key->dport || !in6_eq(&owner->nat_addr, &key->saddr) ||
 	    owner->nat_port != key->sport)

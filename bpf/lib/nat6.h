@@ -14,6 +14,19 @@
 #include "lib/csum.h"
 #include "lib/ct6.h"
 
+/* Write `new` over the IPv6 address at `addr_off` (now `old`) and fix the checksum at `csum_off`
+ * whose pseudo-header covers it (TCP, UDP: `flags` BPF_F_MARK_MANGLED_0; ICMPv6: 0). Returns 0 or
+ * -1. Shared by the packet path and the ICMPv6 error path (icmp6_err.h: its outer header). */
+static __always_inline int nat6_store_addr(struct __sk_buff *skb, __u32 addr_off, __u32 csum_off,
+					   const struct epx_in6 *old, const struct epx_in6 *new, __u64 flags)
+{
+	__s64 diff = bpf_csum_diff((__be32 *)old->w, sizeof(*old), (__be32 *)new->w, sizeof(*new), 0);
+
+	if (diff < 0 || bpf_l4_csum_replace(skb, csum_off, 0, diff, BPF_F_PSEUDO_HDR | flags))
+		return -1;
+	return bpf_skb_store_bytes(skb, addr_off, (void *)new, sizeof(*new), 0) ? -1 : 0;
+}
+
 /* Rewrite one side (NAT4_SRC / NAT4_DST) of `p` to addr:port. Returns 0, or EPX_DROP_NAT_FAILED
  * when a helper failed (the packet may be half-written). */
 static __always_inline __u32 nat6_rewrite(struct __sk_buff *skb, struct pkt6 *p, int side, const struct epx_in6 *addr,
@@ -27,14 +40,8 @@ static __always_inline __u32 nat6_rewrite(struct __sk_buff *skb, struct pkt6 *p,
 	__u64 mangled0 = csum_l4_flags(p->proto);
 	struct epx_in6 new_addr = *addr;
 
-	if (!in6_eq(&old_addr, &new_addr)) {
-		__s64 diff = bpf_csum_diff(old_addr.w, sizeof(old_addr), new_addr.w, sizeof(new_addr), 0);
-
-		if (diff < 0 || bpf_l4_csum_replace(skb, csum_off, 0, diff, BPF_F_PSEUDO_HDR | mangled0))
-			return EPX_DROP_NAT_FAILED;
-		if (bpf_skb_store_bytes(skb, addr_off, &new_addr, sizeof(new_addr), 0))
-			return EPX_DROP_NAT_FAILED;
-	}
+	if (!in6_eq(&old_addr, &new_addr) && nat6_store_addr(skb, addr_off, csum_off, &old_addr, &new_addr, mangled0))
+		return EPX_DROP_NAT_FAILED;
 	if (old_port != port) {
 		if (bpf_l4_csum_replace(skb, csum_off, old_port, port, mangled0 | sizeof(port)))
 			return EPX_DROP_NAT_FAILED;
@@ -51,6 +58,30 @@ static __always_inline __u32 nat6_rewrite(struct __sk_buff *skb, struct pkt6 *p,
 	return 0;
 }
 
+/* ---- which halves count (nat4.h's *_owns): shared by the packet path here and the ICMPv6 error
+ * path (icmp6_err.h), so that an error is translated exactly when its reply would be ---- */
+
+/* Whether `owner` (the live CT4_SVC entry) still owns the CT4_SNAT half `half` found at `key`. */
+static __always_inline int nat6_snat_owns(const struct ct6_entry *owner, const struct ct6_entry *half,
+					  const struct ct6_key *key)
+{
+	return owner && (owner->flags & CT4_F_MASQ) && in6_eq(&owner->nat_addr, &key->daddr) &&
+	       owner->nat_port == key->dport && owner->snat_port == half->nat_port;
+}
+
+/* Whether `owner` still owns the CT4_REV_SNAT half at `key` (backend -> masquerade addr:port). */
+static __always_inline int nat6_rev_snat_owns(const struct ct6_entry *owner, const struct ct6_key *key)
+{
+	return owner && owner->snat_port == key->dport && in6_eq(&owner->nat_addr, &key->saddr) &&
+	       owner->nat_port == key->sport;
+}
+
+/* Whether `owner` still owns the CT4_REV_DNAT half at `key` (backend -> client). */
+static __always_inline int nat6_rev_dnat_owns(const struct ct6_entry *owner, const struct ct6_key *key)
+{
+	return owner && in6_eq(&owner->nat_addr, &key->saddr) && owner->nat_port == key->sport;
+}
+
 /* Egress toward the backend: masquerade a masqueraded connection's forward packets (nat4_snat). */
 static __always_inline __u32 nat6_snat(struct __sk_buff *skb, struct scratch6 *s, struct pkt6 *p, __u64 now)
 {
@@ -63,9 +94,8 @@ static __always_inline __u32 nat6_snat(struct __sk_buff *skb, struct scratch6 *s
 	half = epx_lookup(epx_ct6, &s->key);
 	if (!half)
 		return 0;
-	owner = ct6_owner(s, &p->saddr, p->sport, half, p->proto, now);
-	if (!owner || !(owner->flags & CT4_F_MASQ) || !in6_eq(&owner->nat_addr, &s->key.daddr) ||
-	    owner->nat_port != s->key.dport || owner->snat_port != half->nat_port) {
+	owner = ct6_owner(s, &p->saddr, p->sport, half, p->proto, now, 0);
+	if (!nat6_snat_owns(owner, half, &s->key)) {
 		epx_delete(epx_ct6, &s->key); /* left behind by an earlier connection */
 		return 0;
 	}
@@ -102,9 +132,8 @@ static __always_inline __u32 nat6_rev_snat(struct __sk_buff *skb, struct scratch
 		return 0;
 	addr = half->nat_addr;
 	port = half->nat_port;
-	owner = ct6_owner(s, &addr, port, half, p->proto, now);
-	if (!owner || owner->snat_port != s->key.dport || !in6_eq(&owner->nat_addr, &s->key.saddr) ||
-	    owner->nat_port != s->key.sport)
+	owner = ct6_owner(s, &addr, port, half, p->proto, now, 0);
+	if (!nat6_rev_snat_owns(owner, &s->key))
 		return 0; /* stale: left for the port allocator to reclaim */
 	reason = nat6_rewrite(skb, p, NAT4_DST, &addr, port);
 	return reason ? reason : EPX_REV_SNAT;
@@ -123,8 +152,8 @@ static __always_inline __u32 nat6_rev_dnat(struct __sk_buff *skb, struct scratch
 	half = epx_lookup(epx_ct6, &s->key);
 	if (!half)
 		return 0;
-	owner = ct6_owner(s, &p->daddr, p->dport, half, p->proto, now);
-	if (!owner || !in6_eq(&owner->nat_addr, &s->key.saddr) || owner->nat_port != s->key.sport) {
+	owner = ct6_owner(s, &p->daddr, p->dport, half, p->proto, now, 0);
+	if (!nat6_rev_dnat_owns(owner, &s->key)) {
 		epx_delete(epx_ct6, &s->key);
 		return 0;
 	}

@@ -65,6 +65,13 @@ static __always_inline int pkt6_is_exthdr(__u8 nh)
 	return nh == EPX_NEXTHDR_HOP || nh == EPX_NEXTHDR_ROUTING || nh == EPX_NEXTHDR_DEST || nh == EPX_NEXTHDR_AUTH;
 }
 
+/* The length of extension header `nh` whose length field says `hdrlen`: AH counts 4-byte units
+ * minus 2 (RFC 4302), the others 8-byte units minus 1. Shared with icmp6_err.h's walk of a quote. */
+static __always_inline __u32 pkt6_exthdr_len(__u8 nh, __u8 hdrlen)
+{
+	return nh == EPX_NEXTHDR_AUTH ? ((__u32)hdrlen + 2) * 4 : ((__u32)hdrlen + 1) * 8;
+}
+
 /* Fill `p` from a frame; `wire_len` is the whole frame's length (linear or not). Returns 0 for a
  * TCP/UDP packet, else the epx_reason to count (see the header comment). */
 /* Does the eBPF datapath serve IPv6 on this node (CFG6_F_ON)? Until the agent says so, every
@@ -110,8 +117,7 @@ static __always_inline __u32 pkt6_parse(void *data, void *data_end, __u32 wire_l
 		h = (void *)ip6 + off;
 		if ((void *)(h + 1) > data_end)
 			return off + sizeof(*h) > wire_len - ETH_HLEN ? EPX_DROP_MALFORMED_IPV6 : EPX_DROP_IPV6_EXTHDRS;
-		/* AH counts its length in 4-byte units minus 2 (RFC 4302), the others in 8-byte units minus 1 */
-		off += nh == EPX_NEXTHDR_AUTH ? (h->hdrlen + 2) * 4 : (h->hdrlen + 1) * 8;
+		off += pkt6_exthdr_len(nh, h->hdrlen);
 		nh = h->nexthdr;
 		if (off > end)
 			return EPX_DROP_MALFORMED_IPV6;

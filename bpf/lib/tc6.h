@@ -6,20 +6,28 @@
  *   the caller), or dropped with its reason.
  * tc6_egress: forward packets of masqueraded connections get the masquerade source; replies get
  *   the frontend back as source (on egress toward the client, as IPv4: PLATFORM.md pitfall 2).
+ * In both, an ICMPv6 error about a connection's packet gets that connection's translation
+ *   (icmp6_err.h), as tc_lb.c gives IPv4's (icmp4_err.h).
  * Both return the reason to count; a frame that is not IPv6 gets EPX_PASS_NOT_IPV4 back, for the
  * caller's own handling of non-IP frames (ARP).
  *
  * Trace mode explains IPv4 only: an IPv6 trace run is parsed and ends with
  * EPX_PASS_IPV6_UNTRACED, before anything could be looked up or written.
- * Not for IPv6 yet: ICMPv6 errors about connections (icmp4_err.h's twin), fragments, the socket
- * LB and its local masquerade, the mode-switch handover.
+ * Not for IPv6 yet: fragments, the socket LB and its local masquerade, the mode-switch handover.
  */
 #ifndef EPX_TC6_H
 #define EPX_TC6_H
 
 #include "lib/lb6.h"
 #include "lib/icmp6.h"
+#include "lib/icmp6_err.h"
 #include "lib/stats.h"
+
+/* Whether pkt6_parse's verdict `reason` leaves an ICMPv6 message to look into (icmp6_err.h). */
+static __always_inline int tc6_icmp6(__u32 reason, const struct pkt6 *p)
+{
+	return reason == EPX_PASS_IPV6_NOT_L4 && p->proto == EPX_NEXTHDR_ICMP;
+}
 
 static __always_inline __u32 tc6_ingress(struct __sk_buff *skb, struct epx_trace_rec *tr)
 {
@@ -34,13 +42,15 @@ static __always_inline __u32 tc6_ingress(struct __sk_buff *skb, struct epx_trace
 		return reason;
 	if (tr)
 		return EPX_PASS_IPV6_UNTRACED;
-	if (reason)
+	if (reason && !tc6_icmp6(reason, &p))
 		return reason;
 	cfg = epx_lookup(epx_config, &zero);
 	s = scratch6_get();
 	if (!cfg || !s)
-		return EPX_PASS_NO_SERVICE;
+		return reason ?: EPX_PASS_NO_SERVICE;
 	now = bpf_ktime_get_ns();
+	if (reason)
+		return icmp6_err_ingress(skb, s, &p, cfg, now);
 
 	reason = nat6_rev_snat(skb, s, &p, cfg, now);
 	if (!reason)
@@ -66,13 +76,15 @@ static __always_inline __u32 tc6_egress(struct __sk_buff *skb, struct epx_trace_
 		return reason;
 	if (tr)
 		return EPX_PASS_IPV6_UNTRACED;
-	if (reason)
+	if (reason && !tc6_icmp6(reason, &p))
 		return reason;
 	cfg = epx_lookup(epx_config, &zero);
 	s = scratch6_get();
 	if (!cfg || !s)
-		return EPX_PASS_NO_SERVICE;
+		return reason ?: EPX_PASS_NO_SERVICE;
 	now = bpf_ktime_get_ns();
+	if (reason)
+		return icmp6_err_egress(skb, s, &p, now);
 
 	/* as IPv4: a hairpin tuple that is both forward and reply is taken as forward */
 	reason = nat6_snat(skb, s, &p, now);

@@ -77,6 +77,16 @@ def run(datapath, prog: str, pkt: Packet | bytes) -> Outcome:
     return Outcome(result.retval, result.packet)
 
 
+def hop(datapath, maps: Maps, prog: str, frame: bytes, reason: s.Reason) -> bytes:
+    """One program run on raw bytes: it must pass the frame and count `reason` once. Returns the
+    output frame's bytes."""
+    maps.reset_stats()
+    out = run(datapath, prog, frame)
+    assert out.verdict == TC_ACT_OK
+    assert counted(maps) == {reason: 1}
+    return out.raw
+
+
 def counted(maps: Maps) -> dict[s.Reason, int]:
     """Packets counted per reason (only reasons with a count)."""
     return {reason: packets for reason, (packets, _) in maps.stats().items() if packets}

@@ -16,6 +16,9 @@ output is one of
   outer address, the quote's address and port and the four checksums (outer IP, quoted IP,
   quoted L4 when quoted, ICMP) change, each checksum updated exactly; else untouched, under
   PASS_ICMP_MALFORMED exactly when an independent parser finds the quote cut short or not IPv4;
+- for an ICMPv6 error (bpf/lib/icmp6_err.h; this world has no IPv6 connection): untouched, under
+  the reason an independent parser (classify_icmp6) gives its quote: cut short or not IPv6, an
+  extension-header chain longer than the walk, a fragment, or no connection;
 - a drop whose named reason counted once, and only the drops the frame calls for: MALFORMED_IP /
   MALFORMED_L4 exactly when an independent parser (`classify`, the rules of bpf/lib/pkt4.h:
   what the kernel's own IPv4 input would refuse) says the frame is malformed, and the policy
@@ -26,7 +29,8 @@ frontends, backends, clients, the masquerade address and elsewhere, then mutated
 any length, IHL, version or total length rewritten, bad IP or L4 checksums, fragments (first and
 later), other protocols, other ethertypes (IPv6, ARP, VLAN and QinQ tags), bytes flipped, or
 random bytes altogether; and ICMP errors (and other ICMP) quoting such a packet, or a packet of
-a set-up connection as it travels, cut at any length or damaged. Before each example six connections are set up by real packets (a pod
+a set-up connection as it travels, cut at any length or damaged; ICMPv6 errors quoting IPv6
+packets behind random extension-header chains. Before each example six connections are set up by real packets (a pod
 to the clusterIP and an outside client to the NodePort, masqueraded; TCP, UDP and SCTP), so generated
 replies and forward packets hit the reverse paths too.
 
@@ -226,37 +230,69 @@ def classify(frame: bytes) -> str | Parsed:
 
 IPV6_EXTHDRS = {0: 8, 43: 8, 60: 8, 51: 4}  # hop-by-hop, routing, destination options, AH: their length unit
 IPV6_MAX_EXTHDRS, IPV6_MAX_EXTLEN = 4, 256  # bpf/lib/pkt6.h: what the walk takes
+ICMP6 = 58
+
+
+def walk6(ip: bytes, off: int, nh: int, end: int) -> tuple[int, int, str]:
+    """bpf/lib/pkt6.h's extension-header walk over `ip` from `off` (next header `nh`), the packet
+    (or quote) ending at `end`: (next header, L4 offset, "") when it reached an upper layer; "cut"
+    for a header cut short, "long" for a chain longer than the walk takes, "frag" for a fragment
+    header."""
+    ext_end = off + IPV6_MAX_EXTLEN
+    for _ in range(IPV6_MAX_EXTHDRS):
+        if nh not in IPV6_EXTHDRS:
+            break
+        if off + 2 > end:
+            return nh, off, "cut"
+        nh, off = ip[off], off + (ip[off + 1] + (2 if nh == 51 else 1)) * IPV6_EXTHDRS[nh]
+        if off > end:
+            return nh, off, "cut"
+        if off > ext_end:
+            return nh, off, "long"
+    if nh == 44:
+        return nh, off, "frag"
+    return nh, off, "long" if nh in IPV6_EXTHDRS else ""
 
 
 def classify6(frame: bytes) -> R:
     """What the IPv6 path (bpf/lib/pkt6.h, RFC 8200) must count for an IPv6 frame when no IPv6
     service or connection exists (this world programs IPv4 only): a malformed IPv6 or extension
-    header, a chain longer than the walk, a fragment, not TCP/UDP, a TCP/UDP header cut short,
-    else nothing of ours."""
+    header, a chain longer than the walk, a fragment, an ICMPv6 message (classify_icmp6), not
+    TCP/UDP, a TCP/UDP header cut short, else nothing of ours."""
     ip = frame[ETH_HLEN:]
     if len(ip) < 40 or ip[0] >> 4 != 6 or 40 + struct.unpack("!H", ip[4:6])[0] > len(ip):
         return R.DROP_MALFORMED_IPV6
-    end, off, nh = 40 + struct.unpack("!H", ip[4:6])[0], 40, ip[6]
-    for _ in range(IPV6_MAX_EXTHDRS):
-        if nh not in IPV6_EXTHDRS:
-            break
-        if off + 2 > end:
-            return R.DROP_MALFORMED_IPV6
-        nh, off = ip[off], off + (ip[off + 1] + (2 if nh == 51 else 1)) * IPV6_EXTHDRS[nh]
-        if off > end:
-            return R.DROP_MALFORMED_IPV6
-        if off > 40 + IPV6_MAX_EXTLEN:
-            return R.DROP_IPV6_EXTHDRS
-    if nh == 44:
-        return R.PASS_IPV6_FRAG
-    if nh in IPV6_EXTHDRS:
-        return R.DROP_IPV6_EXTHDRS
+    end = 40 + struct.unpack("!H", ip[4:6])[0]
+    nh, off, walk = walk6(ip, 40, ip[6], end)
+    if walk:
+        return {"cut": R.DROP_MALFORMED_IPV6, "long": R.DROP_IPV6_EXTHDRS, "frag": R.PASS_IPV6_FRAG}[walk]
+    if nh == ICMP6:
+        return classify_icmp6(ip, off, end)
     if nh not in (TCP, UDP):
         return R.PASS_IPV6_NOT_L4
     need = 20 if nh == TCP else 8
     if end < off + need or (nh == TCP and ip[off + 12] >> 4 < 5):
         return R.DROP_MALFORMED_L4
     return R.PASS_NO_SERVICE
+
+
+def classify_icmp6(ip: bytes, off: int, end: int) -> R:
+    """What the IPv6 path must count for an ICMPv6 message at `off` of the IPv6 packet `ip` whose
+    payload ends at `end` (bpf/lib/icmp6_err.h; this world has no IPv6 connection, so an error is
+    never translated): not an error (type >= 128, RFC 4443) or too short for its header; a quote
+    cut short or not IPv6; a quoted chain longer than the walk takes (pkt6.h's limits), a quoted
+    fragment; else no connection."""
+    if end < off + 8 or ip[off] >= 128:
+        return R.PASS_IPV6_NOT_L4
+    q = off + 8
+    if end < q + 40 or ip[q] >> 4 != 6:
+        return R.PASS_ICMP_MALFORMED
+    nh, qoff, walk = walk6(ip, q + 40, ip[q + 6], end)
+    if walk:
+        return {"cut": R.PASS_ICMP_MALFORMED, "long": R.PASS_ICMP6_EXTHDRS, "frag": R.PASS_ICMP6_FRAG}[walk]
+    if nh in (TCP, UDP) and end < qoff + 8:
+        return R.PASS_ICMP_MALFORMED
+    return R.PASS_ICMP_NO_CT
 
 
 # ---- the state the example runs against ----------------------------------------------------------
@@ -673,18 +709,64 @@ def ipv6_frame(draw) -> bytes:
     return eth(0x86DD) + hdr + payload
 
 
+IPV6_ADDRS = ["fd00::1", "fd00::a", "fd10:244::7", "2001:db8::9", "::", "ff02::1"]
+
+
+def ext_chain(draw, last: int) -> tuple[int, bytes]:
+    """0-6 extension headers (hop-by-hop, routing, destination options, AH, fragment) of random
+    lengths ending in next header `last`: (the first header's type, the bytes)."""
+    types = [pick(draw, [0, 60, 60, 43, 51, 44]) for _ in range(draw(st.integers(0, 6)))]
+    out = b""
+    for kind, nxt in zip(types, [*types[1:], last]):
+        if kind == 44:
+            out += struct.pack("!BBHI", nxt, 0, draw(st.integers(0, 65535)), 9)
+        else:
+            hdrlen = draw(st.integers(0, 40))
+            out += struct.pack("!BB", nxt, hdrlen) + bytes(((hdrlen + 2) * 4 if kind == 51 else (hdrlen + 1) * 8) - 2)
+    return (types[0] if types else last), out
+
+
+def icmp6_frame(draw) -> bytes:
+    """An ICMPv6 message (mostly an error, bpf/lib/icmp6_err.h) quoting an IPv6 packet behind a
+    random extension-header chain, cut at any length, its version sometimes damaged."""
+    proto = pick(draw, [TCP, UDP, TCP, UDP, ICMP6, 132])
+    l4 = struct.pack("!HHIIBBHHH", port(draw), port(draw), 1, 0, 0x50, 0x18, 1024, 0, 0)
+    first, exts = ext_chain(draw, proto)
+    rest = exts + l4 + draw(st.binary(max_size=32))
+    quoted = struct.pack("!IHBB16s16s", 6 << 28, len(rest), first, 64,
+                         socket.inet_pton(socket.AF_INET6, pick(draw, IPV6_ADDRS)),
+                         socket.inet_pton(socket.AF_INET6, pick(draw, IPV6_ADDRS))) + rest
+    cut = pick(draw, ["all", "rfc", "any"])
+    if cut == "rfc":
+        quoted = quoted[:40 + len(exts) + 8]
+    elif cut == "any":
+        quoted = quoted[:draw(st.integers(0, len(quoted)))]
+    if quoted and draw(st.integers(0, 5)) == 0:
+        quoted = patch(quoted, 0, bytes([draw(st.integers(0, 255))]))
+    icmp_type = pick(draw, [1, 2, 3, 4, 1, 2, 128, 135, None])
+    icmp_type = draw(st.integers(0, 255)) if icmp_type is None else icmp_type
+    body = struct.pack("!BBHI", icmp_type, draw(st.integers(0, 7)), 0, draw(st.integers(0, 2 ** 32 - 1))) + quoted
+    first, exts = (ICMP6, b"") if draw(st.integers(0, 4)) else ext_chain(draw, ICMP6)  # on the error itself
+    hdr = struct.pack("!IHBB16s16s", 6 << 28, len(exts) + len(body), first, 64,
+                      socket.inet_pton(socket.AF_INET6, pick(draw, IPV6_ADDRS)),
+                      socket.inet_pton(socket.AF_INET6, pick(draw, IPV6_ADDRS)))
+    return eth(0x86DD) + hdr + exts + body
+
+
 @st.composite
 def frames(draw, world: World) -> bytes:
     """A frame: well-formed, then (mostly) mutated one way."""
     how = pick(draw, [
         "clean", "clean", "clean", "truncate", "truncate_l4", "ihl", "version", "tot_len", "ip_csum", "l4_csum",
-        "ethertype", "vlan", "ipv6", "flip", "random", "pad", "icmp", "icmp", "icmp"])
+        "ethertype", "vlan", "ipv6", "flip", "random", "pad", "icmp", "icmp", "icmp", "icmp6"])
     if how == "icmp":
         return draw(icmp_frames(world))
     if how == "random":
         return draw(st.binary(min_size=0, max_size=128))
     if how == "ipv6":
         return ipv6_frame(draw)
+    if how == "icmp6":
+        return icmp6_frame(draw)
     frame = draw(specs(world)).frame()
     hlen = (frame[ETH_HLEN] & 15) * 4
     if how == "truncate":
@@ -756,6 +838,8 @@ MUST_SEE = [
     ("xdp_lb", R.DROP_MALFORMED_L4, MALFORMED_L4), ("xdp_lb", R.DROP_NO_LOCAL_EXTERNAL, "whole"),
     *[(prog, r, NOT_L4) for prog in ("tc_ingress", "tc_egress")
       for r in (R.ICMP_RELATED, R.PASS_ICMP_NO_CT, R.PASS_ICMP_MALFORMED)],
+    *[(prog, r, NOT_IPV4) for prog in ("tc_ingress", "tc_egress")  # ICMPv6 errors (icmp6_err.h)
+      for r in (R.PASS_ICMP_NO_CT, R.PASS_ICMP_MALFORMED, R.PASS_ICMP6_EXTHDRS, R.PASS_ICMP6_FRAG)],
 ]
 
 

@@ -24,7 +24,7 @@ from scapy.utils import checksum
 
 from ebpf_proxy.datapath.ebpf import structs as s
 from tests.bpf import world as w
-from tests.bpf.packets import MAC_NODE, MAC_PEER, TC_ACT_OK, counted, endpoints, run, tcp, udp
+from tests.bpf.packets import MAC_NODE, MAC_PEER, endpoints, hop, tcp, udp
 
 pytestmark = [pytest.mark.bpf, pytest.mark.root]
 
@@ -47,15 +47,6 @@ def icmp_error(src: str, dst: str, kind: tuple[int, int], offending: bytes, quot
 
 def ip_bytes(frame) -> bytes:
     return bytes(Ether(bytes(frame))[IP])
-
-
-def hop(datapath, maps, prog: str, frame: bytes, reason: R) -> bytes:
-    """One program run: it must pass the frame and count `reason` once."""
-    maps.reset_stats()
-    out = run(datapath, prog, frame)
-    assert out.verdict == TC_ACT_OK
-    assert counted(maps) == {reason: 1}
-    return out.raw
 
 
 def assert_error(frame: bytes, src: str, dst: str, kind: tuple[int, int], quote: bytes, mtu: int = 0) -> None:

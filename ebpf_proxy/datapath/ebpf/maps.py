@@ -939,6 +939,12 @@ class Maps:
         """The epx_ct6 entries (only those of `kind` when given), decoded."""
         return [_connection6(k, v) for k, v in self._items("epx_ct6") if kind is None or k.kind == kind]
 
+    def delete_connection6(self, c: Connection) -> bool:
+        """Remove one epx_ct6 entry (delete_connection's IPv6 twin)."""
+        key = s.CT6Key(saddr=in6(c.saddr), daddr=in6(c.daddr), sport=be16(c.sport), dport=be16(c.dport),
+                       proto=c.proto, kind=c.kind)
+        return libbpf.map_delete(self._fd("epx_ct6"), key)
+
     # -- counters --
 
     def stats(self) -> dict[s.Reason, tuple[int, int]]:

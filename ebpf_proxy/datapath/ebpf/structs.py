@@ -67,6 +67,8 @@ class Reason(enum.IntEnum):
     PASS_IPV6_UNTRACED = 43
     PASS_IPV6_OFF = 44
     DROP_SCTP_FRAG = 45
+    PASS_ICMP6_EXTHDRS = 46
+    PASS_ICMP6_FRAG = 47
 
     @property
     def is_drop(self) -> bool:
@@ -128,9 +130,11 @@ REASON_DESCRIPTIONS: dict[Reason, str] = {
     Reason.PASS_IPV6_UNTRACED: "trace run of an IPv6 packet: trace mode explains IPv4 only, nothing decided or written",
     Reason.PASS_IPV6_OFF: "IPv6 while the eBPF datapath does not serve it (CFG6_F_ON unset: ip6tables does): untouched",
     Reason.DROP_SCTP_FRAG: "SCTP first fragment whose port must change: its CRC32c covers the whole datagram, whose length a first fragment does not tell (sctp.h)",
+    Reason.PASS_ICMP6_EXTHDRS: "ICMPv6 error whose quoted packet has a longer extension header chain than the parser walks (pkt6.h): untouched, never translated",
+    Reason.PASS_ICMP6_FRAG: "ICMPv6 error quoting a packet with a fragment header: untouched (no IPv6 fragment tracking: such a packet was never translated)",
 }
 
-REASON_MAX = 46
+REASON_MAX = 48
 
 # Origins (EPX_ORIGIN_*)
 ORIGIN_POD, ORIGIN_NODE, ORIGIN_EXTERNAL, ORIGIN_LOCALHOST = 0, 1, 2, 3
