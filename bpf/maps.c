@@ -77,5 +77,8 @@ BPF_TABLE_PINNED("hash", struct ct6_key, struct ct6_entry, epx_ct6, EPX_CT6_MAX,
 		 BPF_F_NO_PREALLOC);
 /* the IPv6 masquerade address, one entry */
 BPF_TABLE_PINNED("array", __u32, struct lb6_config, epx_config6, 1, EPX_PIN(epx_config6));
+/* socket LB: backend an IPv6 UDP socket talks to -> frontend its recvmsg6 must show */
+BPF_TABLE_PINNED("lru_hash", struct sock6_rev_key, struct sock6_rev, epx_sock_rev6, EPX_SOCK_REV6_MAX,
+		 EPX_PIN(epx_sock_rev6));
 /* per-CPU scratch of the IPv6 connection steps (common.h: struct scratch6) */
 BPF_TABLE_PINNED("percpu_array", __u32, struct scratch6, epx_scratch6, 1, EPX_PIN(epx_scratch6));

@@ -84,9 +84,9 @@ static __always_inline int tc_ingress_run(struct __sk_buff *skb, struct epx_trac
 		__u32 len = skb->len;
 
 		reason = tc6_ingress(skb, tr);
-		if (reason != EPX_REJECT)
+		if (reason != EPX_REJECT || tr) /* a trace run's REJECT is recorded, not built (tc6.h) */
 			return tc_done(skb, reason, tr);
-		stats_count(EPX_REJECT, len); /* a trace run never gets here (tc6_ingress) */
+		stats_count(EPX_REJECT, len);
 		return bpf_redirect(skb->ifindex, 0);
 	}
 	if (reason == EPX_PASS_NOT_L4 && p.proto == IPPROTO_ICMP && (cfg = tc_config()))

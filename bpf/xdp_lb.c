@@ -33,8 +33,7 @@ static __always_inline int xdp_done(__u32 reason, __u32 len, struct epx_trace_re
 	return reason ? XDP_DROP : XDP_PASS;
 }
 
-/* IPv6: the same early drops, decided by lb6_policy (the TC program's own). Trace mode explains
- * IPv4 only: an IPv6 trace run records EPX_PASS_IPV6_UNTRACED and passes. */
+/* IPv6: the same early drops, decided by lb6_policy (the TC program's own), and traced alike. */
 static __always_inline int xdp6_run(struct xdp_md *ctx, struct epx_trace_rec *tr)
 {
 	void *data = (void *)(long)ctx->data, *data_end = (void *)(long)ctx->data_end;
@@ -45,30 +44,36 @@ static __always_inline int xdp6_run(struct xdp_md *ctx, struct epx_trace_rec *tr
 	__u32 zero = 0, reason;
 	struct lb4_config *cfg;
 
+	__u64 now;
+	__u8 origin;
+
 	reason = pkt6_parse(data, data_end, data_end - data, &p);
 	if (reason == EPX_PASS_NOT_IPV4)
 		return xdp_done(EPX_CONTINUE, 0, tr); /* not IP at all (ARP, ...): the TC program counts it */
-	if (tr) {
-		tr->reason = EPX_PASS_IPV6_UNTRACED;
-		return XDP_PASS;
-	}
 	if (epx_is_drop(reason))
-		return xdp_done(reason, data_end - data, NULL);
+		return xdp_done(reason, data_end - data, tr);
 	if (reason)
-		return xdp_done(EPX_CONTINUE, 0, NULL);
+		return xdp_done(EPX_CONTINUE, 0, tr);
 	/* packets of established connections keep flowing, as with kube-proxy (NEW only) */
 	s = scratch6_get();
 	if (!s)
-		return xdp_done(EPX_CONTINUE, 0, NULL);
+		return xdp_done(EPX_CONTINUE, 0, tr);
 	s->key = ct6_key_make(&p.saddr, &p.daddr, p.sport, p.dport, p.proto, CT4_SVC);
-	if (ct6_lookup_svc(s, &s->key, bpf_ktime_get_ns()))
-		return xdp_done(EPX_CONTINUE, 0, NULL);
+	now = bpf_ktime_get_ns();
+	if (tr ? ct6_find_svc(&s->key, now) : ct6_lookup_svc(s, &s->key, now)) {
+		if (tr)
+			tr->flags |= EPX_TRACE_F_ESTABLISHED;
+		return xdp_done(EPX_CONTINUE, 0, tr);
+	}
 	svc = lb6_lookup_packet_service(&p.daddr, p.dport, p.proto);
 	cfg = epx_lookup(epx_config, &zero);
 	if (!svc || !cfg)
-		return xdp_done(EPX_CONTINUE, 0, NULL);
-	reason = lb6_policy(svc, &p.saddr, lb6_origin(&p.saddr, ctx->ingress_ifindex, cfg->flags), cfg->flags, &c);
-	return xdp_done(xdp_early_drop(reason) ? reason : EPX_CONTINUE, data_end - data, NULL);
+		return xdp_done(EPX_CONTINUE, 0, tr);
+	trace_service(tr, svc);
+	origin = lb6_origin(&p.saddr, ctx->ingress_ifindex, cfg->flags);
+	reason = lb6_policy(svc, &p.saddr, origin, cfg->flags, &c);
+	trace_policy(tr, origin, c.scope, c.masq);
+	return xdp_done(xdp_early_drop(reason) ? reason : EPX_CONTINUE, data_end - data, tr);
 }
 
 static __always_inline int xdp_lb_run(struct xdp_md *ctx, struct epx_trace_rec *tr)

@@ -95,7 +95,7 @@ enum epx_reason {
 	EPX_PASS_IPV6_NOT_L4 = 40,       /* IPv6 but neither TCP nor UDP after the extension headers (ICMPv6, neighbour discovery, SCTP, ESP, ...): untouched */
 	EPX_DROP_MALFORMED_IPV6 = 41,    /* bad IPv6 version or payload length, truncated IPv6 or extension header */
 	EPX_DROP_IPV6_EXTHDRS = 42,      /* IPv6 extension header chain longer than the parser walks (pkt6.h): dropped, so that no chain carries a packet past the service rules */
-	EPX_PASS_IPV6_UNTRACED = 43,     /* trace run of an IPv6 packet: trace mode explains IPv4 only, nothing decided or written */
+	EPX_PASS_IPV6_UNTRACED = 43,     /* no longer recorded (IPv6 trace runs are explained since): was "trace run of an IPv6 packet, nothing decided"; kept so that no number moves */
 	EPX_PASS_IPV6_OFF = 44,          /* IPv6 while the eBPF datapath does not serve it (CFG6_F_ON unset: ip6tables does): untouched */
 	EPX_DROP_SCTP_FRAG = 45,         /* SCTP first fragment whose port must change: its CRC32c covers the whole datagram, whose length a first fragment does not tell (sctp.h) */
 	EPX_PASS_ICMP6_EXTHDRS = 46,     /* ICMPv6 error whose quoted packet has a longer extension header chain than the parser walks (pkt6.h): untouched, never translated */
@@ -404,6 +404,8 @@ struct epx_trace_meta {
 #define EPX_HOOK_TC_EGRESS 3
 #define EPX_HOOK_SOCK_CONNECT4 4
 #define EPX_HOOK_SOCK_SENDMSG4 5
+#define EPX_HOOK_SOCK_CONNECT6 6 /* connect6, for IPv6 and IPv4-mapped destinations alike */
+#define EPX_HOOK_SOCK_SENDMSG6 7
 
 /* epx_trace_rec.flags */
 #define EPX_TRACE_F_SERVICE 0x01     /* a service frontend matched (svc_* are set) */
@@ -413,6 +415,7 @@ struct epx_trace_meta {
 #define EPX_TRACE_F_AFFINITY 0x10    /* session affinity picked the backend */
 #define EPX_TRACE_F_SNAT 0x20        /* egress: the source became snat_addr:snat_port */
 #define EPX_TRACE_F_NETNS 0x40       /* socket LB: not the node's netns, nothing done */
+#define EPX_TRACE_F_IPV6 0x80        /* an IPv6 decision: the addresses are backend_addr6 / snat_addr6 */
 
 /* epx_trace_rec.masq */
 #define EPX_TRACE_MASQ_POLICY 0x01  /* lb4_policy masquerades (or the connection table says so) */
@@ -438,6 +441,10 @@ struct epx_trace_rec {
 	__be16 snat_port;
 	__u16 pad2;
 	__u32 ifindex;       /* the device the program saw (TC: skb->ifindex, XDP: the ingress device) */
+	/* EPX_TRACE_F_IPV6: backend_addr and snat_addr's IPv6 twins (struct epx_in6's words, which is
+	 * defined below with the rest of IPv6) */
+	__be32 backend_addr6[4];
+	__be32 snat_addr6[4];
 };
 
 /* ================= IPv6 (issue 10): the same datapath for the other family =================
@@ -536,6 +543,24 @@ struct scratch6 {
 	struct ct6_entry val;  /* ct6_create: the entries it writes */
 	__u8 quote[EPX_ICMP6_QUOTE_MAX]; /* icmp6_reject: the quoted packet, moved behind the new headers */
 	__u8 opts[EPX_ICMP6_OPTS_MAX];   /* icmp6_reject: its destination-options header (a pod's packet) */
+};
+
+/* ---- socket LB for IPv6 sockets (sock_lb.c: connect6/sendmsg6/recvmsg6): what a UDP socket's
+ * recvmsg6 must show as the peer. An IPv4-mapped destination (::ffff:a.b.c.d) is IPv4 traffic and
+ * uses epx_sock_rev. No flags yet: a node socket sending IPv6 is never masqueraded on egress (no
+ * nat4_masq_local twin), so there is nothing to mark. ---- */
+struct sock6_rev_key {
+	__u64 cookie;        /* socket cookie */
+	struct epx_in6 addr; /* backend */
+	__be16 port;
+	__u16 pad;
+	__u32 pad2;
+};
+
+struct sock6_rev {
+	struct epx_in6 addr; /* frontend */
+	__be16 port;
+	__u16 pad;
 };
 
 /* ---- node configuration for IPv6: a single-entry array beside epx_config, which keeps the

@@ -98,17 +98,17 @@ static __always_inline struct ct6_entry *ct6_lookup_svc(struct scratch6 *s, stru
 	return e;
 }
 
-/* The entry at `key` if it has not expired, read only (ct4_find_svc: an ICMP error's lookup
- * changes no connection). */
-static __always_inline struct ct6_entry *ct6_find_svc(struct ct6_key *key, __u64 now)
+/* The entry at `key` if it has not expired, read only: an ICMP error's lookup and a trace run
+ * change no connection (ct4_find_svc). */
+static __always_inline struct ct6_entry *ct6_find_svc(const struct ct6_key *key, __u64 now)
 {
 	struct ct6_entry *e = epx_lookup(epx_ct6, key);
 
 	return e && e->expires > now ? e : NULL;
 }
 
-/* The live connection owning `half`, whose client side is client:cport (in s->owner); `ro`: an
- * expired owner is left in place (ct4_owner). */
+/* The live connection owning `half`, whose client side is client:cport (in s->owner); `ro` (an
+ * ICMP error's lookup, a trace run): an expired owner is left in place (ct4_owner). */
 static __always_inline struct ct6_entry *ct6_owner(struct scratch6 *s, const struct epx_in6 *client, __be16 cport,
 						   const struct ct6_entry *half, __u8 proto, __u64 now, int ro)
 {

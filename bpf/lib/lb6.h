@@ -9,7 +9,8 @@
  * lb6_select_backend         session affinity, else a uniformly random slot
  * lb6_forward                the ingress path: established connection, or a new one
  *
- * Live packets only (no trace record): an IPv6 trace run stops in tc6.h.
+ * lb6_select_backend and lb6_forward take a trace record as lb4.h's do: NULL for live packets;
+ * with one they decide alike, record the decision, and write nothing (no affinity, no connection).
  */
 #ifndef EPX_LB6_H
 #define EPX_LB6_H
@@ -82,10 +83,11 @@ static __always_inline __u32 lb6_policy(const struct lb4_service *svc, const str
 }
 
 /* lb4_select_backend over epx_affinity6 / epx_slot6 / epx_backend6. Returns 0 with *backend_id and
- * *be filled, or EPX_DROP_NO_BACKEND. */
+ * *be filled, or EPX_DROP_NO_BACKEND. With a trace record: the same choice, recorded, and no
+ * affinity written. */
 static __always_inline __u32 lb6_select_backend(const struct lb4_service *svc, __u8 scope,
 						const struct epx_in6 *client, __u64 now, __u32 *backend_id,
-						struct lb6_backend *be)
+						struct lb6_backend *be, struct epx_trace_rec *tr)
 {
 	struct lb6_affinity_key akey = { .svc_id = svc->id, .client = *client };
 	__u8 member = scope == LB4_SCOPE_LOCAL ? LB4_BE_IN_LOCAL : LB4_BE_IN_CLUSTER;
@@ -101,10 +103,13 @@ static __always_inline __u32 lb6_select_backend(const struct lb4_service *svc, _
 
 		if (aff && now - aff->last_used <= (__u64)svc->affinity_timeout * EPX_NSEC_PER_SEC) {
 			found = epx_lookup(epx_backend6, &aff->backend_id);
-			if (found && (found->flags & member))
+			if (found && (found->flags & member)) {
 				*backend_id = aff->backend_id;
-			else
+				if (tr)
+					tr->flags |= EPX_TRACE_F_AFFINITY;
+			} else {
 				found = NULL;
+			}
 		}
 	}
 	if (!found) {
@@ -118,7 +123,8 @@ static __always_inline __u32 lb6_select_backend(const struct lb4_service *svc, _
 			return EPX_DROP_NO_BACKEND;
 	}
 	*be = *found;
-	if (svc->affinity_timeout) {
+	trace_backend6(tr, *backend_id, &be->addr, be->port);
+	if (svc->affinity_timeout && !tr) {
 		struct lb4_affinity aff = { .last_used = now, .backend_id = *backend_id };
 
 		epx_update(epx_affinity6, &akey, &aff);
@@ -126,11 +132,25 @@ static __always_inline __u32 lb6_select_backend(const struct lb4_service *svc, _
 	return 0;
 }
 
+/* Trace mode: what an established connection's entry says (lb4_trace_established). */
+static __always_inline void lb6_trace_established(struct epx_trace_rec *tr, const struct ct6_entry *e)
+{
+	if (!tr)
+		return;
+	tr->flags |= EPX_TRACE_F_ESTABLISHED;
+	trace_backend6(tr, e->backend_id, &e->nat_addr, e->nat_port);
+	if (e->flags & CT4_F_MASQ) {
+		tr->masq = EPX_TRACE_MASQ_POLICY;
+		__builtin_memcpy(tr->snat_addr6, e->snat_addr.w, sizeof(tr->snat_addr6));
+		tr->snat_port = e->snat_port;
+	}
+}
+
 /* Ingress: DNAT a packet of an established connection, or decide and record a new one (lb4_forward).
  * Returns EPX_FWD_ESTABLISHED / EPX_FWD_NEW, EPX_PASS_NO_SERVICE, EPX_REJECT or a drop. The
  * mode-switch handover (CFG_F_NETFILTER_*) is IPv4's: IPv6 connections are not moved. */
 static __always_inline __u32 lb6_forward(struct __sk_buff *skb, struct scratch6 *s, struct pkt6 *p,
-					 const struct lb4_config *cfg, __u64 now)
+					 const struct lb4_config *cfg, __u64 now, struct epx_trace_rec *tr)
 {
 	struct ct6_entry *e;
 	struct lb4_service *svc;
@@ -138,20 +158,25 @@ static __always_inline __u32 lb6_forward(struct __sk_buff *skb, struct scratch6 
 	struct lb6_backend be;
 	__u32 backend_id, reason;
 	__u8 origin;
+	int hairpin;
 
 	s->key = ct6_key_make(&p->saddr, &p->daddr, p->sport, p->dport, p->proto, CT4_SVC);
-	e = ct6_lookup_svc(s, &s->key, now);
+	e = tr ? ct6_find_svc(&s->key, now) : ct6_lookup_svc(s, &s->key, now);
 	/* a new SYN on a closing connection's tuple is a new connection (port reuse) */
 	if (e && p->proto == IPPROTO_TCP && (e->flags & CT4_F_CLOSING) &&
 	    (p->tcp_flags & (EPX_TCP_SYN | EPX_TCP_ACK)) == EPX_TCP_SYN) {
-		ct6_forget(s, &s->key, e);
+		if (!tr)
+			ct6_forget(s, &s->key, e);
 		e = NULL;
 	}
 	if (e) {
 		struct epx_in6 addr = e->nat_addr;
 		__be16 port = e->nat_port;
 
-		ct6_touch(e, cfg, p, 0, now);
+		if (tr)
+			lb6_trace_established(tr, e);
+		else
+			ct6_touch(e, cfg, p, 0, now);
 		reason = nat6_rewrite(skb, p, NAT4_DST, &addr, port);
 		return reason ? reason : EPX_FWD_ESTABLISHED;
 	}
@@ -159,15 +184,25 @@ static __always_inline __u32 lb6_forward(struct __sk_buff *skb, struct scratch6 
 	svc = lb6_lookup_packet_service(&p->daddr, p->dport, p->proto);
 	if (!svc)
 		return EPX_PASS_NO_SERVICE;
+	trace_service(tr, svc);
 	origin = lb6_origin(&p->saddr, skb->ifindex, cfg->flags);
 	reason = lb6_policy(svc, &p->saddr, origin, cfg->flags, &c);
+	trace_policy(tr, origin, c.scope, c.masq);
 	if (reason)
 		return reason;
-	reason = lb6_select_backend(svc, c.scope, &p->saddr, now, &backend_id, &be);
+	reason = lb6_select_backend(svc, c.scope, &p->saddr, now, &backend_id, &be, tr);
 	if (reason)
 		return reason;
 	/* rule 3, hairpin: a pod that lands on itself is masqueraded */
-	reason = ct6_create(s, p, cfg, now, backend_id, &be.addr, be.port, c.masq || in6_eq(&be.addr, &p->saddr));
+	hairpin = in6_eq(&be.addr, &p->saddr);
+	if (tr) {
+		if (hairpin)
+			tr->masq |= EPX_TRACE_MASQ_HAIRPIN;
+		/* the dry run allocates no port: only the static masquerade failures show */
+		reason = (c.masq || hairpin) ? ct6_snat_check(cfg, ct6_config()) : 0;
+	} else {
+		reason = ct6_create(s, p, cfg, now, backend_id, &be.addr, be.port, c.masq || hairpin);
+	}
 	if (reason)
 		return reason;
 	reason = nat6_rewrite(skb, p, NAT4_DST, &be.addr, be.port);

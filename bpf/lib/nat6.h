@@ -1,7 +1,9 @@
 /* IPv6 address translation (nat4.h's counterpart): the in-place rewrite with its checksum
  * fix-up, and the three translations that follow a connection's entries in epx_ct6 (masquerade,
  * undoing masquerade, undoing DNAT). Each returns 0 when it does not apply, its EPX_* reason when
- * it translated, or a drop reason. Live packets only: an IPv6 trace run stops before (tc6.h).
+ * it translated, or a drop reason. Each takes a trace record (trace.h): NULL for a live packet; with
+ * one, the same translation of the packet (BPF_PROG_TEST_RUN's copy), recorded, and no entry
+ * touched or removed.
  *
  * Checksums: IPv6 has no header checksum; the addresses are covered by the TCP/UDP checksum's
  * pseudo-header. A 16-byte address is too wide for bpf_l4_csum_replace's 2/4-byte forms, so the
@@ -13,6 +15,7 @@
 
 #include "lib/csum.h"
 #include "lib/ct6.h"
+#include "lib/trace.h"
 
 /* Write `new` over the IPv6 address at `addr_off` (now `old`) and fix the checksum at `csum_off`
  * whose pseudo-header covers it (TCP, UDP: `flags` BPF_F_MARK_MANGLED_0; ICMPv6: 0). Returns 0 or
@@ -83,7 +86,8 @@ static __always_inline int nat6_rev_dnat_owns(const struct ct6_entry *owner, con
 }
 
 /* Egress toward the backend: masquerade a masqueraded connection's forward packets (nat4_snat). */
-static __always_inline __u32 nat6_snat(struct __sk_buff *skb, struct scratch6 *s, struct pkt6 *p, __u64 now)
+static __always_inline __u32 nat6_snat(struct __sk_buff *skb, struct scratch6 *s, struct pkt6 *p, __u64 now,
+					struct epx_trace_rec *tr)
 {
 	struct ct6_entry *half, *owner;
 	struct epx_in6 addr;
@@ -94,13 +98,15 @@ static __always_inline __u32 nat6_snat(struct __sk_buff *skb, struct scratch6 *s
 	half = epx_lookup(epx_ct6, &s->key);
 	if (!half)
 		return 0;
-	owner = ct6_owner(s, &p->saddr, p->sport, half, p->proto, now, 0);
+	owner = ct6_owner(s, &p->saddr, p->sport, half, p->proto, now, tr != NULL);
 	if (!nat6_snat_owns(owner, half, &s->key)) {
-		epx_delete(epx_ct6, &s->key); /* left behind by an earlier connection */
+		if (!tr)
+			epx_delete(epx_ct6, &s->key); /* left behind by an earlier connection */
 		return 0;
 	}
 	addr = half->nat_addr;
 	port = half->nat_port;
+	trace_snat6(tr, &addr, port);
 	reason = nat6_rewrite(skb, p, NAT4_SRC, &addr, port);
 	return reason ? reason : EPX_SNAT;
 }
@@ -117,7 +123,7 @@ static __always_inline int nat6_is_masq_dest(const struct lb4_config *cfg, const
 
 /* Ingress from the backend: a reply to a masqueraded connection goes back to the real client. */
 static __always_inline __u32 nat6_rev_snat(struct __sk_buff *skb, struct scratch6 *s, struct pkt6 *p,
-					   const struct lb4_config *cfg, __u64 now)
+					   const struct lb4_config *cfg, __u64 now, struct epx_trace_rec *tr)
 {
 	struct ct6_entry *half, *owner;
 	struct epx_in6 addr;
@@ -132,7 +138,7 @@ static __always_inline __u32 nat6_rev_snat(struct __sk_buff *skb, struct scratch
 		return 0;
 	addr = half->nat_addr;
 	port = half->nat_port;
-	owner = ct6_owner(s, &addr, port, half, p->proto, now, 0);
+	owner = ct6_owner(s, &addr, port, half, p->proto, now, tr != NULL);
 	if (!nat6_rev_snat_owns(owner, &s->key))
 		return 0; /* stale: left for the port allocator to reclaim */
 	reason = nat6_rewrite(skb, p, NAT4_DST, &addr, port);
@@ -141,7 +147,7 @@ static __always_inline __u32 nat6_rev_snat(struct __sk_buff *skb, struct scratch
 
 /* Egress toward the client: a reply leaves with the frontend it was sent to as its source. */
 static __always_inline __u32 nat6_rev_dnat(struct __sk_buff *skb, struct scratch6 *s, struct pkt6 *p,
-					   const struct lb4_config *cfg, __u64 now)
+					   const struct lb4_config *cfg, __u64 now, struct epx_trace_rec *tr)
 {
 	struct ct6_entry *half, *owner;
 	struct epx_in6 addr;
@@ -152,12 +158,14 @@ static __always_inline __u32 nat6_rev_dnat(struct __sk_buff *skb, struct scratch
 	half = epx_lookup(epx_ct6, &s->key);
 	if (!half)
 		return 0;
-	owner = ct6_owner(s, &p->daddr, p->dport, half, p->proto, now, 0);
+	owner = ct6_owner(s, &p->daddr, p->dport, half, p->proto, now, tr != NULL);
 	if (!nat6_rev_dnat_owns(owner, &s->key)) {
-		epx_delete(epx_ct6, &s->key);
+		if (!tr)
+			epx_delete(epx_ct6, &s->key);
 		return 0;
 	}
-	ct6_touch(owner, cfg, p, 1, now);
+	if (!tr)
+		ct6_touch(owner, cfg, p, 1, now);
 	addr = half->nat_addr;
 	port = half->nat_port;
 	reason = nat6_rewrite(skb, p, NAT4_SRC, &addr, port);

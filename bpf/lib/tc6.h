@@ -11,9 +11,9 @@
  * Both return the reason to count; a frame that is not IPv6 gets EPX_PASS_NOT_IPV4 back, for the
  * caller's own handling of non-IP frames (ARP).
  *
- * Trace mode explains IPv4 only: an IPv6 trace run is parsed and ends with
- * EPX_PASS_IPV6_UNTRACED, before anything could be looked up or written.
- * Not for IPv6 yet: fragments, the socket LB and its local masquerade, the mode-switch handover.
+ * Trace mode (trace.h): a trace run takes the same steps with its record, as a dry run that
+ * writes no entry and counts nothing; a REJECT is recorded, its ICMPv6 error not built.
+ * Not for IPv6 yet: fragments, the mode-switch handover.
  */
 #ifndef EPX_TC6_H
 #define EPX_TC6_H
@@ -38,10 +38,6 @@ static __always_inline __u32 tc6_ingress(struct __sk_buff *skb, struct epx_trace
 	__u64 now;
 
 	reason = pkt6_parse_skb(skb, &p);
-	if (reason == EPX_PASS_NOT_IPV4)
-		return reason;
-	if (tr)
-		return EPX_PASS_IPV6_UNTRACED;
 	if (reason && !tc6_icmp6(reason, &p))
 		return reason;
 	cfg = epx_lookup(epx_config, &zero);
@@ -52,12 +48,12 @@ static __always_inline __u32 tc6_ingress(struct __sk_buff *skb, struct epx_trace
 	if (reason)
 		return icmp6_err_ingress(skb, s, &p, cfg, now);
 
-	reason = nat6_rev_snat(skb, s, &p, cfg, now);
+	reason = nat6_rev_snat(skb, s, &p, cfg, now, tr);
 	if (!reason)
-		reason = lb6_forward(skb, s, &p, cfg, now);
+		reason = lb6_forward(skb, s, &p, cfg, now, tr);
 	/* a local pod's packet may be CHECKSUM_PARTIAL (see icmp6.h): it came in on a pod device, or
 	 * its source is in the detector's pod CIDR */
-	if (reason == EPX_REJECT &&
+	if (reason == EPX_REJECT && !tr &&
 	    icmp6_reject(skb, &p, s, (lb4_iface_flags(skb->ifindex) & EPX_IF_POD) || lb6_in_pod_cidr(&p.saddr)))
 		return EPX_DROP_REJECT_FAILED;
 	return reason;
@@ -72,10 +68,6 @@ static __always_inline __u32 tc6_egress(struct __sk_buff *skb, struct epx_trace_
 	__u64 now;
 
 	reason = pkt6_parse_skb(skb, &p);
-	if (reason == EPX_PASS_NOT_IPV4)
-		return reason;
-	if (tr)
-		return EPX_PASS_IPV6_UNTRACED;
 	if (reason && !tc6_icmp6(reason, &p))
 		return reason;
 	cfg = epx_lookup(epx_config, &zero);
@@ -87,9 +79,9 @@ static __always_inline __u32 tc6_egress(struct __sk_buff *skb, struct epx_trace_
 		return icmp6_err_egress(skb, s, &p, now);
 
 	/* as IPv4: a hairpin tuple that is both forward and reply is taken as forward */
-	reason = nat6_snat(skb, s, &p, now);
+	reason = nat6_snat(skb, s, &p, now, tr);
 	if (!reason)
-		reason = nat6_rev_dnat(skb, s, &p, cfg, now);
+		reason = nat6_rev_dnat(skb, s, &p, cfg, now, tr);
 	return reason ? reason : EPX_PASS_NO_SERVICE;
 }
 

@@ -12,6 +12,8 @@
  * trace_service        frontend matched: the service as the maps held it
  * trace_policy         lb4_policy's choice: origin, scope, masquerade
  * trace_backend        the backend chosen (or the one the connection table holds)
+ * trace_backend6       the same for an IPv6 backend (EPX_TRACE_F_IPV6: backend_addr6)
+ * trace_snat6          egress masquerade of an IPv6 connection (snat_addr6)
  */
 #ifndef EPX_TRACE_H
 #define EPX_TRACE_H
@@ -85,6 +87,26 @@ static __always_inline void trace_backend(struct epx_trace_rec *tr, __u32 backen
 	tr->backend_id = backend_id;
 	tr->backend_addr = addr;
 	tr->backend_port = port;
+}
+
+static __always_inline void trace_backend6(struct epx_trace_rec *tr, __u32 backend_id, const struct epx_in6 *addr,
+					   __be16 port)
+{
+	if (!tr)
+		return;
+	tr->flags |= EPX_TRACE_F_BACKEND | EPX_TRACE_F_IPV6;
+	tr->backend_id = backend_id;
+	__builtin_memcpy(tr->backend_addr6, addr->w, sizeof(tr->backend_addr6));
+	tr->backend_port = port;
+}
+
+static __always_inline void trace_snat6(struct epx_trace_rec *tr, const struct epx_in6 *addr, __be16 port)
+{
+	if (!tr)
+		return;
+	tr->flags |= EPX_TRACE_F_SNAT | EPX_TRACE_F_IPV6;
+	__builtin_memcpy(tr->snat_addr6, addr->w, sizeof(tr->snat_addr6));
+	tr->snat_port = port;
 }
 
 #endif /* EPX_TRACE_H */

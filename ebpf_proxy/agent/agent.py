@@ -195,6 +195,7 @@ class Agent:
         self._sync_lock = threading.Lock()  # guards _syncing/_synced_rv against the /healthz reader
         self._datapath_lock = threading.Lock()  # one of sync or drift audit at a time
         self._handover_from: str | None = None  # the other mode, still in place until the first sync
+        self._ip6tables_checked = False  # ebpf mode: ip6tables leftovers looked for (after IPv6's first sync)
         self.handover: handover.HandoverResult | None = None  # what that first sync moved over
         self.auditor = DriftAuditor(lambda: [(f, p.datapath) for f, p in self.proxiers.items()],
                                     self._datapath_lock, self.metrics,
@@ -327,16 +328,6 @@ class Agent:
         local = self._read_local_addresses() if local is None else local
         return build_node_config(self.config, local, self.tracker.node, family)
 
-    def _mode_for(self, family: int) -> str:
-        """The datapath mode of a family. EbpfDatapath programs IPv4 only for now (the programs'
-        IPv6 path, off until switched on, has no writer here yet), so in ebpf mode the IPv6 family
-        is served by ip6tables (this mode's fallback), and says so once."""
-        if family == 6 and self.mode == "ebpf":
-            log.warning("ebpf mode: IPv6 Services are served by ip6tables (the eBPF datapath's IPv6 path is "
-                        "not switched on yet)", extra={"node": self.node_name, "family": "IPv6", "mode": "iptables"})
-            return "iptables"
-        return self.mode
-
     def _datapath_where(self) -> dict[str, str | None]:
         """Where a datapath of either mode finds its kernel objects (the cgroup, the bpffs)."""
         return {"cgroup_path": self.config.cgroup_path or None, "bpffs": self.config.bpffs or None}
@@ -360,7 +351,7 @@ class Agent:
 
     def _prepare_family(self, proxier: FamilyProxier, local: list[str]) -> None:
         node_config = proxier.node_config = self._build_node_config(proxier.family, local)
-        proxier.mode = self._mode_for(proxier.family)
+        proxier.mode = self.mode  # every family in the agent's mode (ebpf: the programs serve IPv6 too)
         log.info("node configuration", extra={
             "node": self.node_name, "mode": proxier.mode, "family": f"IPv{proxier.family}",
             "node_ips": ",".join(node_config.node_ips),
@@ -375,14 +366,35 @@ class Agent:
             max_entries=dict(self.config.bpf_map_sizes) or None, xdp_mode=self.config.bpf_xdp_mode,
             host_routing=self.config.bpf_host_routing,
             backend=self.config.iptables_backend or None)
-        # a kernel datapath: is the other mode's still here? Only where both modes serve the family
-        if datapath.mode in handover.OTHER_MODE and proxier.family == 4:
+        # a kernel datapath: is the other mode's still here? Asked once, of the handover family's
+        if datapath.mode in handover.OTHER_MODE and proxier is self._handover_proxier():
             self._handover_from = handover.previous_mode(self.mode, node_config, self._datapath_factory, **where)
             if self._handover_from:
                 log.info("the %s datapath is in place: its connections move over after the first sync",
                          self._handover_from, extra={"from_mode": self._handover_from})
                 datapath.expect_handover()
         datapath.progress = self.metrics.sync_progress.set
+
+    def _handover_proxier(self) -> FamilyProxier:
+        """The family a mode switch is made in: IPv4 where there is one (the kernel's connections
+        that move are IPv4's, agent/handover.py), else the primary (an IPv6-only node)."""
+        return self.proxiers.get(4) or self.primary
+
+    def _after_first_syncs(self, synced: Collection[int]) -> None:
+        """What waits for families' first syncs (make before break): the mode switch, once the
+        handover family is programmed; in ebpf mode, removing ip6tables rules an earlier agent
+        left, once the IPv6 family is."""
+        proxier = self._handover_proxier()
+        if self._handover_from and proxier.family in synced:
+            assert proxier.datapath is not None and proxier.node_config is not None
+            previous, self._handover_from = self._handover_from, None
+            self.handover = handover.hand_over(
+                self.mode, previous, proxier.datapath, proxier.node_config, self._datapath_factory,
+                **self._datapath_where())
+            self.metrics.observe_handover(previous, self.handover.counts)
+        if self.mode == "ebpf" and 6 in synced and not self._ip6tables_checked:
+            self._ip6tables_checked = True
+            handover.remove_ip6tables_leftovers(self.node_name, self._datapath_factory, **self._datapath_where())
 
     def sync(self, full: bool) -> None:
         """One sync (the runner's function): for each family, take from its tracker, program its
@@ -413,6 +425,7 @@ class Agent:
                         failure = failure or exc
                         log.error("sync of the IPv%d datapath failed: %s", family, exc,
                                   extra={"family": f"IPv{family}"})
+                self._after_first_syncs(results)
         finally:
             self.metrics.sync_ended(any_full)
         elapsed = time.monotonic() - started
@@ -443,14 +456,7 @@ class Agent:
 
     def _sync_family(self, proxier: FamilyProxier, state: ProxyState, changes: ChangeSet) -> SyncResult | None:
         assert proxier.datapath is not None and proxier.node_config is not None
-        result = proxier.datapath.sync(state, changes)
-        if self._handover_from and proxier.family == 4:  # the first sync is done: make before break
-            previous, self._handover_from = self._handover_from, None
-            self.handover = handover.hand_over(
-                self.mode, previous, proxier.datapath, proxier.node_config, self._datapath_factory,
-                **self._datapath_where())
-            self.metrics.observe_handover(previous, self.handover.counts)
-        return result
+        return proxier.datapath.sync(state, changes)
 
     def observed_resource_version(self) -> str:
         """The oldest resourceVersion among the watches: every event up to it was handed to the tracker.

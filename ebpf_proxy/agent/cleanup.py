@@ -65,12 +65,16 @@ def family_variants(modes: tuple[str, ...]) -> list[tuple[str, str, dict[str, st
 
 
 def cleanup_all(node_name: str, modes: tuple[str, ...] = KERNEL_MODES,
-                factory: Callable[..., Datapath] = create_datapath, **opts: Any) -> list[CleanupResult]:
-    """Run `cleanup()` of each mode's datapath (the iptables one per backend and IP family); one
-    result per variant, never raises."""
+                factory: Callable[..., Datapath] = create_datapath, *, families: tuple[int, ...] = (4, 6),
+                only_installed: bool = False, **opts: Any) -> list[CleanupResult]:
+    """Run `cleanup()` of each mode's datapath (the iptables one per backend and IP family, of
+    `families` only); one result per variant, never raises. `only_installed`: a variant whose
+    datapath says nothing of it is installed is left alone, and has no result."""
     nodes = {family: NodeConfig(node_name=node_name, family=family) for family in (4, 6)}
     results = []
     for mode, label, extra, family in family_variants(modes):
+        if family not in families:
+            continue
         node = nodes[family]
         try:
             datapath = factory(mode, node, **opts, **extra)
@@ -81,6 +85,8 @@ def cleanup_all(node_name: str, modes: tuple[str, ...] = KERNEL_MODES,
             results.append(CleanupResult(label, "failed", f"cannot create the datapath: {exc}"))
             continue
         try:
+            if only_installed and not datapath.installed():
+                continue
             datapath.cleanup()
         except Exception as exc:
             results.append(CleanupResult(label, "failed", str(exc)))

@@ -21,6 +21,15 @@ established connections into its own connection tracking, and only then removes 
   the kernel's conntrack with its NAT (datapath/kernel_nat.py) and forgotten in epx_ct4; then
   the programs are detached and the pins removed.
 
+IPv6 (ebpf mode serves it with the programs too): the programs' IPv6 path moves no connections
+(bpf/lib/lb6.h). Switching to ebpf, the ip6tables rules stay until the IPv6 datapath's first sync
+switched the programs' IPv6 path on, then go (remove_ip6tables_leftovers, or the cleanup below);
+switching to iptables, the ip6tables rules are in place (every family syncs before the handover)
+when the programs, both families' at once, are removed. Either way the IPv6 connections the old
+datapath translated break; new ones never wait. The handover itself runs on the IPv4 family's
+datapath, or the IPv6 one's on an IPv6-only node (whose old datapath is then found and removed
+the same way).
+
 A connection is moved in three steps, microseconds apart: its epx_ct4 entry is held
 (CT4_S_HELD: its packets are dropped), the kernel's entry is deleted or made, the epx_ct4 entry
 is released or forgotten. With both in place a packet would be tracked by netfilter as a new
@@ -175,6 +184,23 @@ def _out_of_ebpf(pin_dir) -> dict[str, int]:
     finally:
         maps.close()
     return counts
+
+
+def remove_ip6tables_leftovers(node_name: str, factory: Callable[..., Datapath] = create_datapath,
+                               **opts: Any) -> list[CleanupResult]:
+    """In ebpf mode the programs serve IPv6: remove the ip6tables rules an earlier agent left (an
+    iptables-mode agent, or an ebpf-mode agent from before the programs served IPv6, which served
+    IPv6 with ip6tables), which would otherwise still act on what the programs pass up (a node's
+    own connections to a Service, NodePorts the programs leave alone) with rules of the past.
+    Called once the IPv6 datapath's first sync switched the programs' IPv6 path on (make before
+    break). IPv6 connections the rules translated are not moved (the programs' IPv6 path has no
+    handover, bpf/lib/lb6.h): they break, as at any restart of an iptables-mode node's rules.
+    Each variant only where it is installed; never raises."""
+    results = cleanup_all(node_name, modes=("iptables",), factory=factory, families=(6,), only_installed=True, **opts)
+    if results:
+        log.info("removed the ip6tables rules an earlier agent left: the eBPF programs serve IPv6",
+                 extra={"cleanup": "; ".join(r.line() for r in results)})
+    return results
 
 
 def hand_over(mode: str, previous: str, datapath: Datapath, node: NodeConfig,

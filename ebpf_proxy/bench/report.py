@@ -24,7 +24,7 @@ TCP_PATHS = ("clusterip", "nodeport-cluster", "nodeport-local")
 MODE_COLOURS = {"direct": "tab:gray", "iptables": "tab:orange", "ebpf": "tab:blue"}
 PATH_TITLES = {"clusterip": "ClusterIP (from a pod)", "nodeport-cluster": "NodePort, eTP=Cluster (outside)",
                "nodeport-local": "NodePort, eTP=Local (outside)", "direct": "pod IP, no proxy (baseline)",
-               "clusterip6": "ClusterIP over IPv6 (from a pod; ebpf mode: ip6tables)"}
+               "clusterip6": "ClusterIP over IPv6 (from a pod)"}
 # the direct baseline of each path's row (the pod IPs of the same family)
 DIRECT_OF = {"clusterip6": "direct6"}
 

@@ -6,9 +6,9 @@ read by the eBPF tracer (explain/ebpf_trace.py, `trace_ebpf(flow, bpffs)`), impo
 asked for, so this command works on nodes (and in builds) without it. `--mode auto` follows what
 the node runs: eBPF when the datapath's maps are pinned, else iptables.
 
-An IPv6 flow is asked of the node's IPv6 proxier: its ip6tables rules, in either mode, since the
-agent's ebpf mode serves IPv6 with ip6tables (its eBPF IPv6 path is not switched on yet; the answer
-says so).
+An IPv6 flow is asked of whatever serves the node's IPv6 Services: in eBPF mode the programs'
+IPv6 path when the agent switched it on (CFG6_F_ON in epx_config6, ebpf_trace.ipv6_served), else
+its ip6tables rules (the answer then says so); in iptables mode its ip6tables rules.
 
 Exit status: 0 with an answer; 1 when the question or the node's state cannot be read (the
 message names the option, command or rule at fault); 2 when eBPF tracing is asked for and this
@@ -29,7 +29,7 @@ Examples:
   ebpf-proxy trace --from 203.0.113.5 --to 172.20.20.16:30294
   ebpf-proxy trace --from 10.244.5.9 --from-pod --to 10.96.0.10:53/udp --json
   ebpf-proxy trace --from 172.20.20.16 --to 172.20.20.16:30294      # the node itself (a local source)
-  ebpf-proxy trace --from fd00:20::99 --to [fd00:20::16]:30294       # IPv6: the node's ip6tables rules
+  ebpf-proxy trace --from fd00:20::99 --to [fd00:20::16]:30294       # IPv6: as the node serves IPv6
   ebpf-proxy trace --mode iptables --rules-file node.save --node-ip 172.20.20.16 --from 203.0.113.5 --to 172.20.20.16:30294
   ebpf-proxy lab trace --from outside --to 172.20.20.16:30294      # in the lab: picks the node for you
 
@@ -38,8 +38,8 @@ Exit status: 0 with an answer, 1 on an error naming its cause, 2 when eBPF traci
 """
 
 EBPF_UNAVAILABLE = "ebpf tracing not available in this build (no ebpf_proxy.explain.ebpf_trace): use --mode iptables"
-IPV6_BY_IP6TABLES = ("this node's agent serves IPv6 with ip6tables, not eBPF (its IPv6 path is not on yet), "
-                     "whose rules were walked")
+IPV6_BY_IP6TABLES = ("this node's eBPF datapath does not serve IPv6 (CFG6_F_ON unset in epx_config6): its "
+                     "ip6tables rules do, and were walked")
 
 
 def flow_family(dst: str) -> int:
@@ -119,24 +119,28 @@ def frontend_names_from(kubeconfig: str | None, node_ips) -> dict | None:
 
 
 def trace_ebpf_mode(flow_args: dict, bpffs: str | None, kubeconfig: str | None = None, backend: str = "auto"):
-    if flow_family(flow_args["dst"]) == 6:
+    bpffs = bpffs or "/sys/fs/bpf"
+    family = flow_family(flow_args["dst"])
+    try:
+        from ebpf_proxy.explain.ebpf_trace import ipv6_served, trace_ebpf
+    except ModuleNotFoundError as exc:
+        if exc.name != "ebpf_proxy.explain.ebpf_trace":
+            raise
+        if family == 4:
+            click.echo(EBPF_UNAVAILABLE, err=True)
+            sys.exit(2)
+        ipv6_served = None  # without the tracer, IPv6 is answered by ip6tables, as when it serves IPv6
+    if family == 6 and not (ipv6_served and ipv6_served(bpffs)):
         from dataclasses import replace
 
         t = trace_iptables(flow_args, backend, None, (), None)
         return replace(t, story=f"{t.sentence()} [{IPV6_BY_IP6TABLES}]",
                        details={**t.details, "notes": [*t.details.get("notes", ()), IPV6_BY_IP6TABLES]})
-    try:
-        from ebpf_proxy.explain.ebpf_trace import trace_ebpf
-    except ModuleNotFoundError as exc:
-        if exc.name != "ebpf_proxy.explain.ebpf_trace":
-            raise
-        click.echo(EBPF_UNAVAILABLE, err=True)
-        sys.exit(2)
     from ebpf_proxy.explain import iptables_live as live
 
-    facts = live.node_facts()
+    facts = live.node_facts(family=family)
     flow = build_flow(**flow_args, is_local=facts.is_local, route_device=live.route_device)
-    return trace_ebpf(flow, bpffs or "/sys/fs/bpf", frontend_names_from(kubeconfig, sorted(facts.local_ips)))
+    return trace_ebpf(flow, bpffs, frontend_names_from(kubeconfig, sorted(facts.local_ips)))
 
 
 @click.command(epilog=EPILOG)

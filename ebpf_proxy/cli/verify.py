@@ -69,11 +69,18 @@ def default_senders(node_ips: tuple[str, ...], cluster_cidrs: tuple[str, ...], f
     return senders
 
 
+def _ipv6_served(bpffs: str | None) -> bool:
+    from ebpf_proxy.explain.ebpf_trace import ipv6_served
+
+    return ipv6_served(bpffs or "/sys/fs/bpf")
+
+
 def run_verify(config, node_ips: tuple[str, ...], senders, bpffs: str | None, kernel: str,
                families: tuple[int, ...] = (4,)):
     """The Report of every family (flows of each family put to that family's tracers), and a
-    description of the tracers used. IPv6 runs on ip6tables in either mode (the eBPF programs
-    serve IPv4 only), so its kernel tracer is the live ip6tables rules."""
+    description of the tracers used. In ebpf mode an IPv6 flow is traced through the programs
+    where the agent switched their IPv6 path on (CFG6_F_ON, ebpf_trace.ipv6_served), else through
+    the live ip6tables rules that then serve IPv6."""
     from ebpf_proxy.agent.nodeconfig import build_node_config
     from ebpf_proxy.datapath.iptables.render import render
     from ebpf_proxy.explain import iptables_live as live
@@ -91,7 +98,7 @@ def run_verify(config, node_ips: tuple[str, ...], senders, bpffs: str | None, ke
         rendered = from_ruleset(render(node, state))
         command = "ip6tables" if family == 6 else "iptables"
         tracers = {f"{command} (rendered)": lambda f, t=rendered, n=facts: walk(t, f, n)}
-        if kernel == "ebpf" and family == 4:
+        if kernel == "ebpf" and (family == 4 or _ipv6_served(bpffs)):
             from ebpf_proxy.explain.ebpf_trace import trace_ebpf
 
             names = frontend_names(state, node.node_ips)

@@ -1,9 +1,12 @@
 """The drift audit of the eBPF datapath: the maps and devices against what the last sync wrote.
 
-Compared: every service port's frontends (id, slot counts, affinity, flags), its slots, its
-backends and its source ranges; what no service port accounts for (the same `strays` an agent
-restart removes); the node's facts (epx_config, epx_node_addr, epx_pod_cidr, epx_iface); and
-our TC filters and XDP program on every device the datapath attached to. Not compared: the
+Compared, per IP family (each family's datapath is audited on its own, over its own maps: the
+epx_* maps for IPv4, the epx_*6 maps for IPv6): every service port's frontends (id, slot counts,
+affinity, flags), its slots, its backends and its source ranges; what no service port accounts
+for (the same `strays` an agent restart removes); the family's node facts (epx_config or
+epx_config6, epx_node_addr(6), epx_pod_cidr(6)); and, once for both families (the lead family's
+audit, shared.py), epx_iface and our TC filters and XDP program on every device the datapath
+attached to. Not compared: the
 connection, affinity and masquerade-port tables, which the programs themselves write.
 
 Repair writes only what differs: a drifted service port is taken over as the maps hold it and
@@ -29,7 +32,8 @@ _SCOPE = {s.LB4_SCOPE_CLUSTER: "cluster", s.LB4_SCOPE_LOCAL: "local"}
 
 
 def frontend_key(fe: Frontend) -> str:
-    return f"{fe.addr or '<node>'}:{fe.port}/{_PROTO.get(fe.proto, fe.proto)}"
+    addr = f"[{fe.addr}]" if fe.addr and ":" in fe.addr else fe.addr or "<node>"  # an IPv6 address in brackets
+    return f"{addr}:{fe.port}/{_PROTO.get(fe.proto, fe.proto)}"
 
 
 def _service_text(svc: Service) -> str:
@@ -97,24 +101,30 @@ def stray_drift(strays: adopt.Strays) -> list[Drift]:
 
 
 def _value(field: object) -> object:
+    if isinstance(field, s.In6):  # an IPv6 address compares by its bytes (a struct compares by identity)
+        return bytes(field)
     return getattr(field, "value", field)  # be32/be16 fields are structs with a value
 
 
-def node_drift(believed: Believed, iface_flags: Mapping[int, int]) -> list[Drift]:
-    """epx_config, epx_node_addr, epx_pod_cidr and epx_iface against what they should hold."""
+def node_drift(believed: Believed, iface_flags: Mapping[int, int] | None) -> list[Drift]:
+    """epx_config (epx_config6), epx_node_addr(6), epx_pod_cidr(6) and epx_iface against what
+    they should hold."""
     maps = believed.maps
     out: list[Drift] = []
     held = maps.config()
     if bytes(held) != bytes(believed.config):
-        fields = [name for name, *_ in s.LB4Config._fields_
+        fields = [name for name, *_ in type(believed.config)._fields_
                   if _value(getattr(held, name)) != _value(getattr(believed.config, name))]
-        out.append(Drift(STALE, "node setting", "epx_config", "differs in " + ", ".join(fields)))
+        table = "epx_config6" if isinstance(believed.config, s.LB6Config) else "epx_config"
+        out.append(Drift(STALE, "node setting", table, "differs in " + ", ".join(fields)))
     addrs = maps.node_addrs()
     out += [Drift(MISSING, "node address", a) for a in sorted(believed.node_addrs - addrs)]
     out += [Drift(EXTRA, "node address", a) for a in sorted(addrs - believed.node_addrs)]
     cidrs = maps.pod_cidrs()
     out += [Drift(MISSING, "local-traffic CIDR", c) for c in sorted(believed.pod_cidrs - cidrs)]
     out += [Drift(EXTRA, "local-traffic CIDR", c) for c in sorted(cidrs - believed.pod_cidrs)]
+    if iface_flags is None:  # another family's audit checks epx_iface
+        return out
     ifaces = maps.ifaces()
     want = {i: f for i, f in iface_flags.items() if f}
     for index in sorted(want.keys() | ifaces.keys()):
@@ -129,7 +139,7 @@ def node_drift(believed: Believed, iface_flags: Mapping[int, int]) -> list[Drift
 
 
 def device_drift(lost: Mapping[int, list[str]], believed: Believed) -> list[Drift]:
-    names = {i: d.name for i, d in believed.devices.attached.items()}
+    names = {i: d.name for i, d in believed.devices.attached.items()} if believed.devices is not None else {}
     return [Drift(MISSING, "device program", f"{names.get(i, i)} {prog}", f"ifindex {i}")
             for i, progs in sorted(lost.items()) for prog in progs]
 
@@ -148,16 +158,16 @@ def audit(datapath: EbpfDatapath, repair: bool = False) -> AuditReport:
             drifted[name] = adopt.entries_of(snap, want.svc_id)
     strays = adopt.strays(snap, {e.svc_id: e for e in believed.services.values()})
     report.drifts += stray_drift(strays)
-    iface_flags = believed.devices.iface_flags()
-    node = node_drift(believed, iface_flags)
+    devs = believed.devices  # None: the lead family's audit checks the devices (both families' programs)
+    node = node_drift(believed, devs.iface_flags() if devs is not None else None)
     report.drifts += node
-    lost = believed.devices.lost()
+    lost = devs.lost() if devs is not None else {}
     report.drifts += device_drift(lost, believed)
     report.checked = {
         "service ports": len(believed.services),
         "frontends": sum(len(e.frontends) for e in believed.services.values()),
         "backends": sum(len(e.backends) for e in believed.services.values()),
-        "devices": len(believed.devices.attached),
+        "devices": len(devs.attached) if devs is not None else 0,
     }
     if repair and report.drifts:
         report.writes = datapath.repair_services(drifted, strays)

@@ -9,14 +9,19 @@ per-CPU map epx_trace; this module reads that record back and puts it into the o
   external  xdp_lb, then tc_ingress, on the device the packet arrives through (the route back to
             its source, or `flow.in_iface`)
   pod       tc_ingress on the pod's device (its routed veth, or its port of the pod bridge)
-  host      the cgroup connect4 (TCP) or sendmsg4 (UDP) program. BPF_PROG_TEST_RUN cannot run
-            CGROUP_SOCK_ADDR programs, so a short-lived child process joins the node's cgroup
-            (the one the pinned socket-LB link is attached to) and calls connect()/sendto() on a
-            socket marked EPX_TRACE_MARK: the real program decides, records, and fails the call
-            (EPERM), so nothing is sent.
+  host      the cgroup connect4/connect6 (TCP) or sendmsg4/sendmsg6 (UDP) program. BPF_PROG_TEST_RUN
+            cannot run CGROUP_SOCK_ADDR programs, so a short-lived child process joins the node's
+            cgroup (the one the pinned socket-LB link is attached to) and calls connect()/sendto()
+            on a socket (AF_INET, or AF_INET6 for an IPv6 flow) marked EPX_TRACE_MARK: the real
+            program decides, records, and fails the call (EPERM), so nothing is sent.
 and, after a DNAT, tc_egress on the device toward the backend, which shows the masquerade of an
 established connection; a new connection has no entry in a dry run, so its source after
 masquerade is the recorded decision applied to epx_config's masquerade address.
+
+IPv6 flows take the same programs and hooks (their IPv6 path, bpf/lib/tc6.h and sock_lb.c's
+sock6 side) with IPv6 frames, and read the IPv6 maps (Maps6) and epx_config6's masquerade address,
+while the node's IPv6 Services are the eBPF datapath's (CFG6_F_ON in epx_config6: ipv6_served).
+Otherwise ip6tables serves them, and `trace` walks its rules instead (cli/trace.py).
 
 Must run inside the node's network namespace (BPF_PROG_TEST_RUN takes the ingress device by
 ifindex, which names a device of the caller's netns; the lab's `run_in_netns` does it).
@@ -25,7 +30,6 @@ ifindex, which names a device of the caller's netns; the lab's `run_in_netns` do
 from __future__ import annotations
 
 import errno
-import ipaddress
 import json
 import os
 import secrets
@@ -40,8 +44,8 @@ from pathlib import Path
 from ebpf_proxy.datapath.ebpf import inspect, libbpf, pins, testrun
 from ebpf_proxy.datapath.ebpf.loader import PROGS_SUBDIR
 from ebpf_proxy.datapath.ebpf import structs as s
-from ebpf_proxy.datapath.ebpf.maps import Maps, ip_str, port_int, slot_bank
-from ebpf_proxy.explain.packet import FlowSpec
+from ebpf_proxy.datapath.ebpf.maps import Maps, Maps6, ip6_str, ip_str, port_int, slot_bank
+from ebpf_proxy.explain.packet import FlowSpec, host_port, is_loopback, split_host_port
 from ebpf_proxy.explain.result import Step, Trace
 from ebpf_proxy.model import Protocol
 
@@ -54,6 +58,15 @@ HOOK_NAMES = {
     s.HOOK_TC_EGRESS: "tc-egress",
     s.HOOK_SOCK_CONNECT4: "cgroup/connect4",
     s.HOOK_SOCK_SENDMSG4: "cgroup/sendmsg4",
+    s.HOOK_SOCK_CONNECT6: "cgroup/connect6",
+    s.HOOK_SOCK_SENDMSG6: "cgroup/sendmsg6",
+}
+# the socket-LB program behind each socket hook (pins.CGROUP_PROGRAMS names its cgroup hook)
+SOCK_PROGRAMS = {
+    s.HOOK_SOCK_CONNECT4: "sock_connect4",
+    s.HOOK_SOCK_SENDMSG4: "sock_sendmsg4",
+    s.HOOK_SOCK_CONNECT6: "sock_connect6",
+    s.HOOK_SOCK_SENDMSG6: "sock_sendmsg6",
 }
 ORIGIN_NAMES = {s.ORIGIN_POD: "pod", s.ORIGIN_NODE: "node", s.ORIGIN_EXTERNAL: "external",
                 s.ORIGIN_LOCALHOST: "localhost"}
@@ -94,41 +107,69 @@ def _crc32c(data: bytes) -> int:
 
 
 def build_frame(flow: FlowSpec, dst_mac: bytes = b"\x02\0\0\0\0\x0b", src_mac: bytes = b"\x02\0\0\0\0\x0a") -> bytes:
-    """Ethernet + IPv4 + a TCP SYN (or a UDP datagram with 4 bytes of payload, or an SCTP INIT),
-    checksums valid. A plain builder rather than scapy: the agent image, where `trace` runs, has
-    no scapy."""
-    src, dst = socket.inet_aton(flow.src), socket.inet_aton(flow.dst)
+    """Ethernet + IPv4 or IPv6 (the flow's family) + a TCP SYN (or a UDP datagram with 4 bytes of
+    payload, or, over IPv4, an SCTP INIT), checksums valid. A plain builder rather than scapy: the
+    agent image, where `trace` runs, has no scapy."""
+    v6 = flow.family == 6
+    family = socket.AF_INET6 if v6 else socket.AF_INET
+    src, dst = socket.inet_pton(family, flow.src), socket.inet_pton(family, flow.dst)
     if flow.protocol == Protocol.UDP:
         proto, payload = socket.IPPROTO_UDP, b"ping"
-        l4 = struct.pack("!HHHH", flow.sport, flow.dport, 8 + len(payload), 0) + payload
-        check = _csum(src + dst + struct.pack("!BBH", 0, proto, len(l4)) + l4) or 0xFFFF
-        l4 = l4[:6] + struct.pack("!H", check) + l4[8:]
+        l4, check_at = struct.pack("!HHHH", flow.sport, flow.dport, 8 + len(payload), 0) + payload, 6
     elif flow.protocol == Protocol.TCP:
         proto = socket.IPPROTO_TCP
-        l4 = struct.pack("!HHIIBBHHH", flow.sport, flow.dport, 1, 0, 5 << 4, 0x02, 64240, 0, 0)
-        check = _csum(src + dst + struct.pack("!BBH", 0, proto, len(l4)) + l4)
-        l4 = l4[:16] + struct.pack("!H", check) + l4[18:]
-    elif flow.protocol == Protocol.SCTP:
+        l4, check_at = struct.pack("!HHIIBBHHH", flow.sport, flow.dport, 1, 0, 5 << 4, 0x02, 64240, 0, 0), 16
+    elif flow.protocol == Protocol.SCTP and not v6:
         proto = socket.IPPROTO_SCTP
         # INIT (type 1, 20 bytes): initiate tag, a_rwnd, outbound and inbound streams, initial TSN
         init = struct.pack("!BBHIIHHI", 1, 0, 20, 0x65707874, 65535, 1, 1, 1)
         l4 = struct.pack("!HHII", flow.sport, flow.dport, 0, 0) + init  # verification tag 0: an INIT's
         l4 = l4[:8] + struct.pack("<I", _crc32c(l4)) + l4[12:]  # stored little-endian, as the kernel does
+        check_at = None  # the CRC32c covers the SCTP packet alone: no pseudo-header
     else:
-        raise TraceError(f"{flow.protocol.value}: the eBPF datapath serves TCP, UDP and SCTP only")
+        raise TraceError(f"{flow.protocol.value} over IPv{flow.family}: the eBPF datapath serves TCP and UDP, "
+                         "and SCTP over IPv4")
+    if check_at is not None:
+        # the pseudo-header: RFC 8200 8.1 (32-bit length, next header last) or RFC 793's
+        pseudo = src + dst + (struct.pack("!I3xB", len(l4), proto) if v6 else struct.pack("!BBH", 0, proto, len(l4)))
+        check = _csum(pseudo + l4)
+        if proto == socket.IPPROTO_UDP:
+            check = check or 0xFFFF  # 0 means "no checksum" (and is not allowed at all over IPv6)
+        l4 = l4[:check_at] + struct.pack("!H", check) + l4[check_at + 2:]
+    if v6:
+        ip = struct.pack("!IHBB16s16s", 6 << 28, len(l4), proto, 64, src, dst)
+        return dst_mac + src_mac + b"\x86\xdd" + ip + l4
     ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(l4), 1, 0x4000, 64, proto, 0, src, dst)
     ip = ip[:10] + struct.pack("!H", _csum(ip)) + ip[12:]
     return dst_mac + src_mac + b"\x08\x00" + ip + l4
 
 
 def _frame_dst(frame: bytes) -> tuple[str, int] | None:
-    """(daddr, dport) of an IPv4 TCP/UDP/SCTP frame."""
+    """(daddr, dport) of an IPv4 TCP/UDP/SCTP or IPv6 TCP/UDP frame (build_frame's: no IPv6 extension
+    headers)."""
+    if frame[12:14] == b"\x86\xdd":
+        if len(frame) < 14 + 40 + 4 or frame[20] not in (socket.IPPROTO_TCP, socket.IPPROTO_UDP):
+            return None
+        return socket.inet_ntop(socket.AF_INET6, frame[38:54]), struct.unpack("!H", frame[56:58])[0]
     if len(frame) < 34 or frame[12:14] != b"\x08\x00":
         return None
     ihl = (frame[14] & 0x0F) * 4
     if frame[23] not in (socket.IPPROTO_TCP, socket.IPPROTO_UDP, socket.IPPROTO_SCTP) or len(frame) < 14 + ihl + 4:
         return None
     return socket.inet_ntoa(frame[30:34]), struct.unpack("!H", frame[14 + ihl + 2: 14 + ihl + 4])[0]
+
+
+def _rec_addr(rec: s.EpxTraceRec, which: str) -> str:
+    """A record's backend or snat address, in the family it was decided in (TRACE_F_IPV6: the
+    16-byte backend_addr6 / snat_addr6)."""
+    if rec.flags & s.TRACE_F_IPV6:
+        return ip6_str(s.In6.from_buffer_copy(bytes(getattr(rec, f"{which}_addr6"))))
+    return ip_str(getattr(rec, f"{which}_addr"))
+
+
+def _rec_backend(rec: s.EpxTraceRec) -> str:
+    """The record's backend as IP:PORT ([IPv6]:PORT)."""
+    return host_port(_rec_addr(rec, "backend"), port_int(rec.backend_port))
 
 
 # ---- where the programs and maps are ----
@@ -139,6 +180,22 @@ class _Datapath:
     pin_dir: Path
     maps: Maps
     progs: dict[str, int]
+
+    def family_maps(self, v6: bool) -> Maps:
+        """The maps a decision of that family reads: epx_* or the epx_*6 view over the same fds."""
+        return Maps6(self.maps) if v6 else self.maps
+
+    def ipv6_on(self) -> bool:
+        """CFG6_F_ON: the programs serve this node's IPv6 Services (else ip6tables does)."""
+        return bool(Maps6(self.maps).config().flags & s.CFG6_F_ON)
+
+    def masquerade_address(self, v6: bool) -> str | None:
+        """epx_config's (IPv4) or epx_config6's (IPv6) masquerade address, None when unset."""
+        if v6:
+            addr = Maps6(self.maps).config().snat_addr
+            return ip6_str(addr) if any(bytes(addr)) else None
+        cfg = self.maps.config()
+        return ip_str(cfg.snat_addr) if cfg.snat_addr else None
 
     def close(self) -> None:
         self.maps.close()
@@ -317,9 +374,10 @@ def _run_xdp(dp: _Datapath, frame: bytes, ifindex: int) -> tuple[int, s.EpxTrace
 _SOCK_CHILD = r"""
 import json, os, socket, sys
 cgroup, dst, port, udp, mark, prio = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1", int(sys.argv[5]), int(sys.argv[6])
+family = socket.AF_INET6 if ":" in dst else socket.AF_INET
 with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
     f.write(str(os.getpid()))
-sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM if udp else socket.SOCK_STREAM)
+sock = socket.socket(family, socket.SOCK_DGRAM if udp else socket.SOCK_STREAM)
 sock.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, mark)
 sock.setsockopt(socket.SOL_SOCKET, socket.SO_PRIORITY, prio)
 sock.setblocking(False)
@@ -389,10 +447,19 @@ def _check_socket_lb(dp: _Datapath, cgroup: Path, program: str) -> None:
                          "a node process's connection would not be decided by it (give the node's cgroup)")
 
 
+def _sock_hook(flow: FlowSpec) -> int:
+    """The socket hook a node process's call of this flow runs: connect (TCP) or sendmsg (UDP) of
+    its socket's family (an IPv6 destination: an AF_INET6 socket)."""
+    udp = flow.protocol == Protocol.UDP
+    if flow.family == 6:
+        return s.HOOK_SOCK_SENDMSG6 if udp else s.HOOK_SOCK_CONNECT6
+    return s.HOOK_SOCK_SENDMSG4 if udp else s.HOOK_SOCK_CONNECT4
+
+
 def _run_sock(dp: _Datapath, flow: FlowSpec, cgroup: Path) -> s.EpxTraceRec:
     udp = flow.protocol == Protocol.UDP
-    hook = s.HOOK_SOCK_SENDMSG4 if udp else s.HOOK_SOCK_CONNECT4
-    _check_socket_lb(dp, cgroup, "sock_sendmsg4" if udp else "sock_connect4")
+    hook = _sock_hook(flow)
+    _check_socket_lb(dp, cgroup, SOCK_PROGRAMS[hook])
     nonce = _nonce()
     argv = [sys.executable, "-I", "-S", "-c", _SOCK_CHILD, str(cgroup), flow.dst, str(flow.dport),
             "1" if udp else "0", str(s.TRACE_MARK), str(nonce)]
@@ -414,19 +481,21 @@ def _run_sock(dp: _Datapath, flow: FlowSpec, cgroup: Path) -> s.EpxTraceRec:
 # ---- reading the decision ----
 
 
-def _backends(dp: _Datapath, rec: s.EpxTraceRec) -> list[str]:
-    """Every backend of the scope the decision chose among (or the connection's own)."""
+def _backends(dp: _Datapath, rec: s.EpxTraceRec, v6: bool) -> list[str]:
+    """Every backend of the scope the decision chose among (or the connection's own), read from
+    the maps of the decision's family."""
     if rec.flags & s.TRACE_F_ESTABLISHED:
-        return [f"{ip_str(rec.backend_addr)}:{port_int(rec.backend_port)}"]
+        return [_rec_backend(rec)]
     if not rec.flags & s.TRACE_F_POLICY:
         return []
+    maps = dp.family_maps(v6)
     count = rec.svc_local_count if rec.scope == s.LB4_SCOPE_LOCAL else rec.svc_count
     out = []
     for slot in range(count):
-        backend_id = dp.maps.slot(rec.svc_id, rec.scope, slot, bank=slot_bank(rec.svc_flags))
-        backend = dp.maps.backend(backend_id) if backend_id is not None else None
+        backend_id = maps.slot(rec.svc_id, rec.scope, slot, bank=slot_bank(rec.svc_flags))
+        backend = maps.backend(backend_id) if backend_id is not None else None
         if backend is not None:
-            out.append(f"{backend.addr}:{backend.port}")
+            out.append(host_port(backend.addr, backend.port))
     return out
 
 
@@ -471,20 +540,20 @@ def _masq_words(rec: s.EpxTraceRec) -> str:
 def _decision_words(rec: s.EpxTraceRec, reason: s.Reason) -> str:
     parts = [reason_text(reason)]
     if rec.flags & s.TRACE_F_ESTABLISHED:
-        parts.append(f"connection table: established, backend {ip_str(rec.backend_addr)}:{port_int(rec.backend_port)}")
+        parts.append(f"connection table: established, backend {_rec_backend(rec)}")
     elif rec.flags & s.TRACE_F_POLICY and reason in _BEFORE_SCOPE:
         parts.append(f"origin {ORIGIN_NAMES.get(rec.origin, rec.origin)}")  # decided before an endpoint set
     elif rec.flags & s.TRACE_F_POLICY:
         parts.append(f"origin {ORIGIN_NAMES.get(rec.origin, rec.origin)}, {_scope_words(rec)}, {_masq_words(rec)}")
         if rec.flags & s.TRACE_F_BACKEND:
             how = "session affinity" if rec.flags & s.TRACE_F_AFFINITY else "random slot"
-            parts.append(f"this run picked {ip_str(rec.backend_addr)}:{port_int(rec.backend_port)} ({how})")
+            parts.append(f"this run picked {_rec_backend(rec)} ({how})")
     return "; ".join(parts)
 
 
 def _story(verdict: str, reason: s.Reason, rec: s.EpxTraceRec, service: str | None, flow: FlowSpec,
            backends: list[str], source_after: str | None, where: str, masquerade: bool = False) -> str:
-    svc = f" {service}" if service else f" {flow.dst}:{flow.dport}/{flow.protocol.lower}"
+    svc = f" {service}" if service else f" {host_port(flow.dst, flow.dport)}/{flow.protocol.lower}"
     if reason == s.Reason.DROP_NO_LOCAL_EXTERNAL:
         return (f"drop{svc}: externalTrafficPolicy=Local and this node has no local endpoint; traffic from "
                 f"outside the node ({flow.src}, origin {ORIGIN_NAMES.get(rec.origin, '?')}) may use local "
@@ -508,7 +577,8 @@ def trace_ebpf(flow: FlowSpec, bpffs: str | Path, names: Names | None = None, cg
     inside the node's network namespace. `names` maps a frontend (ip, port, protocol) to the
     service's "ns/name:port" (the CLI fills it from the API or the iptables comments; the maps hold
     no names); without it `service` is null. `cgroup`: the node's cgroup for host-originated
-    flows (default: the one the pinned socket-LB link is attached to)."""
+    flows (default: the one the pinned socket-LB link is attached to). An IPv6 flow needs the
+    node's IPv6 path on (ipv6_served): else ip6tables serves it, and this raises TraceError."""
     dp = _open(bpffs)
     try:
         with _ipr() as ipr:
@@ -517,10 +587,25 @@ def trace_ebpf(flow: FlowSpec, bpffs: str | Path, names: Names | None = None, cg
         dp.close()
 
 
+def ipv6_served(bpffs: str | Path) -> bool:
+    """Whether the eBPF datapath pinned under `bpffs` serves this node's IPv6 Services (CFG6_F_ON
+    in epx_config6): then an IPv6 flow is traced through the programs, else through ip6tables."""
+    dp = _open(bpffs)
+    try:
+        return dp.ipv6_on()
+    finally:
+        dp.close()
+
+
 def _trace(dp: _Datapath, ipr, flow: FlowSpec, names: Names | None, cgroup: str | Path | None) -> Trace:
     service = _service_name(names, flow)
     cfg = dp.maps.config()
     _check_netns(cfg)
+    v6 = flow.family == 6
+    if v6 and not dp.ipv6_on():
+        raise TraceError(f"{flow.dst}: this node's eBPF datapath does not serve IPv6 (CFG6_F_ON unset in "
+                         f"{dp.pin_dir / 'epx_config6'}): ip6tables does, trace its rules instead")
+    snat = dp.masquerade_address(v6)
     steps: list[Step] = []
     details: dict = {"dryRun": True}
 
@@ -532,24 +617,24 @@ def _trace(dp: _Datapath, ipr, flow: FlowSpec, names: Names | None, cgroup: str 
         cg = Path(cgroup) if cgroup else socket_lb_cgroup(dp.pin_dir)
         rec = _run_sock(dp, flow, cg)
         reason = s.Reason(rec.reason)
-        program = "sock_sendmsg4" if rec.hook == s.HOOK_SOCK_SENDMSG4 else "sock_connect4"
+        program = SOCK_PROGRAMS[rec.hook]
         if rec.flags & s.TRACE_F_NETNS:
             action = "not the node's network namespace: the socket LB does nothing here (pods take the TC path)"
         elif not rec.flags & s.TRACE_F_SERVICE:
-            action = f"{reason_text(s.Reason.PASS_NO_SERVICE)}: the call goes to {flow.dst}:{flow.dport} unchanged"
+            action = f"{reason_text(s.Reason.PASS_NO_SERVICE)}: the call goes to {host_port(flow.dst, flow.dport)} unchanged"
             reason = s.Reason.PASS_NO_SERVICE
         else:
             action = _decision_words(rec, reason) + " (decided at the socket: no packet carries the frontend)"
         steps.append(Step(HOOK_NAMES[rec.hook], program, action))
         details.update(_rec_details(rec, cgroup=str(cg)))
         verdict = _verdict(reason) if rec.flags & s.TRACE_F_SERVICE else "pass"
-        backends = _backends(dp, rec) if verdict == "dnat" else []
+        backends = _backends(dp, rec, v6) if verdict == "dnat" else []
         source_after = None
         if verdict == "dnat":
-            if ipaddress.IPv4Address(flow.dst).is_loopback:  # a 127.0.0.1 socket: tc_egress masquerades it
-                source_after = ip_str(cfg.snat_addr) if cfg.snat_addr else None
+            if is_loopback(flow.dst):  # a 127.0.0.1 socket: tc_egress masquerades it (no ::1 NodePorts)
+                source_after = snat
             else:  # the kernel picks the source of the route to the backend
-                source_after = _route(ipr, ip_str(rec.backend_addr))[1] or (ip_str(cfg.snat_addr) or None)
+                source_after = _route(ipr, _rec_addr(rec, "backend"))[1] or snat
         return Trace("ebpf", verdict, reason_text(reason), service, tuple(backends), bool(rec.masq) and verdict == "dnat",
                      source_after, tuple(steps),
                      story=_story(verdict, reason, rec, service, flow, backends, source_after, program,
@@ -583,25 +668,25 @@ def _trace(dp: _Datapath, ipr, flow: FlowSpec, names: Names | None, cgroup: str 
     steps.append(Step("tc-ingress", f"tc_ingress@{ifname}", action + " (dry run: nothing written)"))
     details.update(_rec_details(rec))
 
-    backends = _backends(dp, rec) if verdict == "dnat" else []
+    backends = _backends(dp, rec, v6) if verdict == "dnat" else []
     masquerade = verdict == "dnat" and _masquerades(rec, backends, flow)
-    hairpin = [b for b in backends if b.rsplit(":", 1)[0] == flow.src]
+    hairpin = [b for b in backends if split_host_port(b)[0] == flow.src]
     if hairpin and not masquerade:
         details["hairpinBackends"] = hairpin  # only a pick of these is masqueraded (rule 3)
     source_after = None
     if verdict == "dnat":
-        snat = ip_str(cfg.snat_addr) if cfg.snat_addr else None
         source_after = snat if masquerade else flow.src
-        oif, _ = _route(ipr, ip_str(rec.backend_addr))
+        oif, _ = _route(ipr, _rec_addr(rec, "backend"))
         if oif:  # the packet this run DNATed, on its way out toward the backend it picked
             _, _, erec = _run_tc(dp, "tc_egress", out, oif, s.HOOK_TC_EGRESS)
             ereason = s.Reason(erec.reason)
             if erec.flags & s.TRACE_F_SNAT:
-                source_after = ip_str(erec.snat_addr)
-                eaction = f"{reason_text(ereason)}: source {source_after}:{port_int(erec.snat_port)}"
+                source_after = _rec_addr(erec, "snat")
+                eaction = f"{reason_text(ereason)}: source {host_port(source_after, port_int(erec.snat_port))}"
             elif rec.masq:
                 eaction = (f"{reason_text(ereason)}; a dry run made no connection entry, so the masquerade decided "
-                           f"at ingress is applied here: source {snat} (epx_config snat_addr)")
+                           f"at ingress is applied here: source {snat} "
+                           f"({'epx_config6' if v6 else 'epx_config'} snat_addr)")
                 if rec.masq == s.TRACE_MASQ_HAIRPIN:
                     eaction += " (hairpin: this run picked the client itself)"
             else:
@@ -620,7 +705,7 @@ def _masquerades(rec: s.EpxTraceRec, backends: list[str], flow: FlowSpec) -> boo
     (hairpin). A set where only some are the client depends on the draw: not masqueraded."""
     if rec.flags & s.TRACE_F_ESTABLISHED or rec.masq & s.TRACE_MASQ_POLICY:
         return bool(rec.masq)
-    return bool(backends) and all(b.rsplit(":", 1)[0] == flow.src for b in backends)
+    return bool(backends) and all(split_host_port(b)[0] == flow.src for b in backends)
 
 
 def _rec_details(rec: s.EpxTraceRec, **extra) -> dict:
@@ -639,10 +724,10 @@ def _rec_details(rec: s.EpxTraceRec, **extra) -> dict:
                    masqueradePolicy=bool(rec.masq & s.TRACE_MASQ_POLICY),
                    hairpin=bool(rec.masq & s.TRACE_MASQ_HAIRPIN))
     if rec.flags & s.TRACE_F_BACKEND:
-        out.update(picked=f"{ip_str(rec.backend_addr)}:{port_int(rec.backend_port)}", backendId=rec.backend_id,
+        out.update(picked=_rec_backend(rec), backendId=rec.backend_id,
                    affinity=bool(rec.flags & s.TRACE_F_AFFINITY))
     out.update(extra)
     return out
 
 
-__all__ = ["TraceError", "build_frame", "reason_text", "socket_lb_cgroup", "trace_ebpf"]
+__all__ = ["TraceError", "build_frame", "ipv6_served", "reason_text", "socket_lb_cgroup", "trace_ebpf"]

@@ -109,7 +109,7 @@ def test_life_cycle(node):
     assert counts["full_sync"] == 1 and counts["map_writes"] > 0 and counts["programs_compiled"] == 1
     assert counts["bpf_services"] == 4 and counts["bpf_backends"] == 2 and counts["bpf_devices"] == 3
     assert _attached(lab) == {"vpod": "tc", "vbe": "tc", "vout": "tc,xdp"}
-    assert len(_cgroup_programs(cgroup)) == 3
+    assert len(_cgroup_programs(cgroup)) == len(pins.CGROUP_PROGRAMS)  # connect, sendmsg, recvmsg: 4 and 6
     _traffic_ok(lab, cgroup)
     assert counts["bpf_ct_entries"] == 0 and dp.stats()["bpf_ct_entries"] == 0, \
         "the connection table is not read again on every call (a full one takes ~65 ms)"
@@ -139,7 +139,8 @@ def test_life_cycle(node):
         assert len(maps.connections()) >= connections, "connections survive"
     finally:
         maps.close()
-    assert len(_cgroup_programs(cgroup)) == 3, "the cgroup links got the new programs, not a second set"
+    assert len(_cgroup_programs(cgroup)) == len(pins.CGROUP_PROGRAMS), \
+        "the cgroup links got the new programs, not a second set"
     _traffic_ok(lab, cgroup)
     restarted.close()
 

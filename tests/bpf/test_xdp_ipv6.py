@@ -84,20 +84,21 @@ def test_established_connection_passes_after_its_local_endpoint_left(datapath, m
     assert run(datapath, "xdp_lb", tcp6(OUTSIDE6, 40001, NODE6, NODE_PORT)).verdict == XDP_DROP
 
 
-def test_an_xdp_trace_run_of_an_ipv6_packet_passes_and_writes_nothing(datapath, maps6):
+def test_an_xdp_trace_run_of_an_ipv6_packet_decides_and_writes_nothing(datapath, maps6):
+    """(every case of this file as a dry run: test_trace6_dry_run.py)"""
     w6.install6(maps6, w6.web6(flags=HAS | ETP, local=()))
     meta = bytes(s.EpxTraceMeta(magic=s.TRACE_MAGIC, nonce=0x3000002))
     frame = bytes(tcp6(OUTSIDE6, 40000, NODE6, NODE_PORT))
     ctx = testrun.XdpMd(data=len(meta), data_end=len(meta) + len(frame))
     out = testrun.run(datapath.prog_fds["xdp_lb"], meta + frame, ctx=ctx)
-    assert out.retval == XDP_PASS
+    assert out.retval == XDP_DROP
     rec = maps6.trace_record(0x3000002)
-    assert rec is not None and rec.reason == R.PASS_IPV6_UNTRACED
+    assert rec is not None and rec.reason == R.DROP_NO_LOCAL_EXTERNAL
     assert counted(maps6) == {}
 
 
 def test_an_xdp_trace_run_of_arp_still_passes_it_on(datapath, maps6):
-    """Only IPv6 is untraced: a frame of neither family is passed on to TC, as before."""
+    """A frame of neither family is passed on to TC, as before."""
     from scapy.layers.l2 import ARP, Ether  # noqa: PLC0415
 
     meta = bytes(s.EpxTraceMeta(magic=s.TRACE_MAGIC, nonce=0x3000003))

@@ -8,14 +8,12 @@ from ebpf_proxy.lab.cluster import Lab, destroy
 from tests.e2e.scenario_runner import TOPOLOGY, TOPOLOGY_DUALSTACK, TOPOLOGY_IPV6, ZONES_TOPOLOGY
 
 E2E_MODES = [m for m in os.environ.get("EBPF_PROXY_E2E_MODES", "iptables,ebpf").split(",") if m]
-# The modes of the IPv6-only run of the scenario table (test_scenarios.py), ~45 s each. iptables
-# by default: in ebpf mode IPv6 is the same ip6tables datapath for now (the eBPF programs are
-# IPv4-only), and test_dualstack_services.py runs the ebpf-mode agent on the IPv6-only lab; once
-# the eBPF programs have IPv6, this becomes E2E_MODES.
-E2E_IPV6_MODES = [m for m in os.environ.get("EBPF_PROXY_E2E_IPV6_MODES", "iptables").split(",")
+# The modes of the IPv6-only run of the scenario table (test_scenarios.py), ~45 s each: every mode
+# (in ebpf mode the eBPF programs serve IPv6, ip6tables has no rules).
+E2E_IPV6_MODES = [m for m in os.environ.get("EBPF_PROXY_E2E_IPV6_MODES", ",".join(E2E_MODES)).split(",")
                   if m and m in E2E_MODES]
 # The modes of the dual-stack run of the scenario table: every mode, since in ebpf mode it is the
-# one run where the eBPF IPv4 datapath and the IPv6 proxier serve one Service side by side.
+# run where the programs serve one Service over both families side by side.
 E2E_DUALSTACK_MODES = [m for m in os.environ.get("EBPF_PROXY_E2E_DUALSTACK_MODES", ",".join(E2E_MODES)).split(",")
                        if m and m in E2E_MODES]
 

@@ -5,9 +5,8 @@ and REJECT for a Service without endpoints, all with real packets.
 The labs are examples/dualstack.yaml (both families everywhere, IPv4 primary) and
 examples/ipv6only.yaml (the same cluster, IPv6 only; in the modes the IPv6-only run of the
 scenario table, test_scenarios.py, does not cover): my-nginx-1 on worker1, my-nginx-2 on
-worker3, nothing on worker2, `outside` routed through worker3. In ebpf mode the IPv4 family is
-the eBPF datapath and IPv6 is ip6tables (the agent's IPv6 fallback, until the eBPF datapath has
-IPv6), so both families are checked in both modes.
+worker3, nothing on worker2, `outside` routed through worker3. Both families are checked in
+both modes: in ebpf mode the eBPF programs serve both (ip6tables holds no rules there).
 """
 
 from __future__ import annotations
@@ -139,23 +138,43 @@ def test_a_service_without_endpoints_is_rejected(lab):
             assert report.outcomes == {"refused"}, (family, source, report.to_json())
 
 
-def test_the_audit_finds_and_repairs_drift_of_the_ipv6_rules(lab):
-    """A flushed ip6tables chain is drift of the IPv6 proxier: `lab audit` names it (as IPv6 on a
-    dual-stack node, whose primary family is IPv4), repairs it, and the NodePort answers again."""
-    from ebpf_proxy.lab import audit as lab_audit
+def _break_ipv6_nodeport(lab: Lab) -> str:
+    """worker1 loses its IPv6 NodePort: the ip6tables KUBE-NODEPORTS chain flushed (iptables
+    mode), the nodePort's frontend deleted from epx_svc6 (ebpf mode). Returns the object the
+    audit names for it."""
+    if lab.mode == "ebpf":
+        from ebpf_proxy.datapath.ebpf import libbpf
+        from ebpf_proxy.datapath.ebpf import structs as s
+        from ebpf_proxy.datapath.ebpf.maps import be16
 
-    shape, lab = lab
+        fd = libbpf.obj_get(str(lab.dir / "bpffs" / "worker1" / "ebpf-proxy" / "epx_svc6"))
+        try:
+            assert libbpf.map_delete(fd, s.LB6Key(port=be16(NODE_PORT), proto=6))
+        finally:
+            os.close(fd)
+        return "service frontend"
     backend = next(b for b in ("legacy", "nft")
                    if "KUBE-NODEPORTS -" in lab.exec("worker1", [f"ip6tables-{b}-save", "-t", "nat"],
                                                       capture_output=True, text=True).stdout)
     lab.exec("worker1", [f"ip6tables-{backend}", "-t", "nat", "-F", "KUBE-NODEPORTS"], check=True)
+    return "iptables rule"
+
+
+def test_the_audit_finds_and_repairs_drift_of_the_ipv6_datapath(lab):
+    """A lost IPv6 NodePort (a flushed ip6tables chain; in ebpf mode, a frontend gone from
+    epx_svc6) is drift of the IPv6 proxier: `lab audit` names it (as IPv6 on a dual-stack node,
+    whose primary family is IPv4), repairs it, and the NodePort answers again."""
+    from ebpf_proxy.lab import audit as lab_audit
+
+    shape, lab = lab
+    what = _break_ipv6_nodeport(lab)
     target = _target(_node_ip(lab, "worker1", 6), NODE_PORT)
     assert lab.probe("outside", target).outcomes == {"refused"}  # to the node itself: nothing listens
 
     report = lab_audit.run(lab, nodes=["worker1"], repair=True)["worker1"]
     drifted = {(d["kind"], d["what"]) for d in report["drifts"]}
     prefix = "IPv6 " if shape == "dual" else ""
-    assert drifted == {("missing", f"{prefix}iptables rule")}, report
+    assert drifted == {("missing", f"{prefix}{what}")}, report
     assert report["repaired"] and report["exit"] == 1, report
     assert lab_audit.run(lab, nodes=["worker1"])["worker1"]["exit"] == 0
     assert lab.probe("outside", target).all_ok
@@ -163,8 +182,8 @@ def test_the_audit_finds_and_repairs_drift_of_the_ipv6_rules(lab):
 
 def test_trace_and_verify_explain_the_ipv6_proxier(lab):
     """`lab trace` of seed 000's first two cases over IPv6 answers from the node's IPv6 proxier
-    (its ip6tables rules, in either mode), and `lab verify` agrees three ways on every flow of
-    every family the nodes serve."""
+    (its ip6tables rules; in ebpf mode the programs' IPv6 path), and `lab verify` agrees three
+    ways on every flow of every family the nodes serve."""
     from ebpf_proxy.lab import trace as lab_trace
     from ebpf_proxy.lab import verify as lab_verify
 
@@ -183,4 +202,5 @@ def test_trace_and_verify_explain_the_ipv6_proxier(lab):
         # IPv6: 4 frontends (2 cluster IPs, np-local's cluster IP and NodePort) x the senders that are
         # not their backends; IPv4: the same and worker1's own connection to 127.0.0.1:<nodePort>
         assert report["flows"] == {"dual": 21, "v6only": 10}[shape], (node, report)
-        assert {"ip6tables (rendered)", "ip6tables (live)"} <= set(report["tracers"]), report["tracers"]
+        kernel = "ebpf" if lab.mode == "ebpf" else "ip6tables (live)"
+        assert {"ip6tables (rendered)", kernel} <= set(report["tracers"]), report["tracers"]

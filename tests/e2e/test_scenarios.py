@@ -7,11 +7,10 @@ kube-proxy's IPv6 outcome differs, the scenario runs its IPv6 expectation instea
 (scenario_runner.IPV6_DIFFERENCES, each with its reason). test_scenarios_ipv6.py checks the
 translation itself, without a lab.
 
-The IPv6 table runs in the modes of EBPF_PROXY_E2E_IPV6_MODES (default iptables; measured ~45 s
-per mode, lab included). In ebpf mode the IPv6 family is ip6tables too (the eBPF programs are
-IPv4-only so far), so an ebpf run checks the same datapath again: `EBPF_PROXY_E2E_IPV6_MODES=
-iptables,ebpf` runs it (it passes, ~47 s); the ebpf-mode agent on an IPv6-only cluster is covered
-by test_dualstack_services.py.
+The IPv6 table runs in the modes of EBPF_PROXY_E2E_IPV6_MODES (default: every mode of
+EBPF_PROXY_E2E_MODES; ~45 s per mode, lab included). In ebpf mode the eBPF programs serve IPv6
+(the agent's IPv6 EbpfDatapath writes the epx_*6 maps and switches the programs' IPv6 path on), so
+`ipv6-ebpf-*` checks them, not ip6tables.
 
 And on a dual-stack cluster (topology_dualstack.yaml, tests named `dual-<mode>-<scenario>`): each
 scenario's Services RequireDualStack, each probe over IPv4 and then over IPv6

@@ -97,72 +97,59 @@ def test_events_after_start_reach_only_the_served_families(agent_parts):
     assert agent.pending
 
 
-def test_ebpf_mode_serves_ipv6_with_ip6tables_until_the_ebpf_datapath_has_ipv6(agent_parts, caplog):
-    make, _, _ = agent_parts
-    agent = make({"mode": "ebpf"}, local_addresses=local_dual)
-    agent.resolve_mode()
-    listed(agent, nodes=[dual_node()])
-    agent.prepare_datapath()
-    assert {f: p.mode for f, p in agent.proxiers.items()} == {4: "ebpf", 6: "iptables"}
-    assert {dp.node.family: dp.opts["mode"] for dp in RecordingDatapath.created} == {4: "ebpf", 6: "iptables"}
-    assert any("IPv6 Services are served by ip6tables" in r.getMessage() for r in caplog.records)
+class _Ip6tablesLeftover(RecordingDatapath):
+    """An iptables-mode IPv6 datapath whose rules an earlier agent left on the node."""
+
+    cleaned: list["_Ip6tablesLeftover"] = []
+
+    def installed(self) -> bool:
+        return self.opts["mode"] == "iptables" and self.node.family == 6
+
+    def cleanup(self) -> None:
+        _Ip6tablesLeftover.cleaned.append(self)
 
 
-def test_a_family_that_fails_keeps_its_changes_and_fails_the_sync_without_holding_back_the_other(agent_parts):
-    make, _, _ = agent_parts
-    agent = make(local_addresses=local_dual)
+def _ebpf_dual_stack_agent(make, monkeypatch):
+    """An ebpf-mode agent on a dual-stack node where an earlier agent left ip6tables rules (one
+    ip6tables backend installed: the cleanup tries each installed one)."""
+    monkeypatch.setattr("ebpf_proxy.agent.cleanup.shutil.which",
+                        lambda cmd: f"/usr/sbin/{cmd}" if cmd.startswith("ip6tables-nft") else None)
+    _Ip6tablesLeftover.cleaned = []
+    agent = make({"mode": "ebpf"}, local_addresses=local_dual,
+                 datapath_factory=lambda mode, node, **opts: _Ip6tablesLeftover(node, mode=mode, **opts))
     agent.resolve_mode()
     listed(agent, nodes=[dual_node()], services=[dual_service()], slices=slices())
     agent.prepare_datapath()
-    by_family()[6].fail_next(1)
-    with pytest.raises(RuntimeError):
-        agent.sync(full=True)
-    assert WEB in by_family()[4].last_state.services  # IPv4 programmed and committed
-    assert agent.proxiers[6].tracker.pending and not agent.proxiers[4].tracker.pending
-    agent.sync(full=False)
-    assert WEB in by_family()[6].last_state.services
+    return agent
 
 
-def test_health_check_counts_a_dual_stack_pod_once(agent_parts):
-    make, _, _ = agent_parts
-    agent = make(local_addresses=local_dual)
-    agent.resolve_mode()
-    lb = dual_service(externalTrafficPolicy="Local", healthCheckNodePort=32000)
-    lb["spec"]["type"] = "LoadBalancer"
-    listed(agent, nodes=[dual_node()], services=[lb], slices=slices())
-    agent.prepare_datapath()
-    assert agent.service_health.hosts == ("0.0.0.0", "::")  # one server per family
+def test_ebpf_mode_serves_ipv6_with_the_ebpf_datapath_and_removes_ip6tables_leftovers(agent_parts, monkeypatch):
+    agent = _ebpf_dual_stack_agent(agent_parts[0], monkeypatch)
+    assert {f: p.mode for f, p in agent.proxiers.items()} == {4: "ebpf", 6: "ebpf"}
+    assert not _Ip6tablesLeftover.cleaned, "the ip6tables rules serve IPv6 until the programs do"
     agent.sync(full=True)
-    _status, _ctype, body, _headers = agent.service_health.respond(("default", "web"), "/")
-    assert json.loads(body)["localEndpoints"] == 1
+    assert [(dp.opts["mode"], dp.node.family) for dp in _Ip6tablesLeftover.cleaned] == [("iptables", 6)]
+    assert agent.proxiers[6].datapath.last_state.services[WEB].cluster_ip == "fd00:10:96::a"
+    agent.sync(full=True)
+    assert len(_Ip6tablesLeftover.cleaned) == 1, "looked for once, after the IPv6 family's first sync"
 
 
-
-def test_nodeport_addresses_are_taken_per_family(agent_parts):
-    """kube-proxy's NewNodePortAddresses(family, cidrs): each family keeps its own CIDRs, and one
-    given none of its family matches all its addresses; `primary` is each family's primary IP."""
-    make, _, _ = agent_parts
-    agent = make({"nodeport_addresses": "192.168.1.0/24"}, local_addresses=local_dual)
-    agent.resolve_mode()
-    listed(agent, nodes=[dual_node()])
-    agent.prepare_datapath()
-    v4, v6 = agent.proxiers[4].node_config, agent.proxiers[6].node_config
-    assert (v4.node_ips, v6.node_ips) == ((V4_IP,), (V6_IP,))
-    assert agent.service_health.hosts == (V4_IP, "::")  # IPv6: no CIDR of its family, so all
-
-    RecordingDatapath.created = []
-    agent = make({"nodeport_addresses": "primary"}, local_addresses=local_dual)
-    agent.resolve_mode()
-    listed(agent, nodes=[dual_node()])
-    agent.prepare_datapath()
-    assert agent.proxiers[4].node_config.nodeport_addresses == (f"{V4_IP}/32",)
-    assert agent.proxiers[6].node_config.nodeport_addresses == (f"{V6_IP}/128",)
+def test_ipv6_leftovers_wait_for_the_ipv6_family_to_sync(agent_parts, monkeypatch):
+    agent = _ebpf_dual_stack_agent(agent_parts[0], monkeypatch)
+    agent.proxiers[6].datapath.fail_next(1)
+    with pytest.raises(RuntimeError, match="injected sync failure"):
+        agent.sync(full=True)
+    assert not _Ip6tablesLeftover.cleaned, "the IPv6 family failed its sync: the ip6tables rules still serve it"
+    agent.sync(full=True)
+    assert len(_Ip6tablesLeftover.cleaned) == 1
 
 
-def test_the_ebpf_datapath_refuses_an_ipv6_node_config_naming_the_field():
+def test_the_ebpf_datapath_takes_both_families():
     pytest.importorskip("bcc", reason="the eBPF datapath module needs bcc (python3-bpfcc)")
     from ebpf_proxy.datapath.ebpf import EbpfDatapath
     from ebpf_proxy.model import NodeConfig
 
-    with pytest.raises(ValueError, match=r"node n1: EbpfDatapath programs IPv4 only so far .*, not IPv6 \(NodeConfig.family\)"):
-        EbpfDatapath(NodeConfig(node_name="n1", family=6))
+    for family in (4, 6):
+        datapath = EbpfDatapath(NodeConfig(node_name="n1", family=family), bpffs="/nonexistent")
+        assert datapath.family == family
+        datapath.close()

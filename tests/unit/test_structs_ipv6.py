@@ -31,7 +31,7 @@ def test_lpm_prefix_is_the_network():
 # sizes the C side has, packed as common.h lays them out (the bcc comparison is the authority;
 # these catch a mirror edit before the root tier runs)
 SIZES = {s.In6: 16, s.LB6Key: 20, s.LB6Backend: 20, s.LB6AffinityKey: 20, s.LPM6Key: 20, s.LB6RangeKey: 24,
-         s.CT6Key: 40, s.CT6Entry: 72, s.LB6Config: 20, s.Scratch6: 3 * 40 + 2 * 72 + 304 + 280}
+         s.CT6Key: 40, s.CT6Entry: 72, s.LB6Config: 20, s.Sock6RevKey: 32, s.Sock6Rev: 20, s.Scratch6: 3 * 40 + 2 * 72 + 304 + 280}
 
 
 @pytest.mark.parametrize("struct", SIZES, ids=lambda t: t.__name__)
@@ -52,5 +52,5 @@ def test_every_ipv6_map_has_a_capacity_or_is_fixed():
 
     six = {name for name in s.MAPS if name.endswith("6")}
     assert six == {"epx_svc6", "epx_backend6", "epx_slot6", "epx_affinity6", "epx_src_range6", "epx_node_addr6",
-                   "epx_pod_cidr6", "epx_ct6", "epx_config6", "epx_scratch6"}
+                   "epx_pod_cidr6", "epx_ct6", "epx_config6", "epx_scratch6", "epx_sock_rev6"}
     assert all(name in loader.MAX_ENTRIES or name in loader.FIXED_ENTRIES for name in six)

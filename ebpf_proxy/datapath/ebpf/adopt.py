@@ -20,7 +20,6 @@ slots no frontend reads any more deleted as strays. A port the kill did not catc
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 from collections import Counter, defaultdict
 from collections.abc import Mapping
@@ -28,7 +27,7 @@ from dataclasses import dataclass, field, replace
 
 from ebpf_proxy.datapath.ebpf import structs as s
 from ebpf_proxy.datapath.ebpf.maps import IPPROTO, Backend, Frontend, Maps, Service, slot_bank
-from ebpf_proxy.datapath.ebpf.services import SUPPORTED, ServiceEntries, ServicePrograms
+from ebpf_proxy.datapath.ebpf.services import ServiceEntries, ServicePrograms
 from ebpf_proxy.model import ProxyState
 
 log = logging.getLogger(__name__)
@@ -142,7 +141,7 @@ def adopt(programs: ServicePrograms, state: ProxyState) -> int:
     claimed: dict[int, ServiceEntries] = {}
     writes = unsettled = 0
     for name, svc in sorted(state.services.items()):
-        if svc.cluster_ip is None or svc.protocol not in SUPPORTED or ipaddress.ip_address(svc.cluster_ip).version != 4:
+        if not programs.serves(svc):  # not in this family's maps (programs.maps: Maps or Maps6)
             continue
         svc_id = snap.owner.get(Frontend(svc.cluster_ip, svc.port, IPPROTO[svc.protocol.value]))
         if svc_id is None or svc_id in claimed:

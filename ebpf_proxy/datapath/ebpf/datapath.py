@@ -1,18 +1,28 @@
-"""The eBPF datapath behind the Datapath interface: maps written as deltas, programs attached once.
+"""The eBPF datapath behind the Datapath interface, one per IP family: maps written as deltas,
+programs attached once.
 
-First sync (per process):
-  1. bpffs at `bpffs` (mounted if it is not one), pinned maps under <bpffs>/ebpf-proxy/
+The agent creates one EbpfDatapath per IP family it serves (IPv4, IPv6 or both); one set of
+programs serves both families, so the datapaths of a process share it through a SharedNode
+(shared.py: one load, one epx_config, one device attachment and link watcher, one socket-LB
+attachment, one conntrack GC; read it for when the programs attach). Each family has maps of its
+own: IPv4 the epx_* maps (Maps), IPv6 the epx_*6 maps (Maps6), with service and backend ids of
+their own. The programs leave IPv6 untouched until the IPv6 datapath's first sync wrote its maps
+and set CFG6_F_ON in epx_config6.
+
+First sync (per process; the steps marked * happen once, for every family):
+  1*. bpffs at `bpffs` (mounted if it is not one), pinned maps under <bpffs>/ebpf-proxy/
      re-opened (or created), programs compiled against them with bcc in a short-lived child
      process that pins them (kernel headers prepared first; LLVM never enters the agent) -- or,
-     after a restart of the same build, the pinned programs re-opened (loader.py);
-  2. take over what the maps hold (adopt.py): after an agent restart nothing is flushed or
-     renumbered, connections and affinity survive, and only differences are written;
-  3. node facts into the maps (addresses, cluster CIDRs, masquerade address and settings), then
-     the services;
-  4. only then programs onto devices (devices.py: TC on pod and external devices, XDP on the
+     after a restart of the same build, the pinned programs re-opened (loader.py); epx_config;
+  2. take over what the family's maps hold (adopt.py): after an agent restart nothing is flushed
+     or renumbered, connections and affinity survive, and only differences are written;
+  3. the family's node facts into the maps (addresses, cluster CIDRs; IPv6: the masquerade
+     address in epx_config6), then the services;
+  4*. only then programs onto devices (devices.py: TC on pod and external devices, XDP on the
      external ones) and the socket-LB programs onto `cgroup_path` (pins.py, pinned links), so a
      fresh node never runs programs over empty maps; on restart this swaps each attached program
      for the new build atomically. A link watcher then follows devices as pods come and go.
+     IPv6: CFG6_F_ON.
 Later syncs write only the services in the ChangeSet (services.py); full syncs also re-check the
 devices. `close()` (SIGTERM) leaves everything attached and pinned: traffic keeps flowing while
 the agent is away. `cleanup()` removes everything, also from a fresh process that never synced
@@ -24,73 +34,54 @@ own); call `cleanup()` from that namespace too.
 
 from __future__ import annotations
 
-import dataclasses
 import ipaddress
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from ebpf_proxy.datapath.base import Datapath, SyncResult
-from ebpf_proxy.datapath.ebpf import adopt, devices, handover, loader, pins
+from ebpf_proxy.datapath.ebpf import adopt, devices, handover, pins
 from ebpf_proxy.datapath.ebpf import structs as s
-from ebpf_proxy.datapath.ebpf.maps import ConntrackUsage, MapFull, Maps, NodeSettings
+from ebpf_proxy.datapath.ebpf.maps import ConntrackUsage, MapFull, Maps, Maps6
 from ebpf_proxy.datapath.ebpf.services import (
     ServiceEntries,
     ServicePrograms,
     detector_cidrs,
     node_addresses,
-    node_settings,
     program_node,
 )
+from ebpf_proxy.datapath.ebpf.shared import HOST_ROUTING_MODES, Options, SharedNode, resolve_host_routing
 from ebpf_proxy.datapath.kernel_nat import NatConnection
 from ebpf_proxy.model import ChangeSet, NodeConfig, ProxyState, ServicePortName
+from ebpf_proxy.model.types import of_family
+
+__all__ = ["HOST_ROUTING_MODES", "Believed", "EbpfDatapath", "ServicesDidNotFit", "resolve_host_routing"]
 
 log = logging.getLogger(__name__)
 PROGRESS_EVERY = 64  # service ports between two progress reports (a gauge set: ~1 µs)
 
 DEFAULT_BPFFS = "/sys/fs/bpf"
 CT_GC_PERIOD = 10.0  # seconds between two passes of the connection table's garbage collector
-# epx_ct4 entries per connection of kube-proxy's conntrack limit: an unmasqueraded connection takes
-# 2 (its entry, the reply half), a masqueraded one 4, so the limit holds for unmasqueraded traffic
-# and half of it for masqueraded traffic (nf_conntrack also stores two tuples per connection).
+# epx_ct4 (epx_ct6) entries per connection of kube-proxy's conntrack limit: an unmasqueraded
+# connection takes 2 (its entry, the reply half), a masqueraded one 4, so the limit holds for
+# unmasqueraded traffic and half of it for masqueraded traffic (nf_conntrack also stores two
+# tuples per connection). Each family's table gets the limit: nf_conntrack's is shared by both.
 CT_ENTRIES_PER_CONNECTION = 2
-# --bpf-host-routing (bpf/lib/fib4.h): on, off, or auto (on where the kernel has the helpers)
-HOST_ROUTING_MODES = ("auto", "on", "off")  # agent/config.py takes these (the agent layer sits above)
-
-
-def resolve_host_routing(mode: str) -> bool:
-    """Whether tc_ingress forwards translated packets itself (CFG_F_HOST_ROUTING), with one log line
-    saying why. `auto` turns it on where the kernel has bpf_fib_lookup, bpf_redirect_peer and
-    bpf_redirect_neigh with a next hop (5.11+); `on` without them is an error, not a silent off."""
-    if mode == "off":
-        log.info("bpf host routing: off (--bpf-host-routing=off): translated packets take the host stack",
-                 extra={"host_routing": False})
-        return False
-    missing = loader.host_routing_unsupported()
-    if missing is None:
-        log.info("bpf host routing: on (--bpf-host-routing=%s): translated packets skip the host's routing "
-                 "and netfilter stack where the FIB allows", mode, extra={"host_routing": True})
-        return True
-    if mode == "on":
-        raise loader.LoadError(f"--bpf-host-routing=on: this kernel cannot ({missing})")
-    log.info("bpf host routing: off (--bpf-host-routing=auto: %s)", missing, extra={"host_routing": False})
-    return False
 
 
 @dataclass(frozen=True)
 class Believed:
     """What the datapath believes the kernel holds since its last sync: the drift audit
-    (explain/audit_ebpf.py) compares the maps and devices with it."""
+    (explain/audit_ebpf.py) compares the family's maps and, for the lead family, the devices."""
 
-    maps: Maps
+    maps: Maps  # the family's (Maps6 for IPv6)
     services: Mapping[ServicePortName, ServiceEntries]
-    config: s.LB4Config
+    config: s.LB4Config | s.LB6Config  # epx_config (IPv4), epx_config6 (IPv6)
     node_addrs: frozenset[str]
     pod_cidrs: frozenset[str]
-    devices: devices.Devices
+    devices: devices.Devices | None  # None: another family's audit checks them (SharedNode.lead)
 
 
 class ServicesDidNotFit(MapFull):
@@ -105,8 +96,9 @@ class ServicesDidNotFit(MapFull):
 
 
 class EbpfDatapath(Datapath):
-    """Service load balancing with TC/XDP programs on the node's devices and socket-LB programs
-    on a cgroup, over pinned BPF maps (see the module docstring for the life cycle)."""
+    """Service load balancing of one IP family (node.family) with TC/XDP programs on the node's
+    devices and socket-LB programs on a cgroup, over pinned BPF maps (see the module docstring for
+    the life cycle)."""
 
     mode = "ebpf"
 
@@ -126,39 +118,32 @@ class EbpfDatapath(Datapath):
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(node)
-        if node.family != 4:  # the agent serves IPv6 with ip6tables in ebpf mode (agent.py _mode_for)
-            raise ValueError(f"node {node.node_name}: EbpfDatapath programs IPv4 only so far (the programs' "
-                             f"IPv6 path has no writer here yet), not IPv{node.family} (NodeConfig.family)")
         if xdp_mode not in ("generic", "native", "off"):
             raise ValueError(f"xdp_mode: {xdp_mode!r} is not one of generic, native, off")
         if host_routing not in HOST_ROUTING_MODES:
             raise ValueError(f"host_routing: {host_routing!r} is not one of {', '.join(HOST_ROUTING_MODES)}")
-        self._host_routing_mode = host_routing
+        self.family = node.family
         self.cgroup_path = Path(cgroup_path) if cgroup_path else None
         self.bpffs = Path(bpffs)
         self.pin_dir = pins.pin_dir(self.bpffs)
-        self._cache_dir = Path(bpf_cache_dir) if bpf_cache_dir else None  # the node's program cache
-        self._pod_patterns = tuple(pod_device_patterns)
-        self._xdp_mode = xdp_mode
-        self._watch = watch_devices
-        # the connection table's size comes from kube-proxy's conntrack settings unless a caller
-        # (tests: small maps) sizes it explicitly
-        self._max_entries = {"epx_ct4": CT_ENTRIES_PER_CONNECTION * node.conntrack.max_connections,
-                             **(max_entries or {})}
-        self._loaded: loader.Loaded | None = None
-        self._maps: Maps | None = None
+        # the connection tables' size comes from kube-proxy's conntrack settings unless a caller
+        # (tests: small maps) sizes them explicitly
+        ct_size = CT_ENTRIES_PER_CONNECTION * node.conntrack.max_connections
+        self._shared = SharedNode.join(self, Options(
+            bpffs=self.bpffs, cgroup_path=self.cgroup_path, pod_patterns=tuple(pod_device_patterns),
+            xdp_mode=xdp_mode, watch=watch_devices,
+            max_entries={"epx_ct4": ct_size, "epx_ct6": ct_size, **(max_entries or {})},
+            cache_dir=Path(bpf_cache_dir) if bpf_cache_dir else None, host_routing=host_routing,
+            ct_gc_period=ct_gc_period, clock=clock))
+        self._maps: Maps | None = None  # this family's view of the shared maps (Maps6 for IPv6)
         self._programs: ServicePrograms | None = None
-        self._devices: devices.Devices | None = None
-        self._watcher: devices.LinkWatcher | None = None
-        self._attached = False
-        self._ct_gc_period, self._clock = ct_gc_period, clock
-        self._ct_usage: tuple[float, ConntrackUsage] | None = None  # (when, the last GC pass)
-        self._ct_gc_lock = threading.Lock()  # one pass at a time
-        self._ct_gc_stop: threading.Event | None = None  # the GC thread's, while it runs
-        self._settings: NodeSettings | None = None  # epx_config as the first sync wrote it
-        # taking over from the iptables mode (expect_handover): programs attach with
-        # CFG_F_NETFILTER_FIRST, then take_new_connections, then end_handover
-        self._handover_in = False
+        self._closed = False
+        self._snat6: str | None = None  # IPv6: epx_config6's masquerade address
+        self._served6 = False  # IPv6: CFG6_F_ON set by this datapath's first sync
+
+    def family_maps(self) -> Maps | None:
+        """This family's maps (Maps, or Maps6), None before the first sync."""
+        return self._maps
 
     # -- sync -----------------------------------------------------------------------------
 
@@ -166,9 +151,11 @@ class EbpfDatapath(Datapath):
         first = self._programs is None
         counts = {"full_sync": int(changes.full or first), "map_writes": 0, "conntrack_deleted": 0}
         if first:
-            counts["map_writes"] += self._load(state)
-            counts["programs_compiled"] = int(self._loaded is not None and self._loaded.compiled)
-            counts["programs_from_cache"] = int(self._loaded is not None and self._loaded.source == "cache")
+            writes, loaded_here = self._load(state)
+            counts["map_writes"] += writes
+            loaded = self._shared.loaded
+            counts["programs_compiled"] = int(loaded_here and loaded is not None and loaded.compiled)
+            counts["programs_from_cache"] = int(loaded_here and loaded is not None and loaded.source == "cache")
         assert self._programs is not None
         if changes.full or first:
             names = set(state.services) | set(self._programs.current)
@@ -181,17 +168,20 @@ class EbpfDatapath(Datapath):
         # a service port a full map refused does not stop the others (a deletion later frees room)
         writes, did_not_fit = self._programs.sync_names(state, names, self.report_progress, PROGRESS_EVERY)
         counts["map_writes"] += writes
-        if not self._attached:
-            self._attach()
-        elif changes.full:
-            counts["devices_attached"] = self._reconcile_devices()
+        if self.family == 6 and not self._served6:  # the IPv6 maps are written: the programs may serve IPv6
+            counts["map_writes"] += int(self._maps.set_config6(self._snat6, on=True))  # type: ignore[union-attr]
+            self._served6 = True
+        if not self._shared.attached:
+            self._shared.attach()
+        elif changes.full and self._is_lead():
+            counts["devices_attached"] = self._shared.reconcile_devices()
         # as kube-proxy: stale UDP conntrack goes after the new endpoints are in place
         if changes.stale_udp_endpoints or changes.stale_udp_services:
             counts["conntrack_deleted"] += self._programs.flush_udp(changes.stale_udp_endpoints,
                                                                     changes.stale_udp_services)
         self._programs.sync_done()
         if changes.full or first:
-            self._ct_usage = None  # full syncs collect, and report a fresh count
+            self._shared.forget_ct_usage()  # full syncs collect, and report a fresh count
         if did_not_fit:
             # after the attach: what fits serves, even on a first sync; the sync fails, so the
             # agent retries these (and its health says so) until the map is made bigger
@@ -200,53 +190,39 @@ class EbpfDatapath(Datapath):
         log.debug("ebpf sync: %s", counts)
         return SyncResult(counts=counts)
 
-    def _load(self, state: ProxyState) -> int:
-        """Steps 1-3 of the first sync. Returns the map writes made."""
-        pin_dir = pins.prepare(self.bpffs)
-        loaded = loader.load(pin_dir, max_entries=self._max_entries, reuse=True, cache_dir=self._cache_dir)
-        try:
-            maps = Maps.from_loaded(loaded)
-            programs = ServicePrograms(maps, self.node.node_ips)
-            writes = adopt.adopt(programs, state)
-            self._devices = devices.Devices(
-                devices.Programs(loaded.prog_fds["tc_ingress"], loaded.prog_fds["tc_egress"],
-                                 loaded.prog_fds["xdp_lb"] if self._xdp_mode != "off" else None),
-                cluster_cidrs=self.node.cluster_cidrs, pod_patterns=self._pod_patterns,
-                xdp_mode=self._xdp_mode if self._xdp_mode != "off" else "generic",
-                detector=self.node.detector, write_ifaces=maps.set_ifaces,
-            )
-            settings = node_settings(self.node, host_netns_cookie=pins.netns_cookie(),
-                                     snat_addr=self._devices.primary_address())
-            settings = dataclasses.replace(settings, host_routing=resolve_host_routing(self._host_routing_mode))
-            if self._handover_in:
-                settings = dataclasses.replace(settings, handover=s.CFG_F_NETFILTER_FIRST)
-            writes += program_node(maps, self.node, settings)
-            self._settings = settings
+    def _is_lead(self) -> bool:
+        return self._shared.lead == self.family
+
+    def _load(self, state: ProxyState) -> tuple[int, bool]:
+        """Steps 1-3 of the first sync. Returns the map writes made, and whether this call loaded
+        the programs (the first family to sync in this process does, for all)."""
+        if self._closed:  # closed, then synced again (a test's restart): back in the shared node
+            self._closed = False
+            self._shared = SharedNode.join(self, self._shared.options)
+        shared = self._shared
+        loaded_here = shared.load()
+        assert shared.maps is not None
+        maps = shared.maps if self.family == 4 else Maps6(shared.maps)
+        programs = ServicePrograms(maps, self.node.node_ips, family=self.family)
+        writes = adopt.adopt(programs, state)
+        writes += program_node(maps, self.node, None)
+        if isinstance(maps, Maps6):
+            assert shared.devices is not None
+            v6_ips = of_family(self.node.node_ips, 6)
+            self._snat6 = shared.devices.primary_address(6) or (v6_ips[0] if v6_ips else None)
+            # what a previous agent switched on stays on while this one catches up (its maps are
+            # adopted, not rewritten); a fresh node's stays off until the first sync is done
+            writes += int(maps.set_config6(self._snat6, on=bool(maps.config().flags & s.CFG6_F_ON)))
+            log.info("ebpf datapath IPv6 loaded", extra={
+                "snat_addr": self._snat6 or "", "node_ips": ",".join(self.node.node_ips),
+                "cluster_cidrs": ",".join(self.node.cluster_cidrs), "detect_local": str(self.node.detector)})
+        else:
             log.info("ebpf datapath loaded", extra={
-                "pin_dir": str(pin_dir), "snat_addr": settings.snat_addr or "",
+                "pin_dir": str(shared.pin_dir), "snat_addr": (shared.settings.snat_addr if shared.settings else "") or "",
                 "node_ips": ",".join(self.node.node_ips), "cluster_cidrs": ",".join(self.node.cluster_cidrs),
                 "detect_local": str(self.node.detector)})
-        except BaseException:
-            loaded.close()
-            self._devices = None
-            raise
-        self._loaded, self._maps, self._programs = loaded, maps, programs
-        return writes
-
-    def _attach(self) -> None:
-        """Step 4 of the first sync: devices, cgroup, and the watcher that keeps devices current."""
-        assert self._devices is not None and self._loaded is not None
-        self._devices.reconcile(required=True)
-        pins.attach_cgroup(self.pin_dir, self._loaded.prog_fds, self.cgroup_path)
-        if self._watch and self._watcher is None:
-            self._watcher = devices.LinkWatcher(self._reconcile_devices)
-            self._watcher.start()
-        if self._ct_gc_stop is None:
-            self._start_conntrack_gc()
-        self._attached = True
-
-    def _reconcile_devices(self) -> int:
-        return self._devices.reconcile() if self._devices is not None else 0
+        self._maps, self._programs = maps, programs
+        return writes, loaded_here
 
     # -- a mode switch (agent/handover.py) --------------------------------------------------
 
@@ -263,10 +239,11 @@ class EbpfDatapath(Datapath):
 
     def expect_handover(self) -> None:
         """The iptables mode's datapath is still in place: attach in CFG_F_NETFILTER_FIRST, its
-        rules keep making the new connections until the ones the kernel had are moved in."""
-        if self._programs is not None:
+        rules keep making the new connections until the ones the kernel had are moved in. (An IPv4
+        matter: the programs' IPv6 path does not move connections, see bpf/lib/lb6.h.)"""
+        if self._programs is not None or self._shared.loaded is not None:
             raise RuntimeError("expect_handover after the first sync: the programs are attached already")
-        self._handover_in = True
+        self._shared.handover_in = True
 
     def adopt_connections(self, connections: Iterable[NatConnection],
                           adopted: Callable[[NatConnection], None]) -> dict[str, int]:
@@ -278,23 +255,30 @@ class EbpfDatapath(Datapath):
         hooks in this netns), so they break: the node's own connections (the socket LB balances at
         connect(), a connected socket is nobody's to translate), those masqueraded to another
         address than ours, and those of Services no longer here. Returns a count of each.
+        The IPv6 datapath adopts none (the kernel's are IPv4 connections, kernel_nat.py): each
+        counts as `unknown`.
         """
-        assert self._maps is not None and self._settings is not None, "adopt_connections before the first sync"
+        settings = self._shared.settings
+        assert self._maps is not None and settings is not None, "adopt_connections before the first sync"
         counts = {"adopted": 0, "node": 0, "other_masquerade_address": 0, "unknown": 0}
+        if self.family != 4:
+            counts["unknown"] = sum(1 for _ in connections)
+            return counts
         local = set(node_addresses(self.node))
         backends = handover.backend_ids(self._maps)
         for conn in connections:
             if conn.client in local:
                 counts["node"] += 1
                 continue
-            if conn.masqueraded and conn.source != self._settings.snat_addr:
+            if conn.masqueraded and conn.source != settings.snat_addr:
                 counts["other_masquerade_address"] += 1
                 continue
-            if conn.masqueraded and not self._settings.adopted_masq and not (
-                    self._settings.snat_port_min <= conn.source_port <= self._settings.snat_port_max):
+            if conn.masqueraded and not settings.adopted_masq and not (
+                    settings.snat_port_min <= conn.source_port <= settings.snat_port_max):
                 # the kernel's masquerade port is outside ours: the programs must look for its
                 # replies on every port (nat4_is_masq_dest) before the kernel's entry goes
-                self._set_adopted_masq(True)
+                self._shared.update_settings(adopted_masq=True)
+                settings = self._shared.settings
             # held while both the kernel and epx_ct4 know it (common.h: CT4_S_HELD)
             why = handover.adopt(self._maps, conn, backends, local, time.monotonic_ns(), held=True)
             if why is None:
@@ -308,15 +292,18 @@ class EbpfDatapath(Datapath):
                 counts["unknown"] += 1
         return counts
 
-    def _set_adopted_masq(self, on: bool) -> None:
-        assert self._maps is not None and self._settings is not None
-        self._settings = dataclasses.replace(self._settings, adopted_masq=on)
-        self._maps.set_settings(self._settings)
+    def after_conntrack_gc(self) -> None:
+        """A GC pass is done (SharedNode.collect_conntrack): the last adopted connection
+        masqueraded outside our port range gone, replies are looked for in our range only."""
+        settings = self._shared.settings
+        if settings is not None and settings.adopted_masq and not self._adopted_masq_left():
+            self._shared.update_settings(adopted_masq=False)
 
     def _adopted_masq_left(self) -> bool:
         """Whether a connection masqueraded outside our port range (adopted) is still in epx_ct4."""
-        assert self._maps is not None and self._settings is not None
-        low, high = self._settings.snat_port_min, self._settings.snat_port_max
+        settings = self._shared.settings
+        assert self._maps is not None and settings is not None
+        low, high = settings.snat_port_min, settings.snat_port_max
         return any(not low <= c.dport <= high for c in self._maps.connections(kind=s.CT4_REV_SNAT))
 
     def take_new_connections(self) -> None:
@@ -326,13 +313,12 @@ class EbpfDatapath(Datapath):
         self._set_handover(s.CFG_F_NETFILTER_MIDSTREAM)
 
     def _set_handover(self, flag: int) -> None:
-        if self._settings is not None and self._maps is not None and self._settings.handover != flag:
-            self._settings = dataclasses.replace(self._settings, handover=flag)
-            self._maps.set_settings(self._settings)
+        if self._shared.settings is not None and self._shared.maps is not None:
+            self._shared.update_settings(handover=flag)
 
     def end_handover(self) -> None:
         """Every connection is moved in: from now on a packet without an entry is ours again."""
-        self._handover_in = False
+        self._shared.handover_in = False
         self._set_handover(0)
 
     # -- drift audit ----------------------------------------------------------------------
@@ -340,13 +326,18 @@ class EbpfDatapath(Datapath):
     def believed(self) -> Believed | None:
         """What the maps and devices should hold (None before the first sync). Call it, and the
         repairs, between syncs (the agent holds its datapath lock)."""
-        if self._programs is None or self._maps is None or self._devices is None or self._settings is None:
+        shared = self._shared
+        if self._programs is None or self._maps is None or shared.devices is None or shared.settings is None:
             return None
+        if isinstance(self._maps, Maps6):
+            config: s.LB4Config | s.LB6Config = Maps6.config6_of(self._snat6, self._served6)
+        else:
+            config = Maps.config_of(shared.settings)
         return Believed(
-            maps=self._maps, services=self._programs.current, config=Maps.config_of(self._settings),
+            maps=self._maps, services=self._programs.current, config=config,
             node_addrs=frozenset(node_addresses(self.node)),
             pod_cidrs=frozenset(str(ipaddress.ip_network(c, strict=False)) for c in detector_cidrs(self.node)),
-            devices=self._devices)
+            devices=shared.devices if self._is_lead() else None)
 
     def repair_services(self, actual: Mapping[ServicePortName, ServiceEntries], strays: adopt.Strays) -> int:
         """Write back what drifted: each service port of `actual` (what the maps hold for it, read
@@ -363,121 +354,84 @@ class EbpfDatapath(Datapath):
         return writes + adopt.remove_strays(self._programs, strays)
 
     def repair_node(self) -> int:
-        """Write the node's facts (epx_config, addresses, detector CIDRs, device flags) again where they differ."""
-        assert self._maps is not None and self._settings is not None and self._devices is not None
-        return program_node(self._maps, self.node, self._settings) + self._maps.set_ifaces(self._devices.iface_flags())
+        """Write the family's node facts (epx_config or epx_config6, addresses, detector CIDRs;
+        the lead family: device flags) again where they differ."""
+        shared = self._shared
+        assert self._maps is not None and shared.settings is not None and shared.devices is not None
+        if isinstance(self._maps, Maps6):
+            writes = program_node(self._maps, self.node, None) + int(self._maps.set_config6(self._snat6, self._served6))
+        else:
+            writes = program_node(self._maps, self.node, shared.settings)
+        if self._is_lead():
+            writes += self._maps.set_ifaces(shared.devices.iface_flags())
+        return writes
 
     def repair_devices(self, indexes: Iterable[int]) -> int:
         """Attach our programs again to devices that lost them. Returns attachments made."""
-        return self._devices.reattach(indexes) if self._devices is not None else 0
+        return self._shared.devices.reattach(indexes) if self._shared.devices is not None else 0
 
     # -- stats ----------------------------------------------------------------------------
 
     def stats(self) -> dict[str, int]:
-        """Map sizes: services and backends from memory, connections from the connection table's
-        garbage collector (collect_conntrack), whose pass also counts it. A full table (262,144
-        entries) takes ~65 ms to read, and every sync asks twice (its counts, the agent's
-        metrics): so a pass runs at most every `ct_gc_period` seconds, not on every call."""
-        if self._programs is None or self._maps is None:
+        """Map sizes of this family: services and backends from memory, connections from the
+        connection table's garbage collector (collect_conntrack), whose pass also counts it. A full
+        table (262,144 entries) takes ~65 ms to read, and every sync asks twice (its counts, the
+        agent's metrics): so a pass runs at most every `ct_gc_period` seconds, not on every call."""
+        if self._programs is None or self._maps is None or self._shared.maps is None:
             return {}
         ct = self.collect_conntrack()
+        devs = self._shared.devices
         out = {
             "bpf_services": self._programs.frontend_count,
             "bpf_backends": self._programs.backend_count,
             "bpf_ct_entries": ct.entries,
             "bpf_ct_capacity": ct.capacity,
             "bpf_ct_connections": ct.connections,
-            "bpf_devices": len(self._devices.attached) if self._devices else 0,
+            "bpf_devices": len(devs.attached) if devs else 0,
         }
         # Per-reason counters are not here: the agent exports them live, read at scrape time
         # (ebpf_proxy_datapath_packets_total), not as a snapshot taken after the last sync.
         return out
 
     def collect_conntrack(self, force: bool = False) -> ConntrackUsage:
-        """One pass of the connection table's garbage collector (Maps.collect_connections: the
-        table does not evict, expired connections must be removed), unless the last one is less
-        than `ct_gc_period` old and not `force`d, or one is running: then the last pass's figures.
-        The GC thread calls it every `ct_gc_period`, so a sync rarely pays for a pass (a full
-        table of 262,144 entries takes ~0.8 s, more when much is collected)."""
-        maps = self._maps
-        assert maps is not None
-        now = self._clock()
-        last = self._ct_usage
-        if not force and last is not None and now - last[0] < self._ct_gc_period:
-            return last[1]
-        if not self._ct_gc_lock.acquire(blocking=last is None):
-            return last[1]  # the GC thread is at it: its figures come next time
-        try:
-            usage = maps.collect_connections(time.monotonic_ns())  # bpf_ktime_get_ns()'s clock
-            self._ct_usage = (now, usage)
-            if self._settings is not None and self._settings.adopted_masq and not self._adopted_masq_left():
-                self._set_adopted_masq(False)  # the last adopted one is gone: replies to our range only
-        finally:
-            self._ct_gc_lock.release()
-        if usage.collected:
-            log.debug("conntrack gc", extra={"collected": usage.collected, "entries": usage.entries,
-                                             "capacity": usage.capacity})
+        """This family's figures from a pass of the connection tables' garbage collector
+        (Maps.collect_connections: the tables do not evict, expired connections must be removed;
+        SharedNode.collect_conntrack runs one pass over every family's table), unless the last one
+        is less than `ct_gc_period` old and not `force`d, or one is running: then the last pass's
+        figures. The GC thread runs one every `ct_gc_period`, so a sync rarely pays for a pass (a
+        full table of 262,144 entries takes ~0.8 s, more when much is collected)."""
+        assert self._maps is not None
+        usage = self._shared.collect_conntrack(force).get(self.family)
+        if usage is None:  # the pass ran before this family's first sync: collect it now
+            usage = self._shared.collect_conntrack(force=True)[self.family]
         return usage
 
-    def _start_conntrack_gc(self) -> None:
-        """nf_conntrack's gc worker for our table: a pass every `ct_gc_period`, off the sync path."""
-        stop = self._ct_gc_stop = threading.Event()
-
-        def loop() -> None:
-            while not stop.wait(self._ct_gc_period):
-                try:
-                    if self._maps is not None:
-                        self.collect_conntrack(force=True)
-                except Exception:  # e.g. the maps closed under us at shutdown: next period, or stop
-                    log.warning("conntrack gc failed", exc_info=True)
-
-        threading.Thread(target=loop, name="conntrack-gc", daemon=True).start()
-
     def counters(self) -> dict[s.Reason, tuple[int, int]]:
-        """(packets, bytes) per reason since the maps were created (every program, every CPU)."""
-        if self._maps is None:
+        """(packets, bytes) per reason since the maps were created (every program, every CPU, both
+        families: the counters are shared)."""
+        if self._shared.maps is None:
             return {}
-        return self._maps.stats()
+        return self._shared.maps.stats()
 
     # -- cleanup, close -------------------------------------------------------------------
 
     def cleanup(self) -> None:
-        """Detach every program (devices of this netns, cgroup) and remove the pins. Idempotent,
-        and works in a fresh process: TC filters and XDP are found by name, the pin directory at
-        `bpffs` and through this netns' cookie, cgroup attachments through their pinned links
-        (and, when `cgroup_path` is given, by program name on that cgroup)."""
-        self._stop_watcher()
-        removed = devices.detach_all(self._xdp_mode if self._xdp_mode != "off" else "generic")
-        targets = {self.pin_dir, *pins.find_pin_dirs(pins.netns_cookie())}
-        self._close_loaded()
-        for pin_dir in sorted(targets):
-            if pins.remove(pin_dir):
-                log.info("removed pinned maps and links in %s", pin_dir)
-        if self.cgroup_path is not None:
-            removed["cgroup_programs"] = pins.detach_cgroup_programs(self.cgroup_path)
-        log.info("ebpf datapath removed", extra={k: v for k, v in removed.items()})
+        """Detach every program (devices of this netns, cgroup) and remove the pins, for every
+        family. Idempotent, and works in a fresh process: TC filters and XDP are found by name, the
+        pin directory at `bpffs` and through this netns' cookie, cgroup attachments through their
+        pinned links (and, when `cgroup_path` is given, by program name on that cgroup)."""
+        self._shared.cleanup(members_reset=(self,))
 
     def close(self) -> None:
-        """Stop following devices and release our handles; programs stay attached, maps pinned."""
-        self._stop_watcher()
-        self._close_loaded()
+        """Release our handles (the last family to close stops following devices); programs stay
+        attached, maps pinned."""
+        self.forget_handles()
+        if not self._closed:
+            self._closed = True
+            self._shared.leave(self)
 
-    def _stop_watcher(self) -> None:
-        if self._watcher is not None:
-            self._watcher.stop()
-            self._watcher = None
-        if self._ct_gc_stop is not None:
-            self._ct_gc_stop.set()
-            self._ct_gc_stop = None
-
-    def _close_loaded(self) -> None:
-        """Forget the process-side handles; a later sync loads (and adopts) again."""
-        if self._loaded is not None:
-            self._loaded.close()
-            self._loaded = None
+    def forget_handles(self) -> None:
+        """The shared handles are gone (close, cleanup): a later sync loads (and adopts) again."""
         self._maps = None
         self._programs = None
-        self._devices = None
-        self._attached = False
-        self._ct_usage = None
-        self._settings = None
+        self._served6 = False

@@ -15,8 +15,8 @@ Both get tc_ingress and tc_egress. The rule for pod devices (CNIs name and route
 differently, so it has a configurable part): a device is a pod device when
   * its name matches one of `pod_patterns` (default: the usual CNI prefixes below), or
   * it is a veth whose peer lives in another network namespace and that carries a host route
-    (a /32 without gateway) to an address inside a cluster CIDR: a routed CNI's pod veth,
-    whatever it is called.
+    (a /32, or an IPv6 /128, without gateway) to an address inside a cluster CIDR of either
+    family: a routed CNI's pod veth, whatever it is called.
 Anything else but loopback is external. Devices are (re)classified on every change, so a veth
 that shows up before its route is classified again once the route is there.
 
@@ -29,7 +29,7 @@ For host routing (bpf/lib/fib4.h) it also marks the routed pod veths bpf_redirec
 through (EPX_IF_PEER) and the devices that send no ICMP redirects (EPX_IF_NO_REDIRECTS, from the
 send_redirects sysctls as the last reconcile or audit read them).
 
-`LinkWatcher` follows RTM_NEWLINK/DELLINK and IPv4 route changes with a raw netlink socket and
+`LinkWatcher` follows RTM_NEWLINK/DELLINK and IPv4 and IPv6 route changes with a raw netlink socket and
 re-runs the reconciliation (level-triggered: every event means "look again", nothing is parsed),
 so pods added at runtime (the lab's `scale`) get the programs as their veth appears; devices that
 go away are forgotten (their filters went with them).
@@ -64,6 +64,9 @@ _IFF_LOOPBACK = 0x8
 _IFA_F_SECONDARY = 0x01
 _RTMGRP_LINK = 0x1
 _RTMGRP_IPV4_ROUTE = 0x40
+_RTMGRP_IPV6_ROUTE = 0x400
+_IFA_F_DEPRECATED = 0x20
+_IFA_F_TENTATIVE = 0x40
 _MAIN_TABLE = 254
 
 
@@ -79,7 +82,7 @@ class Link:
 
 @dataclass(frozen=True)
 class Route:
-    dst: str  # "a.b.c.d/len"
+    dst: str  # "a.b.c.d/len" (an IPv6 route: "x::y/len")
     oif: int | None
     gateway: str | None = None
 
@@ -95,11 +98,11 @@ def classify(links: Iterable[Link], routes: Iterable[Route], cluster_cidrs: Sequ
              pod_patterns: Sequence[str] = DEFAULT_POD_PATTERNS) -> dict[int, Device]:
     """ifindex -> Device for every device that gets programs (see the module docstring)."""
     nets = [ipaddress.ip_network(c, strict=False) for c in cluster_cidrs]
-    nets = [n for n in nets if n.version == 4]
     pod_routes = set()
     for r in routes:
         dst = ipaddress.ip_network(r.dst, strict=False)
-        if r.oif and r.gateway is None and dst.prefixlen == 32 and any(dst.network_address in n for n in nets):
+        if r.oif and r.gateway is None and dst.prefixlen == dst.max_prefixlen and \
+                any(dst.network_address in n for n in nets if n.version == dst.version):
             pod_routes.add(r.oif)
     out = {}
     for link in links:
@@ -154,7 +157,7 @@ def iface_flags(links: Iterable[Link], devices: dict[int, Device], detector: Loc
 
 
 def scan(ipr) -> tuple[list[Link], list[Route]]:
-    """The links and main-table IPv4 routes of `ipr`'s network namespace."""
+    """The links and main-table IPv4 and IPv6 routes of `ipr`'s network namespace."""
     links = []
     for msg in ipr.get_links():
         info = msg.get("IFLA_LINKINFO")
@@ -167,11 +170,12 @@ def scan(ipr) -> tuple[list[Link], list[Route]]:
             master=msg.get("IFLA_MASTER"),
         ))
     routes = []
-    for msg in ipr.get_routes(family=socket.AF_INET):
-        if (msg.get("RTA_TABLE") or msg["table"]) != _MAIN_TABLE:
-            continue
-        dst = msg.get("RTA_DST") or "0.0.0.0"
-        routes.append(Route(f"{dst}/{msg['dst_len']}", msg.get("RTA_OIF"), msg.get("RTA_GATEWAY")))
+    for family, unspecified in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+        for msg in ipr.get_routes(family=family):
+            if (msg.get("RTA_TABLE") or msg["table"]) != _MAIN_TABLE:
+                continue
+            dst = msg.get("RTA_DST") or unspecified
+            routes.append(Route(f"{dst}/{msg['dst_len']}", msg.get("RTA_OIF"), msg.get("RTA_GATEWAY")))
     return links, routes
 
 
@@ -192,20 +196,37 @@ def route_mtus(ipr) -> dict[int | None, int]:
     return out
 
 
-def primary_address(ipr, devices: dict[int, Device], routes: Sequence[Route]) -> str | None:
+def primary_address(ipr, devices: dict[int, Device], routes: Sequence[Route], family: int = 4,
+                    toward: str | None = None) -> str | None:
     """The address kube-proxy's MASQUERADE would pick for traffic leaving the node: the first
     primary IPv4 address of the external device holding the default route (else of the first
-    external device that has one)."""
+    external device that has one). IPv6 (`family` 6) has no primary address: of that device's
+    global addresses (not link-local, deprecated or tentative, which the kernel's source address
+    selection avoids), the one sharing the longest prefix with `toward` (RFC 6724 rule 8, as the
+    kernel picks a source for a destination: the caller gives a backend's, a cluster CIDR's
+    address), else the first."""
     externals = [d.index for d in sorted(devices.values(), key=lambda d: d.index) if d.role == EXTERNAL]
-    default = [r.oif for r in routes if r.dst == "0.0.0.0/0" and r.oif in externals]
+    default_dst = "0.0.0.0/0" if family == 4 else "::/0"
+    default = [r.oif for r in routes if r.dst == default_dst and r.oif in externals]
+    skip = _IFA_F_SECONDARY if family == 4 else _IFA_F_DEPRECATED | _IFA_F_TENTATIVE
     for index in default + externals:
-        for msg in ipr.get_addr(family=socket.AF_INET, index=index):
-            if msg["flags"] & _IFA_F_SECONDARY:
+        found = []
+        for msg in ipr.get_addr(family=socket.AF_INET if family == 4 else socket.AF_INET6, index=index):
+            if msg["flags"] & skip:
                 continue
             addr = msg.get("IFA_LOCAL") or msg.get("IFA_ADDRESS")
-            if addr and not ipaddress.ip_address(addr).is_loopback:
-                return addr
+            ip = ipaddress.ip_address(addr) if addr else None
+            if ip is not None and not ip.is_loopback and not (family == 6 and ip.is_link_local):
+                found.append(addr)
+        if found:
+            return max(found, key=lambda a: _common_prefix(a, toward)) if toward else found[0]
     return None
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """The length of the prefix addresses `a` and `b` (one family) share, in bits."""
+    x, y = ipaddress.ip_address(a), ipaddress.ip_address(b)
+    return x.max_prefixlen - (int(x) ^ int(y)).bit_length()
 
 
 @dataclass(frozen=True)
@@ -321,12 +342,15 @@ class Devices:
         with self._lock, IPRoute() as ipr:
             return self.desired(ipr)[2]
 
-    def primary_address(self) -> str | None:
+    def primary_address(self, family: int = 4) -> str | None:
+        """primary_address() of this node (IPv6: toward its first IPv6 cluster CIDR, where backends are)."""
         from pyroute2 import IPRoute  # noqa: PLC0415
 
+        nets = [ipaddress.ip_network(c, strict=False) for c in self.cluster_cidrs]
+        toward = next((str(n.network_address) for n in nets if n.version == family), None) if family == 6 else None
         with IPRoute() as ipr:
             want, routes, _flags = self.desired(ipr)
-            return primary_address(ipr, want, routes)
+            return primary_address(ipr, want, routes, family, toward)
 
 
 def detach_all(xdp_mode: str = "generic") -> dict[str, int]:
@@ -346,7 +370,7 @@ def detach_all(xdp_mode: str = "generic") -> dict[str, int]:
 
 
 class LinkWatcher:
-    """Calls `on_change()` from its own thread whenever a link or an IPv4 route appears, changes or
+    """Calls `on_change()` from its own thread whenever a link or an IPv4/IPv6 route appears, changes or
     goes, and every `resync` seconds regardless (a missed event heals by itself).
 
     The netlink socket is opened in `start()`, so events come from the caller's netns; the thread
@@ -365,7 +389,7 @@ class LinkWatcher:
         if self._thread is not None:
             return
         self._sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE)
-        self._sock.bind((0, _RTMGRP_LINK | _RTMGRP_IPV4_ROUTE))
+        self._sock.bind((0, _RTMGRP_LINK | _RTMGRP_IPV4_ROUTE | _RTMGRP_IPV6_ROUTE))
         self._sock.setblocking(False)
         self._wake_r, self._wake_w = os.pipe()
         self._stopping.clear()

@@ -77,6 +77,7 @@ MAX_ENTRIES: dict[str, int] = {
     "epx_node_addr6": 256,
     "epx_pod_cidr6": 64,
     "epx_ct6": 262144,
+    "epx_sock_rev6": 65536,
 }
 # the arrays' sizes are the datapath's own, never configured
 FIXED_ENTRIES = {"epx_config": 1, "epx_stats": structs.REASON_MAX, "epx_trace": 1, "epx_ct4_ring": 1,
@@ -90,6 +91,10 @@ PROGRAMS: dict[str, tuple[str, str, str | None]] = {
     "sock_connect4": ("sock_lb.c", "CGROUP_SOCK_ADDR", "CGROUP_INET4_CONNECT"),
     "sock_sendmsg4": ("sock_lb.c", "CGROUP_SOCK_ADDR", "CGROUP_UDP4_SENDMSG"),
     "sock_recvmsg4": ("sock_lb.c", "CGROUP_SOCK_ADDR", "CGROUP_UDP4_RECVMSG"),
+    # AF_INET6 sockets: IPv6 destinations, and IPv4-mapped ones (bpf/lib/sock6.h)
+    "sock_connect6": ("sock_lb.c", "CGROUP_SOCK_ADDR", "CGROUP_INET6_CONNECT"),
+    "sock_sendmsg6": ("sock_lb.c", "CGROUP_SOCK_ADDR", "CGROUP_UDP6_SENDMSG"),
+    "sock_recvmsg6": ("sock_lb.c", "CGROUP_SOCK_ADDR", "CGROUP_UDP6_RECVMSG"),
 }
 
 _TC_INGRESS_PARENT = "ffff:fff2"
@@ -549,10 +554,14 @@ def detach_tc(ipr, ifindex: int) -> int:
     return removed
 
 
-_CGROUP_ATTACH = {
+# socket-LB program -> the cgroup hook it goes on (pins.CGROUP_PROGRAMS is this very table)
+CGROUP_ATTACH = {
     "sock_connect4": libbpf.ATTACH_CGROUP_INET4_CONNECT,
     "sock_sendmsg4": libbpf.ATTACH_CGROUP_UDP4_SENDMSG,
     "sock_recvmsg4": libbpf.ATTACH_CGROUP_UDP4_RECVMSG,
+    "sock_connect6": libbpf.ATTACH_CGROUP_INET6_CONNECT,
+    "sock_sendmsg6": libbpf.ATTACH_CGROUP_UDP6_SENDMSG,
+    "sock_recvmsg6": libbpf.ATTACH_CGROUP_UDP6_RECVMSG,
 }
 
 
@@ -560,7 +569,7 @@ def attach_cgroup(loaded: Loaded, cgroup_dir: Path) -> None:
     """Attach the socket-LB programs to a cgroup v2 directory (and so to every process below it)."""
     fd = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        for name, attach_type in _CGROUP_ATTACH.items():
+        for name, attach_type in CGROUP_ATTACH.items():
             libbpf.prog_attach(loaded.prog_fds[name], fd, attach_type, libbpf.BPF_F_ALLOW_MULTI)
     finally:
         os.close(fd)
@@ -570,7 +579,7 @@ def detach_cgroup(loaded: Loaded, cgroup_dir: Path) -> None:
     """Detach what attach_cgroup attached. Idempotent."""
     fd = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        for name, attach_type in _CGROUP_ATTACH.items():
+        for name, attach_type in CGROUP_ATTACH.items():
             with contextlib.suppress(OSError):
                 libbpf.prog_detach(loaded.prog_fds[name], fd, attach_type)
     finally:

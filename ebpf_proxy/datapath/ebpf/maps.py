@@ -17,7 +17,7 @@ import os
 import socket
 import struct
 import sys
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -432,7 +432,7 @@ class MapFull(OSError):
     def __init__(self, name: str, capacity: int, what: str = "") -> None:
         """`what`: what the full map cost, put before the message (e.g. the ports left out)."""
         self.name, self.capacity = name, capacity
-        how = ("--conntrack-max-per-core / --conntrack-min" if name == "epx_ct4"
+        how = ("--conntrack-max-per-core / --conntrack-min" if name in ("epx_ct4", "epx_ct6")
                else f"--bpf-map-sizes {name}=N (N > {capacity:,})")
         super().__init__(errno.E2BIG,
                          f"{what}BPF map {name} is full ({capacity:,} entries): raise its capacity with {how}")
@@ -477,6 +477,10 @@ class Maps:
 
     def _fd(self, name: str) -> int:
         return self._fds[name]
+
+    def _name(self, name: str) -> str:
+        """The map that plays role `name` (an IPv4 map's name) for this family (Maps6: its twin)."""
+        return name
 
     def _put(self, name: str, key, value) -> None:
         fd = self._fd(name)
@@ -654,7 +658,7 @@ class Maps:
 
     def slots(self) -> Iterator[tuple[int, int, int, int, int]]:
         """Every epx_slot entry as (service id, bank, scope, slot, backend id)."""
-        for k, v in self._items("epx_slot"):
+        for k, v in self._items(self._name("epx_slot")):
             yield k.svc_id, k.bank, k.scope, k.slot, v.value
 
     def source_ranges(self) -> Iterator[tuple[int, str]]:
@@ -664,7 +668,7 @@ class Maps:
 
     def affinity_ids(self) -> Iterator[tuple[int, int]]:
         """(service id, backend id) of every affinity entry: ids that must not be handed out again."""
-        for k, v in self._items("epx_affinity"):
+        for k, v in self._items(self._name("epx_affinity")):
             yield k.svc_id, v.backend_id
 
     def count(self, name: str) -> int:
@@ -700,23 +704,23 @@ class Maps:
                        in_local=bool(v.flags & s.LB4_BE_IN_LOCAL))
 
     def delete_backend(self, backend_id: int) -> bool:
-        return libbpf.map_delete(self._fd("epx_backend"), s.u32(backend_id))
+        return libbpf.map_delete(self._fd(self._name("epx_backend")), s.u32(backend_id))
 
     def set_slot(self, svc_id: int, scope: int, slot: int, backend_id: int, bank: int = 0) -> None:
-        self._put("epx_slot", s.LB4SlotKey(svc_id=svc_id, slot=slot, scope=scope, bank=bank), s.u32(backend_id))
+        self._put(self._name("epx_slot"), s.LB4SlotKey(svc_id=svc_id, slot=slot, scope=scope, bank=bank), s.u32(backend_id))
 
     def set_slot_entries(self, entries: Sequence[tuple[int, int, int, int, int]]) -> None:
         """set_slot() of each (svc_id, scope, slot, backend id, bank), in order, batched (see
         _put_packed)."""
-        self._put_packed("epx_slot", [(_LB4_SLOT_KEY.pack(svc_id, slot, scope, bank), _U32.pack(bid))
+        self._put_packed(self._name("epx_slot"), [(_LB4_SLOT_KEY.pack(svc_id, slot, scope, bank), _U32.pack(bid))
                                       for svc_id, scope, slot, bid, bank in entries])
 
     def slot(self, svc_id: int, scope: int, slot: int, bank: int = 0) -> int | None:
-        value = self._get("epx_slot", s.LB4SlotKey(svc_id=svc_id, slot=slot, scope=scope, bank=bank))
+        value = self._get(self._name("epx_slot"), s.LB4SlotKey(svc_id=svc_id, slot=slot, scope=scope, bank=bank))
         return None if value is None else value.value
 
     def delete_slot(self, svc_id: int, scope: int, slot: int, bank: int = 0) -> bool:
-        return libbpf.map_delete(self._fd("epx_slot"), s.LB4SlotKey(svc_id=svc_id, slot=slot, scope=scope, bank=bank))
+        return libbpf.map_delete(self._fd(self._name("epx_slot")), s.LB4SlotKey(svc_id=svc_id, slot=slot, scope=scope, bank=bank))
 
     def set_slots(self, svc_id: int, scope: int, backend_ids: Sequence[int], previous: int = 0) -> None:
         """Slots 0..n-1 of (svc_id, scope) -> backend_ids; slots n..previous-1 are deleted.
@@ -750,12 +754,16 @@ class Maps:
 
     # -- connections --
 
+    # the connection table this class's connection methods read (Maps6: epx_ct6)
+    _CT = None  # set below the class: _CT4
+
     def _ct_batches(self) -> Iterator[tuple]:
-        """epx_ct4 as (keys, values, n) batches whose arrays the next batch overwrites: a table of
-        262,144 entries is read in 64 syscalls and never decoded whole (a key walk where the
-        kernel cannot batch)."""
-        fd = self._fd("epx_ct4")
-        batches = libbpf.map_batches(fd, s.CT4Key, s.CT4Entry)
+        """epx_ct4 (Maps6: epx_ct6) as (keys, values, n) batches whose arrays the next batch
+        overwrites: a table of 262,144 entries is read in 64 syscalls and never decoded whole (a
+        key walk where the kernel cannot batch)."""
+        table = self._CT
+        fd = self._fd(table.name)
+        batches = libbpf.map_batches(fd, table.key, table.entry)
         try:
             first = next(batches, None)
         except OSError as exc:  # the first read tells whether the kernel can batch this map
@@ -766,8 +774,8 @@ class Maps:
                 yield first
                 yield from batches
             return
-        for key in list(_walk(fd, s.CT4Key)):
-            value = s.CT4Entry()
+        for key in list(_walk(fd, table.key)):
+            value = table.entry()
             if libbpf.map_lookup(fd, key, value):
                 yield (key,), (value,), 1
 
@@ -779,7 +787,7 @@ class Maps:
             for i in range(n):
                 k = keys[i]
                 if (kind is None or k.kind == kind) and (proto is None or k.proto == proto):
-                    out.append(_connection(k, values[i]))
+                    out.append(self._CT.decode(k, values[i]))
         return out
 
     def max_connection_backend_id(self) -> int:
@@ -810,17 +818,20 @@ class Maps:
         halves of a connection this pass removes go in the next one), and each entry is read again
         just before its deletion (a half: its connection too), so one a packet refreshed or
         re-created stays.
-        `now_ns` is bpf_ktime_get_ns()'s clock (CLOCK_MONOTONIC)."""
-        fd = self._fd("epx_ct4")
+        `now_ns` is bpf_ktime_get_ns()'s clock (CLOCK_MONOTONIC). Maps6: the same pass over epx_ct6."""
+        table = self._CT
+        fd = self._fd(table.name)
+        flat = table.flat
         owners: dict[tuple, s.CT4Entry] = {}
         halves: list[tuple[s.CT4Key, s.CT4Entry]] = []
         entries = 0
         for keys, values, n in self._ct_batches():
             entries += n
             for i in range(n):
-                k, v = s.CT4Key.from_buffer_copy(keys[i]), s.CT4Entry.from_buffer_copy(values[i])
+                k, v = table.key.from_buffer_copy(keys[i]), table.entry.from_buffer_copy(values[i])
                 if k.kind == s.CT4_SVC:
-                    owners[(k.saddr, k.daddr, k.sport, k.dport, k.proto)] = v
+                    fk = flat(k)
+                    owners[(fk.saddr, fk.daddr, fk.sport, fk.dport, fk.proto)] = v
                 else:
                     halves.append((k, v))
         capacity = libbpf.map_info(fd).max_entries
@@ -831,18 +842,22 @@ class Maps:
                 if v.expires <= now_ns or (pressed and t[4] in _CLOSABLE and v.flags & s.CT4_F_CLOSING)}
         collected = 0
         for t in gone:
-            if self._delete_if_unchanged(_svc_key(t), owners.pop(t)):
+            if self._delete_if_unchanged(table.svc_key(t), owners.pop(t)):
                 collected += 1
         suspects: dict[bytes, bytes] = {}
         for k, v in halves:
-            owner_key = _owner_tuple(k, v)
-            if _half_is_live(k, v, owners.get(owner_key) if owner_key else None, now_ns):
+            fk, fv = flat(k), flat(v)
+            owner_key = _owner_tuple(fk, fv)
+            owner = owners.get(owner_key) if owner_key else None
+            if _half_is_live(fk, fv, flat(owner) if owner is not None else None, now_ns):
                 continue
             if self._orphans.get(bytes(k)) != bytes(v):
                 suspects[bytes(k)] = bytes(v)  # perhaps a connection being (re-)created: next pass
                 continue
-            if owner_key is not None and _half_is_live(k, v, self.connection_entry(_svc_key(owner_key)), now_ns):
-                continue  # its connection was (re-)created since the read
+            if owner_key is not None:
+                owner = self.connection_entry(table.svc_key(owner_key))
+                if _half_is_live(fk, fv, flat(owner) if owner is not None else None, now_ns):
+                    continue  # its connection was (re-)created since the read
             if self._delete_if_unchanged(k, v):
                 collected += 1
         self._orphans = suspects
@@ -850,34 +865,34 @@ class Maps:
                               collected=collected)
 
     def _delete_if_unchanged(self, key: s.CT4Key, seen: s.CT4Entry) -> bool:
-        """Delete epx_ct4 entry `key` if it still holds `seen`: one written again since the read
-        (a packet refreshed or re-created it) is not ours to judge any more."""
+        """Delete connection-table entry `key` if it still holds `seen`: one written again since the
+        read (a packet refreshed or re-created it) is not ours to judge any more."""
         current = self.connection_entry(key)
         if current is None or bytes(current) != bytes(seen):
             return False
         return self.delete_connection_entry(key)
 
     def delete_connection(self, c: Connection) -> bool:
-        return self.delete_connection_entry(ct_key(c.saddr, c.daddr, c.sport, c.dport, c.proto, c.kind))
+        return self.delete_connection_entry(self._CT.key_of(c))
 
     def put_connection_entry(self, key: s.CT4Key, entry: s.CT4Entry) -> None:
         """Write one epx_ct4 entry (ebpf/handover.py: a connection the kernel translated until now)."""
-        self._put("epx_ct4", key, entry)
+        self._put(self._CT.name, key, entry)
 
     def connection_entry(self, key: s.CT4Key) -> s.CT4Entry | None:
-        return self._get("epx_ct4", key)
+        return self._get(self._CT.name, key)
 
     def delete_connection_entry(self, key: s.CT4Key) -> bool:
-        return libbpf.map_delete(self._fd("epx_ct4"), key)
+        return libbpf.map_delete(self._fd(self._CT.name), key)
 
     def set_connection_expiry(self, c: Connection, expires_ns: int) -> None:
         """Move a connection's deadline (tests and the conntrack GC use it)."""
-        key = ct_key(c.saddr, c.daddr, c.sport, c.dport, c.proto, c.kind)
-        value = self._get("epx_ct4", key)
+        key = self._CT.key_of(c)
+        value = self._get(self._CT.name, key)
         if value is None:
             raise KeyError(c)
         value.expires = expires_ns
-        self._put("epx_ct4", key, value)
+        self._put(self._CT.name, key, value)
 
     # -- IPv6 (the epx_*6 maps): a minimal writer with the IPv4 one's conventions. Service and
     # backend ids are the IPv6 writer's own: the maps are separate, so they never collide. --
@@ -985,6 +1000,195 @@ class Maps:
         self._put("epx_config6", s.u32(0), s.LB6Config())
         self._put("epx_ct4_ring", s.u32(0), (s.CT4Ring * libbpf.num_possible_cpus())())
         self.reset_stats()
+
+
+@dataclass(frozen=True)
+class _CtTable:
+    """One connection table as Maps' connection methods see it: epx_ct4, or epx_ct6 (Maps6)."""
+
+    name: str
+    key: type
+    entry: type
+    decode: Callable[[object, object], Connection]  # (key, entry) -> Connection
+    key_of: Callable[[Connection], object]  # a Connection's key
+    # a key or entry with addresses that compare and hash by value (epx_ct4's are integers
+    # already; epx_ct6's In6 structs compare by identity, so they become bytes)
+    flat: Callable[[object], object]
+    svc_key: Callable[[tuple], object]  # the CT4_SVC key of an owner tuple (saddr, daddr, sport, dport, proto)
+
+
+def _same(raw: object) -> object:
+    return raw
+
+
+class _Flat6:
+    """An epx_ct6 key or entry with its In6 fields as bytes (see _CtTable.flat)."""
+
+    def __init__(self, raw: ctypes.Structure) -> None:
+        for name, _type in raw._fields_:
+            value = getattr(raw, name)
+            setattr(self, name, bytes(value) if isinstance(value, s.In6) else value)
+
+
+def _svc_key6(t: tuple) -> s.CT6Key:
+    return s.CT6Key(saddr=s.In6.from_buffer_copy(t[0]), daddr=s.In6.from_buffer_copy(t[1]), sport=t[2], dport=t[3],
+                    proto=t[4], kind=s.CT4_SVC)
+
+
+def ct6_key(saddr: str, daddr: str, sport: int, dport: int, proto: int, kind: int) -> s.CT6Key:
+    """The epx_ct6 key of one entry (ct_key's IPv6 twin)."""
+    return s.CT6Key(saddr=in6(saddr), daddr=in6(daddr), sport=be16(sport), dport=be16(dport), proto=proto, kind=kind)
+
+
+def _key_of(key: Callable[..., object]) -> Callable[[Connection], object]:
+    return lambda c: key(c.saddr, c.daddr, c.sport, c.dport, c.proto, c.kind)
+
+
+_CT4 = _CtTable("epx_ct4", s.CT4Key, s.CT4Entry, _connection, _key_of(ct_key), _same, _svc_key)
+_CT6 = _CtTable("epx_ct6", s.CT6Key, s.CT6Entry, _connection6, _key_of(ct6_key), _Flat6, _svc_key6)
+Maps._CT = _CT4
+
+_LB6_KEY = struct.Struct("=16sHBx")  # lb6_key: addr (network order), port (network order), proto, pad
+_LB6_BACKEND = struct.Struct("=16sHBx")  # lb6_backend: addr, port (network order), flags, pad
+for _packer, _mirror in ((_LB6_KEY, s.LB6Key), (_LB6_BACKEND, s.LB6Backend)):
+    if _packer.size != ctypes.sizeof(_mirror):
+        raise ImportError(f"maps.py packs {_mirror.__name__} in {_packer.size} bytes, structs.py has "
+                          f"{ctypes.sizeof(_mirror)}")
+_NO_ADDR6 = bytes(16)
+
+
+def _aton6(ip: str) -> bytes:
+    return socket.inet_pton(socket.AF_INET6, ip)
+
+
+def _addr6_or_none(raw: s.In6) -> str | None:
+    """A frontend key's address: the zero address is a nodePort's (Frontend.addr None)."""
+    return None if bytes(raw) == _NO_ADDR6 else ip6_str(raw)
+
+
+def _frontend_key6(fe: Frontend) -> s.LB6Key:
+    return s.LB6Key(addr=in6(fe.addr), port=be16(fe.port), proto=fe.proto)
+
+
+def _backend6(v: s.LB6Backend) -> Backend:
+    return Backend(ip6_str(v.addr), port_int(v.port), in_cluster=bool(v.flags & s.LB4_BE_IN_CLUSTER),
+                   in_local=bool(v.flags & s.LB4_BE_IN_LOCAL))
+
+
+class Maps6(Maps):
+    """The IPv6 maps (epx_*6) with Maps' interface, over the same fds: what ServicePrograms,
+    adopt.py and the drift audit use for the IPv6 family, so one writer serves both families.
+
+    Family-free methods (slots, affinity ids, counts, the connection table's reads and its
+    garbage collector) are Maps' own over the IPv6 map names (_NAMES) and epx_ct6; those that
+    pack or read an address are overridden here. The node's IPv4-only facts (epx_config's
+    flags, epx_iface) stay the parent's: config() here is epx_config6."""
+
+    _CT = _CT6
+    _NAMES = {"epx_svc": "epx_svc6", "epx_backend": "epx_backend6", "epx_slot": "epx_slot6",
+              "epx_affinity": "epx_affinity6", "epx_src_range": "epx_src_range6",
+              "epx_node_addr": "epx_node_addr6", "epx_pod_cidr": "epx_pod_cidr6"}
+
+    def __init__(self, parent: Maps) -> None:
+        super().__init__(parent._fds)
+        self.parent = parent
+
+    def _name(self, name: str) -> str:
+        return self._NAMES.get(name, name)
+
+    # -- node (IPv6) --
+
+    def config(self) -> s.LB6Config:  # type: ignore[override]
+        """epx_config6 as it is."""
+        return self._get("epx_config6", s.u32(0)) or s.LB6Config()
+
+    @staticmethod
+    def config6_of(snat_addr: str | None, on: bool) -> s.LB6Config:
+        """The epx_config6 struct set_settings6 writes."""
+        return s.LB6Config(snat_addr=in6(snat_addr), flags=s.CFG6_F_ON if on else 0)
+
+    def set_config6(self, snat_addr: str | None, on: bool) -> bool:
+        """Write epx_config6; returns False (and writes nothing) when it already holds that."""
+        value = self.config6_of(snat_addr, on)
+        if bytes(self.config()) == bytes(value):
+            return False
+        self._put("epx_config6", s.u32(0), value)
+        return True
+
+    def set_node_addrs(self, addrs: Iterable[str]) -> int:
+        return self.set_node_addrs6(addrs)
+
+    def node_addrs(self) -> set[str]:
+        return {ip6_str(key) for key in self.keys("epx_node_addr6")}
+
+    def set_pod_cidrs(self, cidrs: Iterable[str]) -> int:
+        return self.set_pod_cidrs6(cidrs)
+
+    def pod_cidrs(self) -> set[str]:
+        return {f"{ip6_str(key.addr)}/{key.prefixlen}" for key in self.keys("epx_pod_cidr6")}
+
+    # -- services --
+
+    def set_service(self, fe: Frontend, svc: Service) -> None:
+        self.set_service6(fe, svc)
+
+    def set_services(self, entries: Sequence[tuple[Frontend, Service]]) -> None:
+        self._put_packed("epx_svc6", [(_LB6_KEY.pack(_aton6(fe.addr) if fe.addr else _NO_ADDR6, socket.htons(fe.port),
+                                                     fe.proto), pack_service(svc)) for fe, svc in entries])
+
+    def services(self) -> Iterator[tuple[Frontend, Service]]:
+        for k, v in self._items("epx_svc6"):
+            yield (Frontend(_addr6_or_none(k.addr), port_int(k.port), k.proto),
+                   Service(v.id, v.count, v.local_count, v.affinity_timeout, v.flags))
+
+    def service(self, fe: Frontend) -> Service | None:
+        v = self._get("epx_svc6", _frontend_key6(fe))
+        return None if v is None else Service(v.id, v.count, v.local_count, v.affinity_timeout, v.flags)
+
+    def delete_service(self, fe: Frontend) -> bool:
+        return libbpf.map_delete(self._fd("epx_svc6"), _frontend_key6(fe))
+
+    def set_backend(self, backend_id: int, be: Backend) -> None:
+        self.set_backend6(backend_id, be)
+
+    def set_backends(self, entries: Sequence[tuple[int, Backend]]) -> None:
+        self._put_packed("epx_backend6", [
+            (_U32.pack(bid), _LB6_BACKEND.pack(_aton6(be.addr), socket.htons(be.port),
+                                               (s.LB4_BE_IN_CLUSTER if be.in_cluster else 0)
+                                               | (s.LB4_BE_IN_LOCAL if be.in_local else 0)))
+            for bid, be in entries])
+
+    def set_backend_entries(self, entries: Sequence[tuple[bytes, bytes]]) -> None:
+        """Only ever empty here: Backends packs IPv4 addresses, so an IPv6 service port's backends
+        are a dict (Backends.pack), but one without endpoints is an empty Backends."""
+        if entries:
+            raise TypeError("Backends.map_entries() packs IPv4 backends: use set_backends for epx_backend6")
+
+    def backends(self) -> dict[int, Backend]:
+        return {k.value: _backend6(v) for k, v in self._items("epx_backend6")}
+
+    def backend(self, backend_id: int) -> Backend | None:
+        v = self._get("epx_backend6", s.u32(backend_id))
+        return None if v is None else _backend6(v)
+
+    def add_source_range(self, svc_id: int, cidr: str) -> None:
+        self.add_source_range6(svc_id, cidr)
+
+    def delete_source_range(self, svc_id: int, cidr: str) -> bool:
+        prefixlen, addr = _lpm6(cidr)
+        return libbpf.map_delete(self._fd("epx_src_range6"),
+                                 s.LB6RangeKey(prefixlen=32 + prefixlen, svc_id=svc_id, addr=addr))
+
+    def source_ranges(self) -> Iterator[tuple[int, str]]:
+        for k in self.keys("epx_src_range6"):
+            yield k.svc_id, f"{ip6_str(k.addr)}/{k.prefixlen - 32}"
+
+    def affinity(self, svc_id: int, client: str) -> tuple[int, int] | None:
+        return self.affinity6(svc_id, client)
+
+    def set_affinity(self, svc_id: int, client: str, backend_id: int, last_used_ns: int) -> None:
+        self._put("epx_affinity6", s.LB6AffinityKey(svc_id=svc_id, client=in6(client)),
+                  s.LB4Affinity(last_used=last_used_ns, backend_id=backend_id))
 
 
 def slot_bank(flags: int) -> int:

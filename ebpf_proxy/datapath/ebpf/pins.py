@@ -40,12 +40,8 @@ PIN_SUBDIR = "ebpf-proxy"
 LINKS_SUBDIR = "links"
 SO_NETNS_COOKIE = 71  # Linux 5.14+; not exported by Python's socket module
 
-# socket-LB program -> the cgroup hook it goes on
-CGROUP_PROGRAMS: dict[str, int] = {
-    "sock_connect4": libbpf.ATTACH_CGROUP_INET4_CONNECT,
-    "sock_sendmsg4": libbpf.ATTACH_CGROUP_UDP4_SENDMSG,
-    "sock_recvmsg4": libbpf.ATTACH_CGROUP_UDP4_RECVMSG,
-}
+# socket-LB program -> the cgroup hook it goes on (IPv4 and IPv6 sockets): one table with the loader's
+CGROUP_PROGRAMS: dict[str, int] = loader.CGROUP_ATTACH
 
 
 class AttachError(RuntimeError):

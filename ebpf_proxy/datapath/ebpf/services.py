@@ -58,7 +58,7 @@ from ebpf_proxy.datapath.ebpf.maps import (
 from ebpf_proxy.model import NodeConfig, ProxyState
 from ebpf_proxy.model.categorize import categorize
 from ebpf_proxy.model.compact import compact_mapping
-from ebpf_proxy.model.types import Endpoint, NodeTopology, Protocol, ServicePort, ServicePortName
+from ebpf_proxy.model.types import Endpoint, NodeTopology, Protocol, ServicePort, ServicePortName, of_family
 
 # SCTP's CRC32c is updated incrementally on a port rewrite (bpf/lib/sctp.h: a CRC is linear over GF(2))
 SUPPORTED = (Protocol.TCP, Protocol.UDP, Protocol.SCTP)
@@ -206,12 +206,14 @@ def node_settings(node: NodeConfig, host_netns_cookie: int = 0, snat_addr: str |
     """epx_config for a node.
 
     The masquerade address is `snat_addr` when given (devices.primary_address: the address
-    MASQUERADE would pick), else the first node IP. The local-traffic detector decides by
-    source CIDR (epx_pod_cidr, see detector_cidrs) or by device (epx_iface, see devices.py); a
-    CIDR detector without an IPv4 CIDR is kube-proxy's no-op detector, for IPv4 packets.
-    Connection timeouts are kube-proxy's conntrack settings (node.conntrack).
+    MASQUERADE would pick), else the first IPv4 node IP (none on an IPv6-only node: epx_config's
+    address is IPv4's, IPv6's is epx_config6's). The local-traffic detector decides by source
+    CIDR (epx_pod_cidr/epx_pod_cidr6, see detector_cidrs) or by device (epx_iface, see
+    devices.py); a CIDR detector without a CIDR of the node's family is kube-proxy's no-op
+    detector. The flags are shared by both families' programs (one epx_config). Connection
+    timeouts are kube-proxy's conntrack settings (node.conntrack).
     """
-    v4_ips = [ip for ip in node.node_ips if ipaddress.ip_address(ip).version == 4]
+    v4_ips = of_family(node.node_ips, 4)
     detector = node.detector
     if detector.by_interface:
         local_detect = DETECT_IFACE
@@ -233,45 +235,50 @@ def node_settings(node: NodeConfig, host_netns_cookie: int = 0, snat_addr: str |
 
 
 def node_addresses(node: NodeConfig) -> list[str]:
-    """What epx_node_addr holds: the node's IPv4 addresses, plus 127.0.0.1 when NodePorts answer
-    on localhost (a LOCAL address to kube-proxy's addrtype match, as source and as destination)."""
-    addrs = [ip for ip in node.node_ips if ipaddress.ip_address(ip).version == 4]
-    if node.localhost_nodeports and LOCALHOST not in addrs:
+    """What epx_node_addr (epx_node_addr6 for an IPv6 NodeConfig) holds: the node's addresses of
+    its family, plus 127.0.0.1 on IPv4 when NodePorts answer on localhost (a LOCAL address to
+    kube-proxy's addrtype match, as source and as destination; kube-proxy has none on IPv6)."""
+    addrs = list(of_family(node.node_ips, node.family))
+    if node.family == 4 and node.localhost_nodeports and LOCALHOST not in addrs:
         addrs.append(LOCALHOST)
     return addrs
 
 
-def program_node(maps: Maps, node: NodeConfig, settings: NodeSettings) -> int:
+def program_node(maps: Maps, node: NodeConfig, settings: NodeSettings | None) -> int:
     """Write what the datapath needs to know about the node (settings, addresses, pod CIDRs),
-    only where the maps differ. Returns the writes made."""
-    writes = int(maps.set_settings(settings))
+    only where the maps differ. `maps` is the family's (Maps, or Maps6 for an IPv6 NodeConfig);
+    `settings` None: epx_config is not this family's to write (the shared node's, see
+    shared.py). Returns the writes made."""
+    writes = int(maps.set_settings(settings)) if settings is not None else 0
     writes += maps.set_node_addrs(node_addresses(node))
     writes += maps.set_pod_cidrs(detector_cidrs(node))
     return writes
 
 
 def detector_cidrs(node: NodeConfig) -> list[str]:
-    """What epx_pod_cidr holds: the CIDR detector's IPv4 prefixes (--cluster-cidr for ClusterCIDR,
-    the Node's podCIDRs for NodeCIDR); nothing for the other detectors."""
+    """What epx_pod_cidr (epx_pod_cidr6) holds: the CIDR detector's prefixes of the node's family
+    (--cluster-cidr for ClusterCIDR, the Node's podCIDRs for NodeCIDR); nothing for the other
+    detectors."""
     detector = node.detector
     if not detector.by_cidr:
         return []
-    return [c for c in detector.cidrs if ipaddress.ip_network(c, strict=False).version == 4]
+    return [c for c in detector.cidrs if ipaddress.ip_network(c, strict=False).version == node.family]
 
 
-def _normalized(cidrs: Iterable[str]) -> frozenset[str]:
-    """CIDRs as the maps give them back ("203.0.113.5/24" -> "203.0.113.0/24"), IPv4 only, so that
-    two spellings of one prefix never look like an addition and a deletion of the same key."""
+def _normalized(cidrs: Iterable[str], family: int = 4) -> frozenset[str]:
+    """CIDRs as the maps give them back ("203.0.113.5/24" -> "203.0.113.0/24"), of `family` only,
+    so that two spellings of one prefix never look like an addition and a deletion of the same key."""
     nets = (ipaddress.ip_network(c, strict=False) for c in cidrs)
-    return frozenset(str(n) for n in nets if n.version == 4)
+    return frozenset(str(n) for n in nets if n.version == family)
 
 
 class ServicePrograms:
     """Keeps the maps equal to the desired service ports, one service port at a time."""
 
-    def __init__(self, maps: Maps, node_ips: tuple[str, ...] = ()) -> None:
-        self.maps = maps
+    def __init__(self, maps: Maps, node_ips: tuple[str, ...] = (), family: int = 4) -> None:
+        self.maps = maps  # the family's: Maps, or Maps6 for IPv6 (its ids are its own: separate maps)
         self.node_ips = node_ips  # for the LB IPs a node address admits as sources (ServicePort)
+        self.family = family
         self._next_svc = itertools.count(1)
         self._next_backend = itertools.count(1)
         self.current: dict[ServicePortName, ServiceEntries] = {}
@@ -301,9 +308,10 @@ class ServicePrograms:
     def entries(self, svc: ServicePort, endpoints: tuple[Endpoint, ...],
                 topology: NodeTopology = NodeTopology()) -> ServiceEntries | None:
         """The map entries for `svc` seen from this node (`topology`: its name and zone, for the
-        endpoints' hints), or None when it is not programmed (headless, IPv6)."""
-        if svc.cluster_ip is None or svc.protocol not in SUPPORTED or ipaddress.ip_address(svc.cluster_ip).version != 4:
+        endpoints' hints), or None when it is not programmed (headless, another family, SCTP over IPv6)."""
+        if not self.serves(svc):
             return None
+        family = self.family
         old = self.current.get(svc.name)
         sets = categorize(svc, endpoints, topology)
         # by identity: categorize's sets hold the very objects of all_reachable (one per distinct
@@ -328,13 +336,13 @@ class ServicePrograms:
         if svc.node_port:
             frontends[Frontend(None, svc.node_port, proto)] = external
         for ip in svc.external_ips:
-            if ipaddress.ip_address(ip).version == 4:
+            if ipaddress.ip_address(ip).version == family:
                 frontends[Frontend(ip, svc.port, proto)] = external
         ranges = frozenset(svc.load_balancer_source_ranges)
         if ranges and svc.lb_ips_admitted_as_source(self.node_ips):
-            ranges |= {f"{ip}/32" for ip in svc.load_balancer_ips}
+            ranges |= {f"{ip}/{32 if ipaddress.ip_address(ip).version == 4 else 128}" for ip in svc.load_balancer_ips}
         for ip in svc.load_balancer_ips:
-            if ipaddress.ip_address(ip).version == 4:
+            if ipaddress.ip_address(ip).version == family:
                 frontends[Frontend(ip, svc.port, proto)] = external | (s.LB4_F_SOURCE_RANGES if ranges else 0)
 
         cluster_slots = stable_slots(old.cluster_slots if old else (), (ids[id(ep)] for ep in sets.cluster))
@@ -346,9 +354,16 @@ class ServicePrograms:
             backends=backends,
             cluster_slots=cluster_slots,
             local_slots=local_slots,
-            source_ranges=_normalized(ranges) if svc.load_balancer_ips else _NO_RANGES,
+            source_ranges=_normalized(ranges, family) if svc.load_balancer_ips else _NO_RANGES,
             bank=next_bank(old, cluster_slots, local_slots),
         )
+
+    def serves(self, svc: ServicePort) -> bool:
+        """Whether `svc` is programmed here: a clusterIP of this family, a protocol the programs
+        translate."""
+        return svc.cluster_ip is not None and svc.protocol in SUPPORTED and \
+            ipaddress.ip_address(svc.cluster_ip).version == self.family and \
+            not (self.family == 6 and svc.protocol == Protocol.SCTP)  # sctp.h reads IPv4 headers only
 
     def apply(self, name: ServicePortName, new: ServiceEntries | None) -> int:
         """Move the maps from what `name` had to `new` (None: delete). Returns the map writes made."""

@@ -127,7 +127,7 @@ REASON_DESCRIPTIONS: dict[Reason, str] = {
     Reason.PASS_IPV6_NOT_L4: "IPv6 but neither TCP nor UDP after the extension headers (ICMPv6, neighbour discovery, SCTP, ESP, ...): untouched",
     Reason.DROP_MALFORMED_IPV6: "bad IPv6 version or payload length, truncated IPv6 or extension header",
     Reason.DROP_IPV6_EXTHDRS: "IPv6 extension header chain longer than the parser walks (pkt6.h): dropped, so that no chain carries a packet past the service rules",
-    Reason.PASS_IPV6_UNTRACED: "trace run of an IPv6 packet: trace mode explains IPv4 only, nothing decided or written",
+    Reason.PASS_IPV6_UNTRACED: "no longer recorded (IPv6 trace runs are explained since); kept so that no reason number moves",
     Reason.PASS_IPV6_OFF: "IPv6 while the eBPF datapath does not serve it (CFG6_F_ON unset: ip6tables does): untouched",
     Reason.DROP_SCTP_FRAG: "SCTP first fragment whose port must change: its CRC32c covers the whole datagram, whose length a first fragment does not tell (sctp.h)",
     Reason.PASS_ICMP6_EXTHDRS: "ICMPv6 error whose quoted packet has a longer extension header chain than the parser walks (pkt6.h): untouched, never translated",
@@ -180,8 +180,10 @@ EPX_IF_MTU_SHIFT = 16  # bits 16-31: the smallest MTU metric of a route out of t
 TRACE_MARK = 0x65707874
 TRACE_MAGIC = 0x54524143
 HOOK_XDP, HOOK_TC_INGRESS, HOOK_TC_EGRESS, HOOK_SOCK_CONNECT4, HOOK_SOCK_SENDMSG4 = 1, 2, 3, 4, 5
+HOOK_SOCK_CONNECT6, HOOK_SOCK_SENDMSG6 = 6, 7  # AF_INET6 sockets, IPv6 and IPv4-mapped destinations
 TRACE_F_SERVICE, TRACE_F_POLICY, TRACE_F_BACKEND, TRACE_F_ESTABLISHED = 0x01, 0x02, 0x04, 0x08
 TRACE_F_AFFINITY, TRACE_F_SNAT, TRACE_F_NETNS = 0x10, 0x20, 0x40
+TRACE_F_IPV6 = 0x80  # an IPv6 decision: backend_addr6 / snat_addr6 hold the addresses
 TRACE_MASQ_POLICY, TRACE_MASQ_HAIRPIN = 0x01, 0x02
 
 
@@ -337,6 +339,8 @@ class EpxTraceRec(_Struct):
         ("snat_port", be16),
         ("pad2", u16),
         ("ifindex", u32),
+        ("backend_addr6", be32 * 4),  # TRACE_F_IPV6: struct epx_in6's words (bytes() is the address)
+        ("snat_addr6", be32 * 4),
     ]
 
 
@@ -414,6 +418,14 @@ class Scratch6(_Struct):
                 ("quote", u8 * ICMP6_QUOTE_MAX), ("opts", u8 * ICMP6_OPTS_MAX)]
 
 
+class Sock6RevKey(_Struct):
+    _fields_ = [("cookie", u64), ("addr", In6), ("port", be16), ("pad", u16), ("pad2", u32)]
+
+
+class Sock6Rev(_Struct):
+    _fields_ = [("addr", In6), ("port", be16), ("pad", u16)]
+
+
 CFG6_F_ON = 0x01  # lb6_config.flags: the programs act on IPv6 (common.h)
 
 
@@ -468,6 +480,7 @@ MAPS: dict[str, MapSpec] = {
         MapSpec("epx_pod_cidr6", LPM6Key, u32, "lpm_trie"),
         MapSpec("epx_ct6", CT6Key, CT6Entry),  # a plain hash, as epx_ct4
         MapSpec("epx_config6", u32, LB6Config, "array"),
+        MapSpec("epx_sock_rev6", Sock6RevKey, Sock6Rev, "lru_hash"),
         MapSpec("epx_scratch6", u32, Scratch6, "percpu_array"),
     )
 }
