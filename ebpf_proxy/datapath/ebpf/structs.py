@@ -127,7 +127,7 @@ REASON_DESCRIPTIONS: dict[Reason, str] = {
     Reason.PASS_IPV6_NOT_L4: "IPv6 but neither TCP nor UDP after the extension headers (ICMPv6, neighbour discovery, SCTP, ESP, ...): untouched",
     Reason.DROP_MALFORMED_IPV6: "bad IPv6 version or payload length, truncated IPv6 or extension header",
     Reason.DROP_IPV6_EXTHDRS: "IPv6 extension header chain longer than the parser walks (pkt6.h): dropped, so that no chain carries a packet past the service rules",
-    Reason.PASS_IPV6_UNTRACED: "no longer recorded (IPv6 trace runs are explained since); kept so that no reason number moves",
+    Reason.PASS_IPV6_UNTRACED: "no longer recorded (IPv6 trace runs are explained since): was \"trace run of an IPv6 packet, nothing decided\"; kept so that no number moves",
     Reason.PASS_IPV6_OFF: "IPv6 while the eBPF datapath does not serve it (CFG6_F_ON unset: ip6tables does): untouched",
     Reason.DROP_SCTP_FRAG: "SCTP first fragment whose port must change: its CRC32c covers the whole datagram, whose length a first fragment does not tell (sctp.h)",
     Reason.PASS_ICMP6_EXTHDRS: "ICMPv6 error whose quoted packet has a longer extension header chain than the parser walks (pkt6.h): untouched, never translated",
