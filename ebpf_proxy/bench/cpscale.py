@@ -43,6 +43,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import orjson
+
 from ebpf_proxy.bench import procstat
 from ebpf_proxy.datapath.base import Datapath, SyncResult
 from ebpf_proxy.model import ChangeSet, NodeConfig, ProxyState
@@ -137,9 +139,11 @@ class SimulatedApi:
         meta: dict[str, str] = {"resourceVersion": str(self.count + 1)}
         if end < self.count:
             meta["continue"] = str(end)
-        body = json.dumps({"kind": f"{self.kind}List", "apiVersion": "v1", "metadata": meta,
-                           "items": [self._build(i, i + 2) for i in range(start, end)]},
-                          separators=(",", ":")).encode()
+        # orjson: the same compact text as json.dumps(separators=(",", ":")) for these ASCII
+        # objects, in a fifth of the time: at 100,000 Services the server's json.dumps took the
+        # GIL from the agent for ~5 s of a run that measures the agent
+        body = orjson.dumps({"kind": f"{self.kind}List", "apiVersion": "v1", "metadata": meta,
+                             "items": [self._build(i, i + 2) for i in range(start, end)]})
         with self._lock:
             self.seconds += time.thread_time() - started
         return _Response(body)

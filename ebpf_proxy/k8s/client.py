@@ -4,14 +4,13 @@ Credentials come from where kube-proxy gets them: `--kubeconfig` (optionally wit
 overriding its server), `--master` alone (an insecure local URL), or the in-cluster service
 account. Lists and watches are requested with `_preload_content=False` and parsed as plain JSON,
 so that a malformed object reaches convert.py (which skips it) instead of failing inside the
-client's generated models.
+client's generated models (with orjson where it reads the text as json would: k8s/jsontext.py).
 
 The agent only reads services, endpointslices and nodes (see resources.AGENT_API_CALLS).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 from typing import Any, Callable, Iterator
@@ -21,6 +20,8 @@ from kubernetes import config as kconfig
 from kubernetes.watch.watch import iter_resp_lines
 from urllib3.exceptions import MaxRetryError, ReadTimeoutError
 from urllib3.util.retry import Retry
+
+from ebpf_proxy.k8s.jsontext import loads
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ class WatchStream:
             if not line.strip():
                 continue
             try:
-                return json.loads(line)
+                return loads(line)
             except ValueError:
                 raise ListError(f"{self.kind} watch: unparsable event line {line[:80]!r}") from None
 
@@ -158,7 +159,7 @@ class ListPages:
 
     def __iter__(self) -> Iterator[Any]:
         for data in self._pages:
-            yield from json.loads(data).get("items") or ()
+            yield from loads(data).get("items") or ()
 
     def drain(self) -> Iterator[Any]:
         """The items once more, each page's text released as soon as it is decoded: the
@@ -169,7 +170,7 @@ class ListPages:
         pages.reverse()
         while pages:
             data = pages.pop()
-            items = json.loads(data).get("items") or ()
+            items = loads(data).get("items") or ()
             del data
             yield from items
             del items
@@ -201,7 +202,7 @@ class KubeListWatch:
                 kwargs["_continue"] = token
             response = self._call(**kwargs)
             try:
-                body = json.loads(response.data)
+                body = loads(response.data)
             except ValueError as exc:
                 raise ListError(f"{self.kind} list: response is not JSON: {exc}") from None
             finally:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ebpf_proxy.model.endpoints import MergedEndpoints
 from ebpf_proxy.model.types import Endpoint, NodeTopology, ServicePort
 
 NO_TOPOLOGY = ""
@@ -78,7 +79,15 @@ def _usable_local(endpoints: tuple[Endpoint, ...]) -> tuple[tuple[Endpoint, ...]
 def categorize(svc: ServicePort, endpoints: tuple[Endpoint, ...],
                node: NodeTopology = _UNKNOWN_NODE) -> EndpointSets:
     """The endpoint sets of one service port as seen from `node` (its name and zone)."""
-    endpoints = tuple(sorted(set(endpoints)))
+    if type(endpoints) is MergedEndpoints:  # the tracker's: already sorted and without duplicates
+        merged = endpoints
+        endpoints = tuple(merged)
+        if svc.uses_cluster_endpoints and not svc.uses_local_endpoints and merged.all_ready_without_hints():
+            # every endpoint ready and unhinted: no topology mode, all of them in the cluster set
+            # (what the loops below find, without them: most service ports, at every full sync)
+            return EndpointSets(cluster=endpoints, local=(), all_reachable=endpoints, has_any=bool(endpoints))
+    else:
+        endpoints = tuple(sorted(set(endpoints)))
     cluster: tuple[Endpoint, ...] = ()
     has_any = False
     mode = NO_TOPOLOGY

@@ -12,6 +12,10 @@ ones packed, in the same order; it compares equal to a tuple of the same endpoin
 like it; as a tuple, never equal to a list; a copy or pickle is the tuple), so every reader of ProxyState.endpoints (categorize, both datapaths, explain) is
 unchanged. The objects built are new on every iteration and immutable: nothing a reader does to
 them reaches the packed form, or another reader.
+
+Built without Endpoint values where they would only be packed again: k8s/convert.py packs a
+slice's rows (PortlessEndpoints), the change tracker merges packed lists row by row (merge), and
+what it holds (MergedEndpoints: deduplicated and sorted) categorize takes as it is.
 """
 
 from __future__ import annotations
@@ -39,7 +43,10 @@ _extras_lock = threading.Lock()
 
 
 def _extra(ep: Endpoint) -> int:
-    key = (ep.node_name, ep.ready, ep.serving, ep.terminating, ep.is_local, ep.zone_hints, ep.node_hints)
+    return _extra_index((ep.node_name, ep.ready, ep.serving, ep.terminating, ep.is_local, ep.zone_hints, ep.node_hints))
+
+
+def _extra_index(key: _Extra) -> int:
     index = _extras_index.get(key)
     if index is None:
         with _extras_lock:
@@ -60,11 +67,25 @@ def _canonical_v4(ip: str) -> bool:
 
 
 def _packable(ep: Endpoint) -> bool:
-    return (type(ep) is Endpoint and type(ep.ip) is str and ep.ip.isascii() and _SEPARATOR not in ep.ip and "\0" not in ep.ip
-            and bool(ep.ip) and type(ep.port) is int and 0 <= ep.port < 1 << 16
-            and (ep.node_name is None or type(ep.node_name) is str)
-            and type(ep.zone_hints) is tuple and type(ep.node_hints) is tuple
-            and all(type(flag) is bool for flag in (ep.ready, ep.serving, ep.terminating, ep.is_local)))
+    return (type(ep) is Endpoint and type(ep.port) is int and 0 <= ep.port < 1 << 16
+            and _packable_row((ep.ip, ep.node_name, ep.ready, ep.serving, ep.terminating, ep.is_local,
+                               ep.zone_hints, ep.node_hints)))
+
+
+def _packable_row(row: tuple) -> bool:
+    """Whether an endpoint but its port, (ip, *extra), fits the packed form exactly."""
+    ip, node, ready, serving, terminating, is_local, zones, nodes = row
+    return (type(ip) is str and ip.isascii() and _SEPARATOR not in ip and "\0" not in ip and bool(ip)
+            and (node is None or type(node) is str) and type(zones) is tuple and type(nodes) is tuple
+            and type(ready) is bool and type(serving) is bool and type(terminating) is bool and type(is_local) is bool)
+
+
+def _ip_head(ips: Sequence[str]) -> bytes:
+    """The packed form's addresses (its head; the rows follow): a NUL and 4 bytes each when every IP
+    is a dotted quad inet_ntoa gives back as it is, else the IPs joined by "," and a NUL."""
+    if all(map(_canonical_v4, ips)):
+        return b"\0" + b"".join(map(socket.inet_aton, ips))
+    return _SEPARATOR.join(ips).encode("ascii") + b"\0"
 
 
 def _fast_endpoint():
@@ -120,10 +141,13 @@ class EndpointList(Sequence[Endpoint]):
         endpoints = tuple(endpoints)
         if not endpoints or not all(map(_packable, endpoints)):
             return endpoints
-        rows = b"".join(_ROW.pack(ep.port, _extra(ep)) for ep in endpoints)
-        if all(_canonical_v4(ep.ip) for ep in endpoints):
-            return cls(b"\0" + b"".join(socket.inet_aton(ep.ip) for ep in endpoints) + rows)
-        return cls(_SEPARATOR.join(ep.ip for ep in endpoints).encode("ascii") + b"\0" + rows)
+        return cls(_ip_head([ep.ip for ep in endpoints]) + b"".join(_ROW.pack(ep.port, _extra(ep)) for ep in endpoints))
+
+    def _entries(self) -> list[tuple[str, int, int]]:
+        """(ip, port, index in _extras) of each endpoint, in order: the packed form, read without
+        building the Endpoint values."""
+        ips, rows = self._split()
+        return [(ip, port, extra) for ip, (port, extra) in zip(ips, _ROW.iter_unpack(rows))]
 
     def __len__(self) -> int:
         if self._packed[0] == 0:
@@ -149,7 +173,7 @@ class EndpointList(Sequence[Endpoint]):
         if isinstance(other, EndpointList):
             return self._packed == other._packed
         if isinstance(other, tuple):  # as a tuple: equal to a tuple of the same, never to a list
-            return tuple(self) == other
+            return len(other) == len(self) and tuple(self) == other
         return NotImplemented
 
     def __hash__(self) -> int:
@@ -171,3 +195,90 @@ class EndpointList(Sequence[Endpoint]):
     def __reduce__(self) -> tuple:
         # the table indexes are this process's: a copy or a pickle is the plain tuple
         return (tuple, (tuple(self),))
+
+
+class MergedEndpoints(EndpointList):
+    """An EndpointList whose endpoints are deduplicated by address (ip:port) and sorted: what
+    `merge` makes of a service port's slices, and so what the change tracker holds. Sorted and
+    without duplicates, it is its own `sorted(set(...))`: categorize takes it as it is, instead of
+    hashing and ordering a million Endpoint values (Python-level __hash__ and __lt__) at every
+    full sync of 100,000 Services."""
+
+    __slots__ = ()
+
+    def all_ready_without_hints(self) -> bool:
+        """Whether every endpoint is ready and has no topology hints (read from the packed rows):
+        then every one of them is a cluster endpoint, whatever the node (categorize's fast path)."""
+        extras = _extras
+        packed = self._packed
+        rows_at = 1 + (len(packed) - 1) // (4 + _ROW.size) * 4 if packed[0] == 0 else packed.index(0) + 1
+        for _, extra in _ROW.iter_unpack(memoryview(packed)[rows_at:]):
+            _, ready, _, _, _, zones, nodes = extras[extra]
+            if not ready or zones or nodes:
+                return False
+        return True
+
+
+def merge(lists: Sequence[Sequence[Endpoint]]) -> MergedEndpoints | tuple[Endpoint, ...]:
+    """One service port's endpoints from each of its slices (in slice name order), deduplicated
+    by ip:port and sorted, packed: a MergedEndpoints, or the sorted tuple where one of them does
+    not fit the packed form; () for none.
+
+    The same endpoint may transiently appear in two slices; the first one wins, except that a
+    local copy is preferred (kube-proxy's EndpointSliceCache does the same). Packed lists (what
+    k8s/convert.py makes) are merged as their packed rows, without building Endpoint values; a
+    lone list already merged is returned as it is."""
+    if len(lists) == 1 and type(lists[0]) is MergedEndpoints:
+        return lists[0]
+    if all(isinstance(eps, EndpointList) for eps in lists):
+        return _merge_packed(lists)  # type: ignore[arg-type]
+    seen: dict[str, Endpoint] = {}
+    for eps in lists:
+        for ep in eps:
+            if ep.addr not in seen or (ep.is_local and not seen[ep.addr].is_local):
+                seen[ep.addr] = ep
+    # (ip, port) is unique: the sorted order is that of (ip, port), as in _merge_packed
+    return MergedEndpoints.pack(sorted(seen.values()))  # type: ignore[return-value]
+
+
+def _merge_packed(lists: Sequence[EndpointList]) -> MergedEndpoints | tuple[Endpoint, ...]:
+    extras = _extras
+    seen: dict[tuple[str, int], tuple[str, int, int]] = {}
+    given = [eps._entries() for eps in lists]
+    for entries in given:
+        for entry in entries:
+            key = entry[:2]  # ip:port, as Endpoint.addr (the port has no ":": one pair per text)
+            held = seen.get(key)
+            if held is None or (extras[entry[2]][4] and not extras[held[2]][4]):  # [4]: is_local
+                seen[key] = entry
+    if not seen:
+        return ()
+    # (ip, port) is unique, so the rows sort as the Endpoints (ordered by ip, then port) would
+    rows = sorted(seen.values())
+    if len(lists) == 1 and rows == given[0]:  # one list, already merged: its bytes as they are
+        return MergedEndpoints(lists[0]._packed)
+    return MergedEndpoints(_ip_head([ip for ip, _, _ in rows]) + b"".join(_ROW.pack(port, extra) for _, port, extra in rows))
+
+
+class PortlessEndpoints:
+    """One EndpointSlice's endpoints before their port: rows of (ip, node name, ready, serving,
+    terminating, is_local, zone hints, node hints), packed once for all the slice's ports.
+    `with_port(port)` is then the EndpointList of Endpoint(ip, port, ...) for each row, in order,
+    without building the Endpoint values (k8s/convert.py: a million of them at 100,000 Services
+    x 10 endpoints), or their tuple where a row does not fit the packed form."""
+
+    __slots__ = ("_rows", "_head", "_extras")
+
+    def __init__(self, rows: Iterable[tuple]) -> None:
+        self._rows = rows = tuple(rows)
+        self._head: bytes | None = None
+        self._extras: list[int] = []
+        if rows and all(map(_packable_row, rows)):
+            self._extras = [_extra_index(row[1:]) for row in rows]
+            self._head = _ip_head([row[0] for row in rows])
+
+    def with_port(self, port: int) -> EndpointList | tuple[Endpoint, ...]:
+        if self._head is None or type(port) is not int or not 0 <= port < 1 << 16:
+            return tuple(Endpoint(ip, port, node, ready, serving, terminating, is_local, zones, nodes)
+                         for ip, node, ready, serving, terminating, is_local, zones, nodes in self._rows)
+        return EndpointList(self._head + b"".join(_ROW.pack(port, extra) for extra in self._extras))

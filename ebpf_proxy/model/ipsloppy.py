@@ -31,7 +31,7 @@ _HEX = re.compile(r"[0-9A-Fa-f]+")
 def _ipv4(text: str) -> ipaddress.IPv4Address | None:
     try:  # a canonical dotted quad (inet_pton refuses leading zeros): nearly every address, fast
         return ipaddress.IPv4Address(socket.inet_pton(socket.AF_INET, text))
-    except OSError:
+    except (OSError, ValueError):  # ValueError: a NUL or a lone surrogate, which is no address either
         pass
     parts = text.split(".")
     if len(parts) != 4 or not all(_DECIMAL.fullmatch(p) for p in parts):

@@ -23,10 +23,10 @@ import ipaddress
 
 import threading
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 from ebpf_proxy.model.compact import compact_mapping
-from ebpf_proxy.model.endpoints import EndpointList
+from ebpf_proxy.model.endpoints import merge
 from ebpf_proxy.model.types import (
     ChangeSet,
     Endpoint,
@@ -373,20 +373,17 @@ def _merge(slices: Iterable[_Slice]) -> Mapping[ServicePortName, tuple[Endpoint,
 
 def _merge_endpoints(parts: Iterable[EndpointsByPort]) -> Mapping[ServicePortName, tuple[Endpoint, ...]]:
     """Endpoints by port from several sources, deduplicated by ip:port and sorted, packed
-    (EndpointList: a Sequence of Endpoint equal to the sorted tuple).
-
-    The same endpoint may transiently appear in two slices; the first one wins, except that a
-    local copy is preferred (kube-proxy's EndpointSliceCache does the same)."""
-    by_port: dict[ServicePortName, dict[str, Endpoint]] = {}
+    (model.endpoints.merge: a MergedEndpoints, a Sequence of Endpoint equal to the sorted tuple;
+    the first source wins a duplicate, except that a local copy is preferred). Ports left
+    without an endpoint are left out."""
+    by_port: dict[ServicePortName, list[Sequence[Endpoint]]] = {}
     for part in parts:
         for spn, eps in part.items():
-            seen = by_port.setdefault(spn, {})
-            for ep in eps:
-                if ep.addr not in seen or (ep.is_local and not seen[ep.addr].is_local):
-                    seen[ep.addr] = ep
+            by_port.setdefault(spn, []).append(eps)
     # packed (model/endpoints.py): at 100,000 Services x 10 endpoints the Endpoint objects and
     # their IP strings were 165 MiB; the packed lists ~20 MiB
-    return compact_mapping({spn: EndpointList.pack(sorted(eps.values())) for spn, eps in by_port.items() if eps})
+    merged = {spn: merge(lists) for spn, lists in by_port.items()}
+    return compact_mapping({spn: eps for spn, eps in merged.items() if eps})
 
 
 def _changed_ports(old_svc: Mapping, new_svc: Mapping, old_eps: Mapping, new_eps: Mapping) -> set[ServicePortName]:

@@ -48,3 +48,18 @@ def test_a_packed_slot_key_and_u32_are_their_mirrors():
     key = s.LB4SlotKey(svc_id=70000, slot=513, scope=s.LB4_SCOPE_LOCAL, bank=1)
     assert pack_slot_key(70000, s.LB4_SCOPE_LOCAL, 513, bank=1) == bytes(key)
     assert pack_u32(4_000_000_000) == bytes(s.u32(4_000_000_000))
+
+
+def test_backends_hand_their_bytes_over_as_the_batch_of_epx_backend_entries():
+    from ebpf_proxy.datapath.ebpf.maps import Backend, Backends, MapEntries, _U32, pack_backend
+
+    backends = {7: Backend("10.0.0.1", 8080, True, False), 3: Backend("10.0.0.2", 53, False, True)}
+    packed = Backends.pack(backends)
+    entries = packed.map_entries()
+    want = [(_U32.pack(bid), pack_backend(be)) for bid, be in backends.items()]
+    assert isinstance(entries, MapEntries) and len(entries) == 2
+    assert list(entries) == want and entries == want and entries[1] == want[1] and entries[-1] == want[-1]
+    assert entries.keys == b"".join(k for k, _ in want) and entries.values == b"".join(v for _, v in want)
+    assert dict(packed.items()) == backends and list(packed) == [7, 3] and 3 in packed and 4 not in packed
+    assert Backends.of([(7, "10.0.0.1", 8080, True, False), (3, "10.0.0.2", 53, False, True)]) == packed
+    assert type(Backends.of([(1, "10.1", 80, True, False)])) is dict, "not canonical: kept as records"

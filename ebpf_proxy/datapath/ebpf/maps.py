@@ -17,6 +17,7 @@ import os
 import socket
 import struct
 import sys
+from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,8 +90,7 @@ class Backend:
     in_local: bool = False
 
 
-_PACKED_BACKEND = struct.Struct("=I4sHB")  # backend id, address (network order), port, scope bits
-_IN_CLUSTER, _IN_LOCAL = 1, 2
+_ID = "I"  # array typecode of a backend id: a u32 (epx_backend's key)
 
 
 def _canonical_v4(addr: object) -> bool:
@@ -101,16 +101,68 @@ def _canonical_v4(addr: object) -> bool:
         return False
 
 
+def _backend_flags(in_cluster: bool, in_local: bool) -> int:
+    return (s.LB4_BE_IN_CLUSTER if in_cluster else 0) | (s.LB4_BE_IN_LOCAL if in_local else 0)
+
+
+class MapEntries(Sequence[tuple[bytes, bytes]]):
+    """Packed (key, value) entries of one map held as its keys back to back and its values back
+    to back: what BPF_MAP_UPDATE_BATCH takes, so _put_packed hands both over as they are, with
+    no per-entry work (Backends.map_entries: a million backends in a full sync at 100,000
+    Services). Reads as the list of (key, value) pairs it stands for."""
+
+    __slots__ = ("keys", "values", "_key_size", "_value_size")
+
+    def __init__(self, keys: bytes, values: bytes, key_size: int, value_size: int) -> None:
+        if len(keys) * value_size != len(values) * key_size or len(keys) % key_size:
+            raise ValueError(f"{len(keys)} bytes of {key_size}-byte keys and {len(values)} bytes of "
+                             f"{value_size}-byte values are not whole pairs")
+        self.keys, self.values, self._key_size, self._value_size = keys, values, key_size, value_size
+
+    def __len__(self) -> int:
+        return len(self.keys) // self._key_size
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError(index)
+        index %= n
+        k, v = self._key_size, self._value_size
+        return self.keys[index * k:(index + 1) * k], self.values[index * v:(index + 1) * v]
+
+    def __iter__(self) -> Iterator[tuple[bytes, bytes]]:
+        k, v = self._key_size, self._value_size
+        for i in range(len(self)):
+            yield self.keys[i * k:(i + 1) * k], self.values[i * v:(i + 1) * v]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, MapEntries):
+            return (self.keys, self.values) == (other.keys, other.values)
+        if isinstance(other, (list, tuple)):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+
 class Backends(Mapping[int, Backend]):
-    """A service port's backends (backend id -> Backend), packed: 11 bytes each in one bytes object.
+    """A service port's backends (backend id -> Backend), packed: 12 bytes each in one bytes object.
 
     ServiceEntries held them as a dict of Backend records: at 100,000 Services x 10 endpoints
     ~1.3 KiB a service port (dict, records, id ints), ~130 MiB of the agent's 637 MiB
     (bench/cpscale.py). Reading is a Mapping as before, in the order given (the order
     ServicePrograms writes them); values are Backend records built on access, equal to the ones
     packed. Lookups by id scan (a service port's backends are few; _write takes dict(items())
-    once for its lookups). Build with `pack`, which keeps a plain dict for what the packed form
-    cannot hold exactly (an address not in canonical dotted-quad form, a port beyond 16 bits)."""
+    once for its lookups). Build with `pack` or `of`, which keep a plain dict for what the packed
+    form cannot hold exactly (an address not in canonical dotted-quad form, a port beyond 16 bits).
+
+    The bytes are what epx_backend takes: the ids (its u32 keys) back to back, then the
+    lb4_backend values back to back, so writing them (map_entries) costs nothing per backend."""
 
     __slots__ = ("_packed",)
 
@@ -122,13 +174,10 @@ class Backends(Mapping[int, Backend]):
         if isinstance(backends, Backends):
             return backends
         items = list(dict(backends).items())  # a dict's keys: one entry per id, the last one given
-        if not all(type(bid) is int and 0 <= bid < 1 << 32 and type(be) is Backend and _canonical_v4(be.addr)
-                   and type(be.port) is int and 0 <= be.port < 1 << 16
-                   and type(be.in_cluster) is bool and type(be.in_local) is bool for bid, be in items):
+        if not all(type(be) is Backend for _, be in items):
             return dict(items)
-        return cls(b"".join(_PACKED_BACKEND.pack(bid, socket.inet_aton(be.addr), be.port,
-                                                 (_IN_CLUSTER if be.in_cluster else 0) | (_IN_LOCAL if be.in_local else 0))
-                            for bid, be in items))
+        packed = cls._packed_rows([(bid, be.addr, be.port, be.in_cluster, be.in_local) for bid, be in items])
+        return dict(items) if packed is None else cls(packed)
 
     @classmethod
     def of(cls, rows: Iterable[tuple[int, str, int, bool, bool]]) -> "Backends | dict[int, Backend]":
@@ -136,49 +185,72 @@ class Backends(Mapping[int, Backend]):
         in_cluster, in_local) rows (a repeated id: the last row, as in a dict), without making the
         Backend records (a million of them in a 100,000-Service full sync)."""
         rows = list(rows)
-        if len({row[0] for row in rows}) != len(rows) or not all(type(bid) is int and 0 <= bid < 1 << 32 and _canonical_v4(addr) and type(port) is int
-                   and 0 <= port < 1 << 16 and type(c) is bool and type(loc) is bool for bid, addr, port, c, loc in rows):
+        packed = cls._packed_rows(rows) if len({row[0] for row in rows}) == len(rows) else None
+        if packed is None:
             return cls.pack({bid: Backend(addr, port, c, loc) for bid, addr, port, c, loc in rows})
-        aton = socket.inet_aton
-        return cls(b"".join(_PACKED_BACKEND.pack(bid, aton(addr), port, (_IN_CLUSTER if c else 0) | (_IN_LOCAL if loc else 0))
-                            for bid, addr, port, c, loc in rows))
+        return cls(packed)
 
-    def map_entries(self) -> list[tuple[bytes, bytes]]:
+    @staticmethod
+    def _packed_rows(rows: list[tuple[int, str, int, bool, bool]]) -> bytes | None:
+        """The packed bytes of rows with distinct ids; None when one does not fit them exactly."""
+        aton, ntoa, htons, value = socket.inet_aton, socket.inet_ntoa, socket.htons, _LB4_BACKEND.pack
+        values = []
+        for bid, addr, port, c, loc in rows:
+            if not (type(bid) is int and 0 <= bid < 1 << 32 and type(addr) is str and type(port) is int
+                    and 0 <= port < 1 << 16 and type(c) is bool and type(loc) is bool):
+                return None
+            try:
+                raw = aton(addr)
+            except OSError:
+                return None
+            if ntoa(raw) != addr:  # not canonical: the packed form would read back another text
+                return None
+            values.append(value(raw, htons(port), _backend_flags(c, loc)))
+        return array(_ID, [row[0] for row in rows]).tobytes() + b"".join(values)
+
+    def _split(self) -> tuple[memoryview, bytes]:
+        cut = len(self) * _U32.size
+        return memoryview(self._packed)[:cut].cast(_ID), self._packed[cut:]
+
+    def map_entries(self) -> MapEntries:
         """(epx_backend key, value) of each backend, packed, in order: what Maps.set_backends()
-        writes for items(), without making the Backend records."""
-        return [(_U32.pack(bid), _LB4_BACKEND.pack(addr, socket.htons(port), (s.LB4_BE_IN_CLUSTER if bits & _IN_CLUSTER else 0)
-                                                   | (s.LB4_BE_IN_LOCAL if bits & _IN_LOCAL else 0)))
-                for bid, addr, port, bits in _PACKED_BACKEND.iter_unpack(self._packed)]
+        writes for items(), as the bytes this holds."""
+        cut = len(self) * _U32.size
+        return MapEntries(self._packed[:cut], self._packed[cut:], _U32.size, _LB4_BACKEND.size)
 
     def __len__(self) -> int:
-        return len(self._packed) // _PACKED_BACKEND.size
+        return len(self._packed) // (_U32.size + _LB4_BACKEND.size)
 
     def __iter__(self) -> Iterator[int]:
-        for bid, _, _, _ in _PACKED_BACKEND.iter_unpack(self._packed):
-            yield bid
+        return iter(self._split()[0].tolist())
 
     def items(self):  # type: ignore[override]
-        return [(bid, Backend(socket.inet_ntoa(addr), port, bool(bits & _IN_CLUSTER), bool(bits & _IN_LOCAL)))
-                for bid, addr, port, bits in _PACKED_BACKEND.iter_unpack(self._packed)]
+        ids, values = self._split()
+        ntoa, ntohs = socket.inet_ntoa, socket.ntohs
+        return [(bid, Backend(ntoa(addr), ntohs(port), bool(flags & s.LB4_BE_IN_CLUSTER), bool(flags & s.LB4_BE_IN_LOCAL)))
+                for bid, (addr, port, flags) in zip(ids.tolist(), _LB4_BACKEND.iter_unpack(values))]
 
     def values(self):  # type: ignore[override]
         return [be for _, be in self.items()]
 
     def __getitem__(self, backend_id: int) -> Backend:
-        for bid, addr, port, bits in _PACKED_BACKEND.iter_unpack(self._packed):
+        for bid, be in self.items():
             if bid == backend_id:
-                return Backend(socket.inet_ntoa(addr), port, bool(bits & _IN_CLUSTER), bool(bits & _IN_LOCAL))
+                return be
         raise KeyError(backend_id)
 
     def __contains__(self, backend_id: object) -> bool:
-        return any(bid == backend_id for bid in self)
+        return backend_id in self._split()[0].tolist()
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, Backends):  # a dict's equality: the order does not count
             if self._packed == other._packed:
                 return True
-            return len(self._packed) == len(other._packed) and \
-                sorted(_PACKED_BACKEND.iter_unpack(self._packed)) == sorted(_PACKED_BACKEND.iter_unpack(other._packed))
+            if len(self._packed) != len(other._packed):
+                return False
+            mine, theirs = self._split(), other._split()
+            return sorted(zip(mine[0].tolist(), _LB4_BACKEND.iter_unpack(mine[1]))) == \
+                sorted(zip(theirs[0].tolist(), _LB4_BACKEND.iter_unpack(theirs[1])))
         if isinstance(other, Mapping):
             return dict(self.items()) == dict(other.items())
         return NotImplemented
@@ -407,8 +479,7 @@ def pack_service(svc: Service) -> bytes:
 
 def pack_backend(be: Backend) -> bytes:
     """epx_backend's value for `be`, packed."""
-    flags = (s.LB4_BE_IN_CLUSTER if be.in_cluster else 0) | (s.LB4_BE_IN_LOCAL if be.in_local else 0)
-    return _LB4_BACKEND.pack(socket.inet_aton(be.addr), socket.htons(be.port), flags)
+    return _LB4_BACKEND.pack(socket.inet_aton(be.addr), socket.htons(be.port), _backend_flags(be.in_cluster, be.in_local))
 
 
 def pack_slot_key(svc_id: int, scope: int, slot: int, bank: int = 0) -> bytes:
@@ -504,8 +575,12 @@ class Maps:
                 self._put(name, spec.key.from_buffer_copy(key), spec.leaf.from_buffer_copy(value))
             return
         fd = self._fd(name)
+        if isinstance(entries, MapEntries):
+            keys, values = entries.keys, entries.values
+        else:
+            keys, values = b"".join(k for k, _ in entries), b"".join(v for _, v in entries)
         try:
-            libbpf.map_update_batch(fd, b"".join(k for k, _ in entries), b"".join(v for _, v in entries), len(entries))
+            libbpf.map_update_batch(fd, keys, values, len(entries))
         except libbpf.BatchError as exc:
             if exc.errno == errno.E2BIG:
                 raise MapFull(name, libbpf.map_info(fd).max_entries) from None
@@ -694,7 +769,7 @@ class Maps:
 
     def set_backend_entries(self, entries: Sequence[tuple[bytes, bytes]]) -> None:
         """set_backends() of entries already packed (Backends.map_entries), in order, batched."""
-        self._put_packed("epx_backend", list(entries))
+        self._put_packed("epx_backend", entries if isinstance(entries, MapEntries) else list(entries))
 
     def backend(self, backend_id: int) -> Backend | None:
         v = self._get("epx_backend", s.u32(backend_id))
