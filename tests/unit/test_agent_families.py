@@ -4,8 +4,6 @@ every Service event goes to both proxiers, each EndpointSlice to the one of its 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from tests.unit.kobjects import endpoint, endpoint_slice, node, port, service
