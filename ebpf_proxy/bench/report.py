@@ -231,7 +231,8 @@ def _control_section(doc: dict, idx: dict) -> list[str]:
              "metric is in results.json);",
              "- update latency: one endpoint moved at the API server → the node's kernel holds it "
              "(p50 / p99 over every change, ms);",
-             "- burst: 1,000-change burst written at once → the kernel holds every final endpoint (s).", ""]
+             f"- burst: {doc.get('parameters', {}).get('burst_changes', 1000):,}-change burst written at once → "
+             "the kernel holds every final endpoint (s).", ""]
     rows = []
     for n in sizes:
         cells = [f"{n:,}"]

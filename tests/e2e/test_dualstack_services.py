@@ -1,61 +1,78 @@
-"""Services over IPv6 and IPv4 with the agents running, on a dual-stack and an IPv6-only lab, in
-every mode: seed 000's three NodePort externalTrafficPolicy=Local cases, a ClusterIP from a pod,
-and REJECT for a Service without endpoints, all with real packets.
+"""Services over IPv6 and IPv4 with the agents running, on the scenario table's dual-stack and
+IPv6-only labs (conftest.py's `shaped_lab`: topology_dualstack.yaml and topology_ipv6.yaml, shared
+with test_scenarios.py, so no lab is built twice), in every mode: `lab audit` finds and repairs
+drift of the IPv6 datapath, and `lab trace` / `lab verify` explain the IPv6 proxier. In ebpf mode
+the eBPF programs serve both families (ip6tables holds no rules there).
 
-The labs are examples/dualstack.yaml (both families everywhere, IPv4 primary) and
-examples/ipv6only.yaml (the same cluster, IPv6 only; in the modes the IPv6-only run of the
-scenario table, test_scenarios.py, does not cover): my-nginx-1 on worker1, my-nginx-2 on
-worker3, nothing on worker2, `outside` routed through worker3. Both families are checked in
-both modes: in ebpf mode the eBPF programs serve both (ip6tables holds no rules there).
+The labs: web-1 on worker1, web-2 on worker3, client-1 on worker2, `outside` routed through
+worker1. Seed 000's three NodePort externalTrafficPolicy=Local cases, a ClusterIP from a pod
+(hairpin included) and REJECT for a Service without endpoints are rows of the scenario table,
+which runs on these labs in every shape and mode (EBPF_PROXY_E2E_DUALSTACK_MODES /
+EBPF_PROXY_E2E_IPV6_MODES), so they are not probed again here.
+
+The module applies its Services to a lab (RequireDualStack on the dual-stack lab) and deletes
+them again after its tests there, leaving the shared lab as the scenario table expects it.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pytest
 
-from ebpf_proxy.lab.cluster import Lab, destroy
-from tests.e2e.conftest import E2E_IPV6_MODES, E2E_MODES
+from ebpf_proxy.lab.cluster import Lab
+from tests.e2e.conftest import E2E_MODES
 
 pytestmark = [pytest.mark.root, pytest.mark.e2e]
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-SHAPES = {"dual": EXAMPLES / "dualstack.yaml", "v6only": EXAMPLES / "ipv6only.yaml"}
-NODE_PORT = 30080
-PODS = {"my-nginx-1", "my-nginx-2"}
+NODE_PORT = 30190  # none of the scenario table's (30080-30087): its Services are gone by now, but still
+PODS = {"web-1", "web-2"}
 
 
-# The IPv6-only shape in the modes the IPv6 scenario table (test_scenarios.py) does not run.
-SHAPE_MODES = [("dual", m) for m in E2E_MODES] + [("v6only", m) for m in E2E_MODES if m not in E2E_IPV6_MODES]
+def _shaped(shape_modes: list[tuple[str, str]]):
+    """Parametrize a test over conftest's shaped_lab (session-scoped, indirect, as test_scenarios.py
+    does), so pytest runs it on the very lab the scenario table of that shape and mode uses."""
+    return pytest.mark.parametrize("shaped_lab", shape_modes, ids=[f"{s}-{m}" for s, m in shape_modes],
+                                   indirect=True, scope="session")
 
 
-@pytest.fixture(scope="module", params=SHAPE_MODES, ids=lambda p: f"{p[0]}-{p[1]}")
-def lab(request):
-    shape, mode = request.param
-    name = f"ds{shape[:2]}{mode[:2]}{os.getpid() % 10000}"
-    destroy(name)
-    lab = Lab.up(name, str(SHAPES[shape]), mode=mode)
+# The audit and trace/verify checks, this module's own (see the module docstring).
+CHECKED = [(shape, m) for shape in ("dual", "ipv6") for m in E2E_MODES]
+
+
+@pytest.fixture(scope="module")
+def lab(shaped_lab):
+    """(shape, the shared lab) with this module's Services, deleted again after the module's tests
+    on that lab (pytest runs them one after the other, next to the scenario table's)."""
+    lab = shaped_lab
+    shape = "dual" if len(lab.topology.families) == 2 else "ipv6"
+    policy = {"ipFamilyPolicy": "RequireDualStack"} if shape == "dual" else {}
+    services = [_service("np-local", type="NodePort", externalTrafficPolicy="Local",
+                         ports=[{"port": 80, "nodePort": NODE_PORT}], **policy),
+                _service("cip", ports=[{"port": 80}], **policy),
+                _service("empty", selector={"app": "nobody"}, ports=[{"port": 80}], **policy)]
+    api = lab.api()
     try:
+        for svc in services:
+            api.apply(svc)
+    finally:
+        api.close()
+    lab.wait_converged()
+    try:
+        yield shape, lab
+    finally:
         api = lab.api()
         try:
-            policy = {"ipFamilyPolicy": "RequireDualStack"} if shape == "dual" else {}
-            api.apply(_service("np-local", type="NodePort", externalTrafficPolicy="Local",
-                               ports=[{"port": 80, "nodePort": NODE_PORT}], **policy))
-            api.apply(_service("cip", ports=[{"port": 80}], **policy))
-            api.apply(_service("empty", selector={"app": "nobody"}, ports=[{"port": 80}], **policy))
+            for svc in services:
+                api.delete("Service", svc["metadata"]["name"])
         finally:
             api.close()
         lab.wait_converged()
-        yield shape, lab
-    finally:
-        destroy(name)
 
 
 def _service(name: str, **spec) -> dict:
-    spec.setdefault("selector", {"app": "my-nginx"})
+    spec.setdefault("selector", {"app": "web"})
     return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": "default"},
             "spec": spec}
 
@@ -85,59 +102,6 @@ def _target(ip: str, port: int) -> str:
     return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 
-def test_nodeport_local_to_a_node_without_a_pod_is_dropped(lab):
-    shape, lab = lab
-    for family in _families(shape):
-        report = lab.probe("outside", _target(_node_ip(lab, "worker2", family), NODE_PORT), count=3)
-        assert report.outcomes == {"timeout"}, (family, report.to_json())
-
-
-def test_nodeport_local_to_a_node_with_a_pod_reaches_it_and_keeps_the_client_ip(lab):
-    shape, lab = lab
-    for family in _families(shape):
-        report = lab.probe("outside", _target(_node_ip(lab, "worker1", family), NODE_PORT), count=10)
-        assert report.all_ok and report.pods == {"my-nginx-1"}, (family, report.to_json())
-        assert report.source_ips == {_client_ip(lab, family)}, (family, report.to_json())
-
-
-def test_a_node_to_its_own_nodeport_reaches_any_pod_masqueraded(lab):
-    shape, lab = lab
-    for family in _families(shape):
-        node_ip = _node_ip(lab, "worker1", family)
-        report = lab.probe("worker1", _target(node_ip, NODE_PORT), count=30)
-        assert report.all_ok and report.pods == PODS, (family, report.to_json())
-        # masqueraded: the pods see an address of worker1, never a client address
-        assert report.source_ips <= set(lab.topology.node("worker1").all_ips), (family, report.to_json())
-
-
-def test_cluster_ip_from_a_pod_spreads_over_the_pods_keeping_the_pod_ip_but_in_hairpin(lab):
-    """Rules 1 and 3: the other pod sees the client pod's own address; the client pod reaching
-    itself through the Service is masqueraded (KUBE-SEP's `-s <endpoint> -j KUBE-MARK-MASQ`)."""
-    shape, lab = lab
-    for family in _families(shape):
-        pod_ip = next(ip for ip in lab.topology.pod("my-nginx-1").ips if (":" in ip) == (family == 6))
-        report = lab.probe("my-nginx-1", _target(_cluster_ip(lab, "cip", family), 80), count=30)
-        assert report.all_ok and report.pods == PODS, (family, report.to_json())
-        for result in report.results:
-            source = result.source.rsplit(":", 1)[0].strip("[]")
-            if result.pod == "my-nginx-2":
-                assert source == pod_ip, (family, report.to_json())
-            else:
-                assert source in lab.topology.node("worker1").all_ips, (family, report.to_json())
-
-
-def test_a_service_without_endpoints_is_rejected(lab):
-    """REJECT answers with ICMP(v6) port unreachable. Over IPv6 the kernel's TCP drops the error
-    to the first SYN when it arrives while connect() still holds the socket (the whole path runs in
-    that call's softirq: TcpExtLockDroppedIcmps), so the refusal comes with the SYN's retransmission
-    after ~1 s, as under kube-proxy: hence the 3 s probe timeout."""
-    shape, lab = lab
-    for family in _families(shape):
-        for source in ("worker2", "my-nginx-1"):
-            report = lab.probe(source, _target(_cluster_ip(lab, "empty", family), 80), count=2, timeout=3.0)
-            assert report.outcomes == {"refused"}, (family, source, report.to_json())
-
-
 def _break_ipv6_nodeport(lab: Lab) -> str:
     """worker1 loses its IPv6 NodePort: the ip6tables KUBE-NODEPORTS chain flushed (iptables
     mode), the nodePort's frontend deleted from epx_svc6 (ebpf mode). Returns the object the
@@ -160,6 +124,7 @@ def _break_ipv6_nodeport(lab: Lab) -> str:
     return "iptables rule"
 
 
+@_shaped(CHECKED)
 def test_the_audit_finds_and_repairs_drift_of_the_ipv6_datapath(lab):
     """A lost IPv6 NodePort (a flushed ip6tables chain; in ebpf mode, a frontend gone from
     epx_svc6) is drift of the IPv6 proxier: `lab audit` names it (as IPv6 on a dual-stack node,
@@ -168,18 +133,25 @@ def test_the_audit_finds_and_repairs_drift_of_the_ipv6_datapath(lab):
 
     shape, lab = lab
     what = _break_ipv6_nodeport(lab)
-    target = _target(_node_ip(lab, "worker1", 6), NODE_PORT)
-    assert lab.probe("outside", target).outcomes == {"refused"}  # to the node itself: nothing listens
+    repaired = False
+    try:
+        target = _target(_node_ip(lab, "worker1", 6), NODE_PORT)
+        assert lab.probe("outside", target).outcomes == {"refused"}  # to the node itself: nothing listens
 
-    report = lab_audit.run(lab, nodes=["worker1"], repair=True)["worker1"]
-    drifted = {(d["kind"], d["what"]) for d in report["drifts"]}
-    prefix = "IPv6 " if shape == "dual" else ""
-    assert drifted == {("missing", f"{prefix}{what}")}, report
-    assert report["repaired"] and report["exit"] == 1, report
-    assert lab_audit.run(lab, nodes=["worker1"])["worker1"]["exit"] == 0
-    assert lab.probe("outside", target).all_ok
+        report = lab_audit.run(lab, nodes=["worker1"], repair=True)["worker1"]
+        repaired = report["repaired"]
+        drifted = {(d["kind"], d["what"]) for d in report["drifts"]}
+        prefix = "IPv6 " if shape == "dual" else ""
+        assert drifted == {("missing", f"{prefix}{what}")}, report
+        assert report["repaired"] and report["exit"] == 1, report
+        assert lab_audit.run(lab, nodes=["worker1"])["worker1"]["exit"] == 0
+        assert lab.probe("outside", target).all_ok
+    finally:
+        if not repaired:  # the lab is shared: never leave it broken (the agents do not repair it)
+            lab_audit.run(lab, nodes=["worker1"], repair=True)
 
 
+@_shaped(CHECKED)
 def test_trace_and_verify_explain_the_ipv6_proxier(lab):
     """`lab trace` of seed 000's first two cases over IPv6 answers from the node's IPv6 proxier
     (its ip6tables rules; in ebpf mode the programs' IPv6 path), and `lab verify` agrees three
@@ -199,8 +171,9 @@ def test_trace_and_verify_explain_the_ipv6_proxier(lab):
     results = lab_verify.run(lab, nodes=["worker1", "worker2"])
     for node, report in results.items():
         assert report["exit"] == 0 and not report["mismatches"] and not report["errors"], (node, report)
-        # IPv6: 4 frontends (2 cluster IPs, np-local's cluster IP and NodePort) x the senders that are
-        # not their backends; IPv4: the same and worker1's own connection to 127.0.0.1:<nodePort>
-        assert report["flows"] == {"dual": 21, "v6only": 10}[shape], (node, report)
+        # IPv6: 4 frontends (2 cluster IPs, np-local's cluster IP and NodePort) x 5 senders (the node,
+        # web-1, web-2, client-1, outside), less each frontend's own backends as senders (2 each for
+        # the 3 with endpoints): 14; IPv4: the same and the node's own connection to 127.0.0.1:<nodePort>
+        assert report["flows"] == {"dual": 14 + 15, "ipv6": 14}[shape], (node, report)
         kernel = "ebpf" if lab.mode == "ebpf" else "ip6tables (live)"
         assert {"ip6tables (rendered)", kernel} <= set(report["tracers"]), report["tracers"]

@@ -14,12 +14,17 @@ Where nobody masquerades, a reply only finds its way back through the node that 
 connection if the backend runs there or the client is that node or one of its pods (see the
 document's last section): attempts that land elsewhere are expected to get no answer, and at
 least one of 12 does (each picks among two endpoints at random).
+
+A configuration's cells are probed concurrently (PARALLEL at a time): most of a cell's time is
+waiting out the timeouts of the attempts that must get no answer, and every probe is a fresh
+connection of its own, so they do not see each other.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +39,7 @@ HERE = Path(__file__).parent
 DOC = HERE.parents[1] / "docs" / "local-traffic.md"
 TOPOLOGY = HERE / "local_traffic_topology.yaml"
 COUNT, TIMEOUT = 12, 0.4
+PARALLEL = 8  # cells probed at once: enough to overlap the timeouts, few enough for 2 CPUs
 BRIDGE, PREFIX = "cbr0", "lxc"
 WEB_PODS = {"web-1": "worker1", "web-2": "worker3"}
 
@@ -280,9 +286,9 @@ def test_truth_table(tt_lab, config: Config):
     for node in tt_lab.topology.nodes:
         tt_lab.exec(node.name, ["conntrack", "-F"], check=False, capture_output=True)
     origins, outcomes = origin_table(), outcome_table()
-    problems = []
-    for policy in SERVICES:
-        for p in probes(policy):
-            want = expected(config, policy, p, origins, outcomes, tt_lab)
-            problems += [f"eTP={policy}: {x}" for x in check(tt_lab, p, want)]
+    cells = [(policy, p, expected(config, policy, p, origins, outcomes, tt_lab))
+             for policy in SERVICES for p in probes(policy)]
+    with ThreadPoolExecutor(max_workers=PARALLEL, thread_name_prefix="truth-table") as pool:
+        found = pool.map(lambda cell: [f"eTP={cell[0]}: {x}" for x in check(tt_lab, cell[1], cell[2])], cells)
+        problems = [x for cell_problems in found for x in cell_problems]
     assert not problems, f"{tt_lab.mode}, {config.id}:\n  " + "\n  ".join(problems)

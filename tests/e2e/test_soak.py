@@ -1,5 +1,6 @@
-"""The soak's short form (issue 13): EPX_SOAK_SECONDS (default 25) of Service and endpoint churn
-per mode, at whatever rate the lab's API server takes (thousands of changes per second here),
+"""The soak's short form (issue 13): EPX_SOAK_SECONDS (default 15) of Service and endpoint churn
+per mode, at whatever rate the lab's API server takes (about a thousand changes per second here,
+so each of the at most 100 churned Services is created, rescaled and deleted many times over),
 with fresh connections to stable Services throughout; `make soak` is the long form.
 
 Asserted, per mode: no connection to a stable Service failed; every API write succeeded; the
@@ -19,7 +20,7 @@ import pytest
 from ebpf_proxy.bench.soak import DRAINING_OBJECTS, EXACT_OBJECTS, RSS_BOUND_MIB, SoakConfig, run_soak, table
 from tests.e2e.conftest import E2E_MODES
 
-SECONDS = float(os.environ.get("EPX_SOAK_SECONDS", "25"))
+SECONDS = float(os.environ.get("EPX_SOAK_SECONDS", "15"))
 
 pytestmark = [pytest.mark.root, pytest.mark.e2e,
               # the module's whole soak counts against its first test: churn, set-up and drain per mode
