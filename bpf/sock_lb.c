@@ -31,7 +31,8 @@
  * node's IPv6 Services are the eBPF datapath's (CFG6_F_ON, as the TC path), or IPv4-mapped
  * (::ffff:a.b.c.d), which is IPv4 on the wire: decided by the IPv4 socket LB (sock4_decide, the
  * IPv4 maps, epx_sock_rev) and written back mapped, whatever CFG6_F_ON says. The IPv6 side has
- * no localhost NodePorts (kube-proxy's route_localnet is IPv4-only: ::1 is left alone), no
+ * no localhost NodePorts (kube-proxy's route_localnet is IPv4-only: ::1 is left alone; tc_lo
+ * drops what kube-proxy's INPUT rule drops of it, lib/lo6.h), no
  * egress masquerade of a bound source (a socket bound to another node address keeps it: the reply
  * comes back to the node all the same), and no mode-switch handover (as the TC path).
  */
@@ -193,7 +194,9 @@ static __always_inline int sock6_decide(struct bpf_sock_addr *ctx, const struct 
 			tr->reason = EPX_PASS_IPV6_OFF;
 		return SOCK_PASS;
 	}
-	/* ::1 is no NodePort address: kube-proxy's localhost NodePorts are IPv4's (route_localnet) */
+	/* ::1 is no NodePort address: kube-proxy's localhost NodePorts are IPv4's (route_localnet).
+	 * The call proceeds untranslated; the one [::1]:<nodePort> kube-proxy drops (eTP=Local, no
+	 * local endpoint) tc_lo drops on the node's lo (lib/lo6.h: a call cannot be failed silently). */
 	svc = in6_is_loopback(daddr) ? NULL : lb6_lookup_service(daddr, dport, proto);
 	if (!svc) {
 		if (tr)

@@ -27,6 +27,10 @@
  *
  * IPv6 takes the same steps in lib/tc6.h (entered when the IPv4 parser finds no IPv4 header).
  *
+ * tc_lo (ingress of the node's loopback device only, devices.py): drops [::1]:<nodePort> of an
+ * eTP=Local NodePort without a local endpoint, as kube-proxy's INPUT rule does (lib/lo6.h: why
+ * there, and what it costs every loopback packet).
+ *
  * Trace mode (common.h, trace.h): each entry tests the signal once; a trace run takes the same
  * logic, inlined a second time with its record, as a dry run that counts nothing.
  */
@@ -40,6 +44,7 @@
 #include "lib/arp4.h"
 #include "lib/trace.h"
 #include "lib/tc6.h"
+#include "lib/lo6.h"
 
 /* The verdict for `reason`, counted (live) or recorded (trace). */
 static __always_inline int tc_done(struct __sk_buff *skb, __u32 reason, struct epx_trace_rec *tr)
@@ -175,4 +180,15 @@ int tc_egress(struct __sk_buff *skb)
 		return tr ? tc_sctp_done(skb, tc_egress_run(skb, tr), tr) : TC_ACT_OK;
 	}
 	return tc_sctp_done(skb, tc_egress_run(skb, NULL), NULL);
+}
+
+/* The node's lo (lib/lo6.h): kube-proxy's INPUT DROP of [::1]:<nodePort>, nothing else. */
+int tc_lo(struct __sk_buff *skb)
+{
+	__u32 reason = lo6_decide(skb);
+
+	if (!reason)
+		return TC_ACT_OK;
+	stats_count(reason, skb->len);
+	return TC_ACT_SHOT;
 }

@@ -100,10 +100,11 @@ enum epx_reason {
 	EPX_DROP_SCTP_FRAG = 45,         /* SCTP first fragment whose port must change: its CRC32c covers the whole datagram, whose length a first fragment does not tell (sctp.h) */
 	EPX_PASS_ICMP6_EXTHDRS = 46,     /* ICMPv6 error whose quoted packet has a longer extension header chain than the parser walks (pkt6.h): untouched, never translated */
 	EPX_PASS_ICMP6_FRAG = 47,        /* ICMPv6 error quoting a packet with a fragment header: untouched (no IPv6 fragment tracking: such a packet was never translated) */
-	EPX_REASON_MAX = 48,
+	EPX_DROP_LOCALHOST6_NO_LOCAL = 48, /* [::1]:<nodePort> of an externalTrafficPolicy=Local NodePort without a local endpoint, on the node's lo (kube-proxy's IPv6 rules never DNAT ::1; its INPUT rule "has no local endpoints" drops it) */
+	EPX_REASON_MAX = 49,
 };
 #define EPX_DROP_FIRST EPX_DROP_MALFORMED_IP
-#define EPX_DROP_LAST EPX_DROP_REJECT_FAILED /* and EPX_DROP_CT_FULL, _HANDOVER_HELD, _MALFORMED_IPV6, _IPV6_EXTHDRS, _SCTP_FRAG, appended later (epx_is_drop) */
+#define EPX_DROP_LAST EPX_DROP_REJECT_FAILED /* and EPX_DROP_CT_FULL, _HANDOVER_HELD, _MALFORMED_IPV6, _IPV6_EXTHDRS, _SCTP_FRAG, _LOCALHOST6_NO_LOCAL, appended later (epx_is_drop) */
 
 /* ---- packet facts ---- */
 #define EPX_MAX_IP_HLEN 60

@@ -77,7 +77,7 @@ def _sync(lab, dp: EbpfDatapath, state: ProxyState):
 def _attached(lab) -> dict[str, str]:
     """device -> what of ours is on it (tc filters, xdp), as tc/ip show them."""
     out = {}
-    for dev in ("vpod", "vbe", "vout"):
+    for dev in ("lo", "vpod", "vbe", "vout"):  # lo: tc_lo on ingress (bpf/lib/lo6.h)
         tc = "".join(subprocess.run([*nsenter(lab.ns["node"]), "tc", "filter", "show", "dev", dev, hook],
                                     capture_output=True, text=True).stdout for hook in ("ingress", "egress"))
         link = subprocess.run([*nsenter(lab.ns["node"]), "ip", "link", "show", dev], capture_output=True, text=True).stdout
@@ -107,8 +107,8 @@ def test_life_cycle(node):
     dp = _datapath(lab, cgroup, clock)
     counts = _sync(lab, dp, state)
     assert counts["full_sync"] == 1 and counts["map_writes"] > 0 and counts["programs_compiled"] == 1
-    assert counts["bpf_services"] == 4 and counts["bpf_backends"] == 2 and counts["bpf_devices"] == 3
-    assert _attached(lab) == {"vpod": "tc", "vbe": "tc", "vout": "tc,xdp"}
+    assert counts["bpf_services"] == 4 and counts["bpf_backends"] == 2 and counts["bpf_devices"] == 4
+    assert _attached(lab) == {"lo": "tc", "vpod": "tc", "vbe": "tc", "vout": "tc,xdp"}
     assert len(_cgroup_programs(cgroup)) == len(pins.CGROUP_PROGRAMS)  # connect, sendmsg, recvmsg: 4 and 6
     _traffic_ok(lab, cgroup)
     assert counts["bpf_ct_entries"] == 0 and dp.stats()["bpf_ct_entries"] == 0, \
@@ -126,7 +126,7 @@ def test_life_cycle(node):
         maps.close()
 
     dp.close()  # SIGTERM: everything stays, traffic keeps flowing
-    assert _attached(lab) == {"vpod": "tc", "vbe": "tc", "vout": "tc,xdp"}
+    assert _attached(lab) == {"lo": "tc", "vpod": "tc", "vbe": "tc", "vout": "tc,xdp"}
     _traffic_ok(lab, cgroup)
 
     restarted = _datapath(lab, cgroup)
@@ -146,7 +146,7 @@ def test_life_cycle(node):
 
     fresh = EbpfDatapath(NodeConfig("node"), bpffs=str(lab.bpffs / "elsewhere"))  # told nothing useful
     run_in_netns(lab.ns["node"], fresh.cleanup)
-    assert _attached(lab) == {"vpod": "", "vbe": "", "vout": ""}
+    assert _attached(lab) == {"lo": "", "vpod": "", "vbe": "", "vout": ""}
     assert _cgroup_programs(cgroup) == []
     assert not pins.pin_dir(lab.bpffs).exists()
     assert lab.client("pod", "tcp", VIP, 80)[0] == "error", "no service any more"
@@ -204,7 +204,7 @@ def test_a_full_service_map_programs_what_fits_attaches_and_names_the_rest(node)
         assert str(caught.value).endswith(
             "1 service port(s) not programmed (default/web:udp): BPF map epx_svc is full (2 entries): "
             "raise its capacity with --bpf-map-sizes epx_svc=N (N > 2)")
-        assert _attached(lab) == {"vpod": "tc", "vbe": "tc", "vout": "tc,xdp"}
+        assert _attached(lab) == {"lo": "tc", "vpod": "tc", "vbe": "tc", "vout": "tc,xdp"}
         assert lab.client("pod", "tcp", VIP, 80)[:1] == ["ok"], "the port that fit serves"
         assert lab.client("pod", "udp", VIP, 80)[0] == "error", "the one that did not is not there"
         with pytest.raises(ServicesDidNotFit):  # retried: still no room

@@ -157,3 +157,27 @@ def test_native_xdp_attaches_in_the_driver_and_cleanup_removes_it(datapath):
         assert attached == "xdp", attached  # XDP_ATTACHED_DRV: in the driver, not "xdpgeneric"
         assert run_in_netns(node, devices.detach_all)["xdp"] == 2
         assert not _xdp(node, "vout") and not _xdp(node, "vbe")
+
+
+def test_the_loopback_device_gets_tc_lo_on_its_ingress_alone(datapath):
+    """With a tc_lo program (bpf/lib/lo6.h) the node namespace's lo gets it on ingress, nothing on
+    egress and no XDP; the drift audit expects just that filter there, and cleanup removes it."""
+    with netlab.NetLab() as lab:
+        node = lab.ns["node"]
+        fds = datapath.prog_fds
+        devs = devices.Devices(devices.Programs(fds["tc_ingress"], fds["tc_egress"], fds["xdp_lb"], fds["tc_lo"]),
+                               cluster_cidrs=CIDRS, pod_patterns=("vpod", "lxc*"))
+        assert run_in_netns(node, devs.reconcile, True) == 4
+        lo = next(d for d in devs.attached.values() if d.role == devices.LOOPBACK)
+        assert lo.name == "lo"
+        assert _filters(node, "lo") == ["ingress:epx_ingress"] and not _xdp(node, "lo")
+        shown = subprocess.run([*nsenter(node), "tc", "filter", "show", "dev", "lo", "ingress"],
+                               capture_output=True, text=True).stdout
+        assert "tc_lo" in shown and "tc_ingress" not in shown, shown
+        assert run_in_netns(node, devs.lost) == {}, "lo has no egress filter to miss"
+        netlab.sh(*nsenter(node), "tc", "filter", "del", "dev", "lo", "ingress")
+        assert run_in_netns(node, devs.lost) == {lo.index: ["epx_ingress"]}
+        assert run_in_netns(node, devs.reattach, [lo.index]) == 1
+        assert _filters(node, "lo") == ["ingress:epx_ingress"]
+        assert run_in_netns(node, devices.detach_all)["tc_filters"] == 7
+        assert _filters(node, "lo") == []

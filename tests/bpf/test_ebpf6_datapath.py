@@ -146,10 +146,10 @@ def test_dual_stack_one_load_both_families_restart_and_cleanup(lab):
     assert not _served6(lab), "attached with the IPv4 maps written; IPv6 stays off until its own sync"
     counts6 = _sync(lab, dp6, _state(6))
     assert counts6["programs_compiled"] == 0 and counts6["programs_from_cache"] == 0, "one load for both"
-    assert counts6["bpf_services"] == 4 and counts6["bpf_backends"] == 2 and counts6["bpf_devices"] == 3
+    assert counts6["bpf_services"] == 4 and counts6["bpf_backends"] == 2 and counts6["bpf_devices"] == 4
     assert counts6["bpf_ct_capacity"] == SMALL_MAPS["epx_ct6"]
     assert _served6(lab)
-    assert _attached(lab) == {"vpod": "tc", "vbe": "tc", "vout": "tc,xdp"}, "attached once"
+    assert _attached(lab) == {"lo": "tc", "vpod": "tc", "vbe": "tc", "vout": "tc,xdp"}, "attached once"
     assert len(_cgroup_programs(cgroup)) == len(pins.CGROUP_PROGRAMS)
     _traffic6_ok(lab)
     _traffic4_ok(lab)
@@ -168,12 +168,12 @@ def test_dual_stack_one_load_both_families_restart_and_cleanup(lab):
     finally:
         maps.close()
     assert dp4.counters()[s.Reason.FWD_NEW][0] >= 5, "one set of counters, both families' packets"
-    assert _audit_clean(lab, dp4)["devices"] == 3
+    assert _audit_clean(lab, dp4)["devices"] == 4
     assert _audit_clean(lab, dp6) == {"service ports": 2, "frontends": 4, "backends": 2, "devices": 0}
 
     dp4.close()
     dp6.close()  # SIGTERM: everything stays, IPv6 included
-    assert _attached(lab) == {"vpod": "tc", "vbe": "tc", "vout": "tc,xdp"}
+    assert _attached(lab) == {"lo": "tc", "vpod": "tc", "vbe": "tc", "vout": "tc,xdp"}
     assert _served6(lab)
     _traffic6_ok(lab)
 
@@ -191,7 +191,7 @@ def test_dual_stack_one_load_both_families_restart_and_cleanup(lab):
     _audit_clean(lab, re6)
 
     run_in_netns(lab.ns["node"], re6.cleanup)  # once, for both families
-    assert _attached(lab) == {"vpod": "", "vbe": "", "vout": ""}
+    assert _attached(lab) == {"lo": "", "vpod": "", "vbe": "", "vout": ""}
     assert _cgroup_programs(cgroup) == []
     assert not pins.pin_dir(lab.bpffs).exists()
     assert client6(lab, "pod", "tcp", VIP6, 80)[0] == "error", "no IPv6 service any more"
@@ -205,7 +205,7 @@ def test_an_ipv6_only_node_loads_attaches_serves_and_collects_its_connections(la
     try:
         counts = _sync(lab, dp, _state(6))
         assert counts["programs_compiled"] == 1, "the IPv6 datapath loads alone"
-        assert _attached(lab) == {"vpod": "tc", "vbe": "tc", "vout": "tc,xdp"}
+        assert _attached(lab) == {"lo": "tc", "vpod": "tc", "vbe": "tc", "vout": "tc,xdp"}
         assert _served6(lab)
         _traffic6_ok(lab)
         assert lab.client("pod", "tcp", VIP4, 80)[0] == "error", "no IPv4 service on an IPv6-only node"
@@ -223,12 +223,12 @@ def test_an_ipv6_only_node_loads_attaches_serves_and_collects_its_connections(la
             assert maps6.connections() == [], "the GC thread collects epx_ct6: connections and their halves"
         finally:
             maps.close()
-        assert _audit_clean(lab, dp)["devices"] == 3, "the only family audits the devices"
+        assert _audit_clean(lab, dp)["devices"] == 4, "the only family audits the devices"
         _traffic6_ok(lab)
     finally:
         run_in_netns(lab.ns["node"], dp.cleanup)
         dp.close()
-    assert _attached(lab) == {"vpod": "", "vbe": "", "vout": ""}
+    assert _attached(lab) == {"lo": "", "vpod": "", "vbe": "", "vout": ""}
 
 
 def test_an_ipv4_only_agent_switches_ipv6_off_and_removes_what_an_earlier_one_left(lab):

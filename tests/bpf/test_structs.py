@@ -57,7 +57,8 @@ def test_reasons_match_the_c_enum():
     assert c_reasons == {r.name: r.value for r in structs.Reason}
     # epx_is_drop (stats.h): the range EPX_DROP_FIRST..EPX_DROP_LAST, plus the drops appended later
     appended = (structs.Reason.DROP_CT_FULL, structs.Reason.DROP_HANDOVER_HELD, structs.Reason.DROP_MALFORMED_IPV6,
-                structs.Reason.DROP_IPV6_EXTHDRS, structs.Reason.DROP_SCTP_FRAG)
+                structs.Reason.DROP_IPV6_EXTHDRS, structs.Reason.DROP_SCTP_FRAG,
+                structs.Reason.DROP_LOCALHOST6_NO_LOCAL)
     drops = [r for r in structs.Reason if r.is_drop and r not in appended]
     assert (min(drops), max(drops)) == (structs.Reason.DROP_MALFORMED_IP, structs.Reason.DROP_REJECT_FAILED)
     assert all(r.is_drop for r in structs.Reason if min(drops) <= r <= max(drops))

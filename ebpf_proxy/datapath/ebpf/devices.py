@@ -11,7 +11,12 @@ Every packet a service decision applies to crosses one of two kinds of device:
                     nodes' pods leaves here. They also get the XDP program, which drops what
                     kube-proxy drops before an skb exists.
 
-Both get tc_ingress and tc_egress. The rule for pod devices (CNIs name and route their veths
+Both get tc_ingress and tc_egress. The loopback device gets neither, only tc_lo on its ingress
+(bpf/lib/lo6.h): kube-proxy's INPUT rule that drops [::1]:<nodePort> of an eTP=Local NodePort
+without a local endpoint, the one service decision a packet on lo needs (the socket LB decides the
+node's own calls; ::1 is no NodePort address in IPv6, so it leaves that call alone). This is the
+lo of the agent's netns: on a production node the host's own lo, where the filter is ours as the
+other devices' are; in the lab a node namespace's lo, never the machine's. The rule for pod devices (CNIs name and route their veths
 differently, so it has a configurable part): a device is a pod device when
   * its name matches one of `pod_patterns` (default: the usual CNI prefixes below), or
   * it is a veth whose peer lives in another network namespace and that carries a host route
@@ -58,6 +63,7 @@ log = logging.getLogger(__name__)
 
 POD = "pod"
 EXTERNAL = "external"
+LOOPBACK = "loopback"  # the node's lo: tc_lo on ingress alone
 DEFAULT_POD_PATTERNS = ("lxc*", "cali*", "veth*", "cni*", "azv*", "gke*", "eni*", "vnet*")
 
 _IFF_LOOPBACK = 0x8
@@ -91,7 +97,7 @@ class Route:
 class Device:
     index: int
     name: str
-    role: str  # POD or EXTERNAL
+    role: str  # POD, EXTERNAL or LOOPBACK
 
 
 def classify(links: Iterable[Link], routes: Iterable[Route], cluster_cidrs: Sequence[str],
@@ -236,6 +242,7 @@ class Programs:
     tc_ingress: int
     tc_egress: int
     xdp: int | None  # None: no XDP
+    tc_lo: int | None = None  # the loopback device's ingress (bpf/lib/lo6.h); None: lo untouched
 
 
 @dataclass
@@ -260,7 +267,10 @@ class Devices:
         """The devices to attach to, the routes, and epx_iface's contents."""
         links, routes = scan(ipr)
         devices = classify(links, routes, self.cluster_cidrs, self.pod_patterns)
-        return devices, routes, iface_flags(links, devices, self.detector, sends_no_redirects, route_mtus(ipr))
+        flags = iface_flags(links, devices, self.detector, sends_no_redirects, route_mtus(ipr))
+        if self.programs.tc_lo is not None:  # after iface_flags: lo gets no flag as a device of ours
+            devices.update({link.index: Device(link.index, link.name, LOOPBACK) for link in links if link.loopback})
+        return devices, routes, flags
 
     def reconcile(self, required: bool = False) -> int:
         """Attach to new or reclassified devices, forget vanished ones. Returns attachments made.
@@ -296,7 +306,13 @@ class Devices:
 
     def _attach(self, ipr, dev: Device) -> None:
         """TC is required (it makes every service decision); XDP only drops earlier what TC drops
-        anyway, so a device that refuses it (another XDP program, a driver) is logged and kept."""
+        anyway, so a device that refuses it (another XDP program, a driver) is logged and kept.
+        The loopback device gets tc_lo on its ingress and nothing else."""
+        if dev.role == LOOPBACK:
+            loader.attach_tc(ipr, dev.index, self.programs.tc_lo, None)
+            log.info("program tc_lo attached to the loopback device %s", dev.name,
+                     extra={"device": dev.name, "role": dev.role, "ifindex": dev.index})
+            return
         loader.attach_tc(ipr, dev.index, self.programs.tc_ingress, self.programs.tc_egress)
         try:
             if dev.role == EXTERNAL and self.programs.xdp is not None:
@@ -318,7 +334,7 @@ class Devices:
         with self._lock, IPRoute() as ipr:
             for index, dev in sorted(self.attached.items()):
                 try:
-                    missing = loader.missing_tc(ipr, index)
+                    missing = loader.missing_tc(ipr, index, ingress_only=dev.role == LOOPBACK)
                     wants_xdp = dev.role == EXTERNAL and self.programs.xdp is not None and dev.name not in self.errors
                     if wants_xdp and not loader.xdp_program_id(ipr, index):
                         missing.append(loader.XDP_PROGRAM_NAME)

@@ -87,6 +87,7 @@ FIXED_ENTRIES = {"epx_config": 1, "epx_stats": structs.REASON_MAX, "epx_trace": 
 PROGRAMS: dict[str, tuple[str, str, str | None]] = {
     "tc_ingress": ("tc_lb.c", "SCHED_CLS", None),
     "tc_egress": ("tc_lb.c", "SCHED_CLS", None),
+    "tc_lo": ("tc_lb.c", "SCHED_CLS", None),  # the node's lo, ingress only (bpf/lib/lo6.h)
     "xdp_lb": ("xdp_lb.c", "XDP", None),
     "sock_connect4": ("sock_lb.c", "CGROUP_SOCK_ADDR", "CGROUP_INET4_CONNECT"),
     "sock_sendmsg4": ("sock_lb.c", "CGROUP_SOCK_ADDR", "CGROUP_UDP4_SENDMSG"),
@@ -528,9 +529,11 @@ def _our_filters(ipr, ifindex: int, parent: str) -> list:
     return found
 
 
-def missing_tc(ipr, ifindex: int) -> list[str]:
-    """Our TC filter names missing from `ifindex` (somebody ran `tc filter del`): [] when both are there."""
-    return [name for parent, name in TC_FILTER_NAMES.items() if not _our_filters(ipr, ifindex, parent)]
+def missing_tc(ipr, ifindex: int, ingress_only: bool = False) -> list[str]:
+    """Our TC filter names missing from `ifindex` (somebody ran `tc filter del`): [] when both are
+    there (`ingress_only`: the loopback device, which has only tc_lo on ingress)."""
+    parents = [_TC_INGRESS_PARENT] if ingress_only else list(TC_FILTER_NAMES)
+    return [TC_FILTER_NAMES[p] for p in parents if not _our_filters(ipr, ifindex, p)]
 
 
 def detach_tc(ipr, ifindex: int) -> int:

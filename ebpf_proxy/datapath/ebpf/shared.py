@@ -161,7 +161,8 @@ class SharedNode:
             cluster_cidrs = tuple(c for member in self.members.values() for c in member.node.cluster_cidrs)
             self.devices = devices.Devices(
                 devices.Programs(loaded.prog_fds["tc_ingress"], loaded.prog_fds["tc_egress"],
-                                 loaded.prog_fds["xdp_lb"] if opts.xdp_mode != "off" else None),
+                                 loaded.prog_fds["xdp_lb"] if opts.xdp_mode != "off" else None,
+                                 loaded.prog_fds["tc_lo"]),
                 cluster_cidrs=cluster_cidrs, pod_patterns=opts.pod_patterns,
                 xdp_mode=opts.xdp_mode if opts.xdp_mode != "off" else "generic",
                 detector=node.detector, write_ifaces=maps.set_ifaces,

@@ -69,6 +69,7 @@ class Reason(enum.IntEnum):
     DROP_SCTP_FRAG = 45
     PASS_ICMP6_EXTHDRS = 46
     PASS_ICMP6_FRAG = 47
+    DROP_LOCALHOST6_NO_LOCAL = 48
 
     @property
     def is_drop(self) -> bool:
@@ -132,9 +133,10 @@ REASON_DESCRIPTIONS: dict[Reason, str] = {
     Reason.DROP_SCTP_FRAG: "SCTP first fragment whose port must change: its CRC32c covers the whole datagram, whose length a first fragment does not tell (sctp.h)",
     Reason.PASS_ICMP6_EXTHDRS: "ICMPv6 error whose quoted packet has a longer extension header chain than the parser walks (pkt6.h): untouched, never translated",
     Reason.PASS_ICMP6_FRAG: "ICMPv6 error quoting a packet with a fragment header: untouched (no IPv6 fragment tracking: such a packet was never translated)",
+    Reason.DROP_LOCALHOST6_NO_LOCAL: "[::1]:<nodePort> of an externalTrafficPolicy=Local NodePort without a local endpoint, on the node's lo (kube-proxy's IPv6 rules never DNAT ::1; its INPUT rule \"has no local endpoints\" drops it)",
 }
 
-REASON_MAX = 48
+REASON_MAX = 49
 
 # Origins (EPX_ORIGIN_*)
 ORIGIN_POD, ORIGIN_NODE, ORIGIN_EXTERNAL, ORIGIN_LOCALHOST = 0, 1, 2, 3
