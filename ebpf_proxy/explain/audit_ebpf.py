@@ -62,6 +62,8 @@ def service_drift(name: ServicePortName, want: ServiceEntries, snap: adopt.Snaps
     for fe in sorted(set(snap.frontends.get(svc_id, {})) - set(want.frontends), key=frontend_key):
         out.append(Drift(EXTRA, "service frontend", frontend_key(fe), f"leads to {label}, which does not have it"))
     for scope, slots in ((s.LB4_SCOPE_CLUSTER, want.cluster_slots), (s.LB4_SCOPE_LOCAL, want.local_slots)):
+        if snap.slots.run(svc_id, want.bank, scope, len(slots)) == tuple(slots):
+            continue  # all there (one search): the common case, a million slots at 100,000 Services
         for slot, bid in enumerate(slots):
             held = snap.slots.get((svc_id, want.bank, scope, slot))
             key = f"{label} {_SCOPE[scope]} slot {slot}"
@@ -69,8 +71,9 @@ def service_drift(name: ServicePortName, want: ServiceEntries, snap: adopt.Snaps
                 out.append(Drift(MISSING, "slot", key, f"should hold backend {bid}"))
             elif held != bid:
                 out.append(Drift(STALE, "slot", key, f"holds backend {held}, should hold {bid}"))
-    for bid, be in sorted(want.backends.items()):
-        held_be = snap.backends.get(bid)
+    held_backends = snap.backends.pick(want.backends)  # packed, no record made: equal when none drifted
+    for bid, be in sorted(want.backends.items()) if held_backends != want.backends else ():
+        held_be = held_backends.get(bid)
         if held_be is None:
             out.append(Drift(MISSING, "backend", f"{bid}", f"{_backend_text(be)} of {label}"))
         elif held_be != be:

@@ -21,16 +21,209 @@ slots no frontend reads any more deleted as strays. A port the kill did not catc
 from __future__ import annotations
 
 import logging
+from array import array
+from bisect import bisect_left
 from collections import Counter, defaultdict
-from collections.abc import Mapping
+from collections.abc import ItemsView, Iterable, Iterator, Mapping, ValuesView
 from dataclasses import dataclass, field, replace
 
 from ebpf_proxy.datapath.ebpf import structs as s
-from ebpf_proxy.datapath.ebpf.maps import IPPROTO, Backend, Frontend, Maps, Service, slot_bank
+from ebpf_proxy.datapath.ebpf.maps import BACKEND4, IPPROTO, Backend, BackendValues, Frontend, Maps, Service, slot_bank
 from ebpf_proxy.datapath.ebpf.services import ServiceEntries, ServicePrograms
 from ebpf_proxy.model import ProxyState
 
 log = logging.getLogger(__name__)
+
+_U32_ARRAY = "I"  # array typecode of a backend id, epx_backend's u32 key (as maps.Backends packs them)
+
+
+class _Packed(Mapping):
+    """A read-only Mapping held as sorted keys (an array of ints) and their values in the same
+    order, searched by bisection.
+
+    A restart (adopt) and every drift audit read the whole of epx_slot and epx_backend back: at
+    100,000 Services x 10 endpoints a million entries each, which as a dict of tuples and a dict
+    of Backend records took ~470 MiB for the read and ~630 MiB at its peak with strays(), on top
+    of the agent's ~330 MiB (the bench's 890-968 MiB agent peaks, 2026-11-26-100k-compact). Held
+    here they take ~12 (slots) and ~16 (IPv4 backends) bytes an entry, plus one int per entry
+    while they are sorted. Subclasses say how a key is packed and how the i-th value reads;
+    iteration is in key order."""
+
+    __slots__ = ("_keys",)
+
+    def __init__(self) -> None:
+        self._keys: array = array("Q")
+
+    def _pack_key(self, key: object) -> int:
+        raise NotImplementedError
+
+    def _unpack_key(self, packed: int) -> object:
+        raise NotImplementedError
+
+    def _value(self, index: int) -> object:
+        raise NotImplementedError
+
+    def _index(self, key: object) -> int | None:
+        try:
+            packed = self._pack_key(key)
+        except (TypeError, ValueError):
+            return None
+        i = bisect_left(self._keys, packed)
+        return i if i < len(self._keys) and self._keys[i] == packed else None
+
+    def __getitem__(self, key: object) -> object:
+        i = self._index(key)
+        if i is None:
+            raise KeyError(key)
+        return self._value(i)
+
+    def __contains__(self, key: object) -> bool:
+        return self._index(key) is not None
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __iter__(self) -> Iterator:
+        return map(self._unpack_key, self._keys)
+
+    def items(self) -> ItemsView:
+        return _Items(self)
+
+    def values(self) -> ValuesView:
+        return _Values(self)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self)} entries)"
+
+
+class _Items(ItemsView):
+    def __iter__(self) -> Iterator:
+        table = self._mapping
+        return zip(map(table._unpack_key, table._keys), map(table._value, range(len(table._keys))))
+
+
+class _Values(ValuesView):
+    def __iter__(self) -> Iterator:
+        return map(self._mapping._value, range(len(self._mapping._keys)))
+
+
+class SlotTable(_Packed):
+    """epx_slot as read back: (service id, bank, scope, slot) -> backend id."""
+
+    __slots__ = ("_values",)
+
+    def __init__(self, rows: Iterable[tuple[int, int]] = ()) -> None:
+        """`rows`: (packed key, backend id) pairs, in any order, each key once."""
+        merged = sorted(key << 32 | value for key, value in rows)
+        self._keys = array("Q", (m >> 32 for m in merged))
+        self._values = array("I", (m & 0xFFFFFFFF for m in merged))
+
+    @classmethod
+    def of(cls, slots: Iterable[tuple[int, int, int, int, int]]) -> "SlotTable":
+        """From (service id, bank, scope, slot, backend id) rows (Maps.slots)."""
+        return cls((svc_id << 32 | bank << 24 | scope << 16 | slot, bid) for svc_id, bank, scope, slot, bid in slots)
+
+    def _pack_key(self, key: object) -> int:
+        svc_id, bank, scope, slot = key  # type: ignore[misc]
+        if not (0 <= svc_id < 1 << 32 and 0 <= bank < 256 and 0 <= scope < 256 and 0 <= slot < 1 << 16):
+            raise ValueError(key)
+        return svc_id << 32 | bank << 24 | scope << 16 | slot
+
+    def _unpack_key(self, packed: int) -> tuple[int, int, int, int]:
+        return packed >> 32, packed >> 24 & 0xFF, packed >> 16 & 0xFF, packed & 0xFFFF
+
+    def _value(self, index: int) -> int:
+        return self._values[index]
+
+    def run(self, svc_id: int, bank: int, scope: int, most: int) -> tuple[int, ...]:
+        """The backend ids in slots 0, 1, ... of (svc_id, bank, scope), up to the first missing
+        slot, at most `most`: one search, then the neighbours (the keys are in slot order)."""
+        first, most = self._pack_key((svc_id, bank, scope, 0)), min(most, 1 << 16)  # slot: 16 bits
+        keys, i, out = self._keys, bisect_left(self._keys, first), []
+        while len(out) < most and i < len(keys) and keys[i] == first + len(out):
+            out.append(self._values[i])
+            i += 1
+        return tuple(out)
+
+    def max_service_id(self) -> int:
+        return self._keys[-1] >> 32 if self._keys else 0
+
+    def max_backend_id(self) -> int:
+        return max(self._values, default=0)
+
+
+class BackendTable(_Packed):
+    """epx_backend (epx_backend6 for Maps6) as read back: backend id -> Backend, made on access
+    from the raw map value, kept as the map holds it (lb4_backend or lb6_backend: `family`, the
+    Maps' BACKEND_VALUES, says its size and how it reads)."""
+
+    __slots__ = ("_raw", "_family")
+
+    def __init__(self, family: BackendValues = BACKEND4, ids: Iterable[int] = (), raw: bytes = b"") -> None:
+        """`ids` and `raw`: the backend ids, each once, in any order, and their values back to back
+        in the same order."""
+        size, view = family.size, memoryview(raw)
+        order = sorted(bid << 32 | i for i, bid in enumerate(ids))  # one int an entry, not a tuple
+        if len(view) != len(order) * size:
+            raise ValueError(f"epx_backend: {len(view)} bytes of values for {len(order)} ids, "
+                             f"not {size} bytes each ({family.name})")
+        out = bytearray(len(view))
+        for j, m in enumerate(order):
+            i = m & 0xFFFFFFFF
+            out[j * size:(j + 1) * size] = view[i * size:(i + 1) * size]
+        self._keys = array(_U32_ARRAY, (m >> 32 for m in order))
+        self._raw, self._family = bytes(out), family
+
+    @classmethod
+    def of(cls, rows: Iterable[tuple[int, bytes]], family: BackendValues = BACKEND4) -> "BackendTable":
+        """From (backend id, raw value) rows (Maps.backend_rows), streamed into two flat buffers."""
+        ids, raw = array(_U32_ARRAY), bytearray()
+        for bid, value in rows:
+            ids.append(bid)
+            raw += value
+        return cls(family, ids, raw)
+
+    def _pack_key(self, key: object) -> int:
+        if type(key) is not int or not 0 <= key < 1 << 32:
+            raise TypeError(key)
+        return key
+
+    def _unpack_key(self, packed: int) -> int:
+        return packed
+
+    def _raw_at(self, index: int) -> bytes:
+        size = self._family.size
+        return self._raw[index * size:(index + 1) * size]
+
+    def _value(self, index: int) -> Backend:
+        return self._family.record(self._raw_at(index))
+
+    def max_id(self) -> int:
+        return self._keys[-1] if self._keys else 0
+
+    def _positions(self, ids: Iterable[int]) -> Iterator[tuple[int, int]]:
+        """(id, its index) of each of `ids` held (the others skipped): the lookups of a whole
+        read-back in one loop, without a Mapping call each."""
+        keys, n = self._keys, len(self._keys)
+        for bid in ids:
+            i = bisect_left(keys, bid)
+            if i < n and keys[i] == bid:
+                yield bid, i
+
+    def pick(self, ids: Iterable[int]) -> Mapping[int, Backend]:
+        """The backends of those of `ids` held, in the order given (each id once), as
+        ServiceEntries keeps them (IPv4: packed maps.Backends, no record made)."""
+        hits = list(self._positions(dict.fromkeys(ids)))
+        return self._family.collect(array(_U32_ARRAY, [bid for bid, _ in hits]).tobytes(),
+                                    b"".join(self._raw_at(i) for _, i in hits))
+
+    def ids_except(self, used: Iterable[int]) -> Iterator[int]:
+        """The backend ids, in order, that `used` does not name: marked in a bytearray (a byte an
+        entry) rather than collected in sets of a million ints."""
+        seen = bytearray(len(self._keys))
+        for _, i in self._positions(used):
+            seen[i] = 1
+        return (bid for bid, hit in zip(self._keys, seen) if not hit)
 
 
 @dataclass
@@ -38,8 +231,8 @@ class Snapshot:
     """The service maps as read back: by service id."""
 
     frontends: dict[int, dict[Frontend, int]] = field(default_factory=lambda: defaultdict(dict))  # id -> fe -> flags
-    slots: dict[tuple[int, int, int, int], int] = field(default_factory=dict)  # (id, bank, scope, slot) -> backend id
-    backends: dict[int, Backend] = field(default_factory=dict)
+    slots: SlotTable = field(default_factory=SlotTable)  # (id, bank, scope, slot) -> backend id
+    backends: BackendTable = field(default_factory=BackendTable)
     ranges: dict[int, set[str]] = field(default_factory=lambda: defaultdict(set))
     owner: dict[Frontend, int] = field(default_factory=dict)  # frontend -> service id
     records: dict[Frontend, Service] = field(default_factory=dict)  # frontend -> its epx_svc entry
@@ -53,19 +246,15 @@ def read(maps: Maps) -> Snapshot:
         snap.frontends[svc.id][fe] = svc.flags & ~s.LB4_F_SLOT_BANK  # the bank is ServiceEntries.bank
         snap.owner[fe] = svc.id
         snap.records[fe] = svc
-    for svc_id, bank, scope, slot, backend_id in maps.slots():
-        snap.slots[(svc_id, bank, scope, slot)] = backend_id
-    snap.backends = maps.backends()
+    snap.slots = SlotTable.of(maps.slots())
+    snap.backends = BackendTable.of(maps.backend_rows(), maps.BACKEND_VALUES)
     for svc_id, cidr in maps.source_ranges():
         snap.ranges[svc_id].add(cidr)
-    svc_ids = {*snap.frontends, *(k[0] for k in snap.slots), *snap.ranges}
-    backend_ids = {*snap.backends, *snap.slots.values()}
+    max_svc_id = max(max(snap.frontends, default=0), snap.slots.max_service_id(), max(snap.ranges, default=0))
+    max_backend_id = max(snap.backends.max_id(), snap.slots.max_backend_id(), maps.max_connection_backend_id())
     for svc_id, backend_id in maps.affinity_ids():
-        svc_ids.add(svc_id)
-        backend_ids.add(backend_id)
-    backend_ids.add(maps.max_connection_backend_id())
-    snap.max_svc_id = max(svc_ids, default=0)
-    snap.max_backend_id = max(backend_ids, default=0)
+        max_svc_id, max_backend_id = max(max_svc_id, svc_id), max(max_backend_id, backend_id)
+    snap.max_svc_id, snap.max_backend_id = max_svc_id, max_backend_id
     return snap
 
 
@@ -73,13 +262,6 @@ def read(maps: Maps) -> Snapshot:
 # (another bank or count: a sync stopped halfway): the flags of no real frontend, so the next
 # apply() rewrites its record whatever the new flags are.
 UNSETTLED = 1 << 31
-
-
-def _contiguous(snap: Snapshot, svc_id: int, bank: int, scope: int, most: int) -> tuple[int, ...]:
-    out: list[int] = []
-    while len(out) < most and (bid := snap.slots.get((svc_id, bank, scope, len(out)))) is not None:
-        out.append(bid)
-    return tuple(out)
 
 
 # The LB4_F_* bits every frontend of one version of a service shares (the others say which kind of
@@ -104,13 +286,13 @@ def entries_of(snap: Snapshot, svc_id: int) -> ServiceEntries:
     else:  # slots without a frontend: take them all
         count, local_count, affinity, flags = 1 << 16, 1 << 16, 0, 0
     bank = slot_bank(flags)
-    cluster = _contiguous(snap, svc_id, bank, s.LB4_SCOPE_CLUSTER, count)
-    local = _contiguous(snap, svc_id, bank, s.LB4_SCOPE_LOCAL, local_count)
+    cluster = snap.slots.run(svc_id, bank, s.LB4_SCOPE_CLUSTER, count)
+    local = snap.slots.run(svc_id, bank, s.LB4_SCOPE_LOCAL, local_count)
     entries = ServiceEntries(
         svc_id=svc_id,
         frontends={fe: (own & ~SERVICE_WIDE) | (flags & SERVICE_WIDE) for fe, own in fronts.items()},
         affinity_timeout=affinity,
-        backends={bid: snap.backends[bid] for bid in (*cluster, *local) if bid in snap.backends},
+        backends=snap.backends.pick((*cluster, *local)),
         cluster_slots=cluster,
         local_slots=local,
         source_ranges=frozenset(snap.ranges.get(svc_id, ())),
@@ -180,14 +362,12 @@ def strays(snap: Snapshot, claimed: Mapping[int, ServiceEntries]) -> Strays:
     orphans = tuple(entries_of(snap, svc_id) for svc_id in sorted(set(snap.frontends) - set(claimed)))
     owners = {**{e.svc_id: e for e in orphans}, **claimed}  # an orphan's own slots go with it (remove())
     slots = []
-    for svc_id, bank, scope, slot in sorted(snap.slots):
+    for svc_id, bank, scope, slot in snap.slots:  # in key order
         owner = owners.get(svc_id)
         if owner is None or bank != owner.bank or \
                 slot >= len(owner.cluster_slots if scope == s.LB4_SCOPE_CLUSTER else owner.local_slots):
             slots.append((svc_id, bank, scope, slot))
-    kept_backends = {bid for e in claimed.values() for bid in e.backends}
-    orphan_backends = {bid for e in orphans for bid in e.backends}
-    backends = tuple(sorted(set(snap.backends) - kept_backends - orphan_backends))
+    backends = tuple(snap.backends.ids_except(bid for e in (*claimed.values(), *orphans) for bid in e.backends))
     ranges = tuple((svc_id, cidr) for svc_id, cidrs in sorted(snap.ranges.items())
                    if svc_id not in snap.frontends and svc_id not in claimed for cidr in sorted(cidrs))
     return Strays(orphans, tuple(slots), backends, ranges)

@@ -467,6 +467,28 @@ for _packer, _mirror in ((_LB4_KEY, s.LB4Key), (_LB4_SERVICE, s.LB4Service), (_L
 _NO_ADDR = bytes(4)
 
 
+@dataclass(frozen=True, slots=True)
+class BackendValues:
+    """How one family's epx_backend values read (Maps.BACKEND_VALUES): adopt.BackendTable keeps
+    a read-back's values raw, a million at 100,000 Services x 10 endpoints, and makes a Backend
+    only for the one asked for."""
+
+    name: str  # the C struct, for error messages
+    size: int  # bytes a value
+    record: Callable[[bytes], Backend]  # one raw value -> its Backend
+    collect: Callable[[bytes, bytes], Mapping[int, Backend]]  # (u32 ids, raw values) -> as ServiceEntries keeps them
+
+
+def _backend4_of(raw: bytes) -> Backend:
+    addr, port, flags = _LB4_BACKEND.unpack(raw)
+    return Backend(socket.inet_ntoa(addr), socket.ntohs(port), bool(flags & s.LB4_BE_IN_CLUSTER),
+                   bool(flags & s.LB4_BE_IN_LOCAL))
+
+
+# Backends holds the ids then the lb4_backend values as the map does: a read-back packs as it is.
+BACKEND4 = BackendValues("lb4_backend", _LB4_BACKEND.size, _backend4_of, lambda ids, values: Backends(ids + values))
+
+
 def pack_frontend(fe: Frontend) -> bytes:
     """epx_svc's key for `fe`, packed."""
     return _LB4_KEY.pack(socket.inet_aton(fe.addr) if fe.addr else _NO_ADDR, socket.htons(fe.port), fe.proto)
@@ -511,6 +533,8 @@ class MapFull(OSError):
 
 class Maps:
     """The datapath's maps by name -> fd (from loader.Loaded, or opened from pins)."""
+
+    BACKEND_VALUES = BACKEND4  # what epx_backend's values are (Maps6: lb6_backend)
 
     def __init__(self, fds: Mapping[str, int], owned: bool = False) -> None:
         missing = set(s.MAPS) - set(fds)
@@ -730,6 +754,12 @@ class Maps:
                              in_local=bool(v.flags & s.LB4_BE_IN_LOCAL))
             for k, v in self._items("epx_backend")
         }
+
+    def backend_rows(self) -> Iterator[tuple[int, bytes]]:
+        """Every epx_backend entry (epx_backend6 in Maps6) as (backend id, raw value): for readers
+        of a million entries that keep them packed (adopt.read); BACKEND_VALUES reads a value."""
+        for k, v in self._items(self._name("epx_backend")):
+            yield k.value, bytes(v)
 
     def slots(self) -> Iterator[tuple[int, int, int, int, int]]:
         """Every epx_slot entry as (service id, bank, scope, slot, backend id)."""
@@ -1145,9 +1175,20 @@ def _frontend_key6(fe: Frontend) -> s.LB6Key:
     return s.LB6Key(addr=in6(fe.addr), port=be16(fe.port), proto=fe.proto)
 
 
+def _backend6_of(raw: bytes) -> Backend:
+    addr, port, flags = _LB6_BACKEND.unpack(raw)
+    return Backend(socket.inet_ntop(socket.AF_INET6, addr), socket.ntohs(port), bool(flags & s.LB4_BE_IN_CLUSTER),
+                   bool(flags & s.LB4_BE_IN_LOCAL))
+
+
 def _backend6(v: s.LB6Backend) -> Backend:
-    return Backend(ip6_str(v.addr), port_int(v.port), in_cluster=bool(v.flags & s.LB4_BE_IN_CLUSTER),
-                   in_local=bool(v.flags & s.LB4_BE_IN_LOCAL))
+    return _backend6_of(bytes(v))
+
+
+# Backends packs IPv4 only: an IPv6 service port's backends are a dict of records (Backends.pack).
+BACKEND6 = BackendValues("lb6_backend", _LB6_BACKEND.size, _backend6_of, lambda ids, values: {
+    bid: _backend6_of(values[i * _LB6_BACKEND.size:(i + 1) * _LB6_BACKEND.size])
+    for i, bid in enumerate(array(_ID, ids))})
 
 
 class Maps6(Maps):
@@ -1160,6 +1201,7 @@ class Maps6(Maps):
     flags, epx_iface) stay the parent's: config() here is epx_config6."""
 
     _CT = _CT6
+    BACKEND_VALUES = BACKEND6
     _NAMES = {"epx_svc": "epx_svc6", "epx_backend": "epx_backend6", "epx_slot": "epx_slot6",
               "epx_affinity": "epx_affinity6", "epx_src_range": "epx_src_range6",
               "epx_node_addr": "epx_node_addr6", "epx_pod_cidr": "epx_pod_cidr6"}

@@ -1,0 +1,216 @@
+"""The read-back of the service maps (adopt.read: a restart, every drift audit) holds epx_slot and
+epx_backend packed (issue 12: ~470 MiB at 100,000 Services x 10 endpoints as dicts of tuples and
+records). The packed tables must answer exactly what those dicts answered; the maps here are a
+fake with the readers adopt.read uses, so the comparison runs without the kernel."""
+
+import random
+import socket
+import sys
+
+from ebpf_proxy.datapath.ebpf import adopt
+from ebpf_proxy.datapath.ebpf import structs as s
+from ebpf_proxy.datapath.ebpf.maps import BACKEND4, BACKEND6, Backend, Backends, Frontend, Maps, Maps6, Service
+
+CLUSTER, LOCAL = s.LB4_SCOPE_CLUSTER, s.LB4_SCOPE_LOCAL
+
+
+def raw_backend(bid: int, addr: str, port: int, flags: int) -> tuple[int, bytes]:
+    """(id, lb4_backend or lb6_backend value) as epx_backend(6) holds them (Maps.backend_rows),
+    built from structs.py's mirrors, not from the packers under test."""
+    if ":" in addr:
+        value = s.LB6Backend(addr=s.In6.from_buffer_copy(socket.inet_pton(socket.AF_INET6, addr)),
+                             port=socket.htons(port), flags=flags)
+    else:
+        value = s.LB4Backend(addr=int.from_bytes(socket.inet_aton(addr), sys.byteorder), port=socket.htons(port), flags=flags)
+    return bid, bytes(value)
+
+
+def record(addr: str, port: int, flags: int) -> Backend:
+    return Backend(addr, port, in_cluster=bool(flags & s.LB4_BE_IN_CLUSTER), in_local=bool(flags & s.LB4_BE_IN_LOCAL))
+
+
+class FakeMaps:
+    """The readers adopt.read calls, over lists of rows."""
+
+    BACKEND_VALUES = Maps.BACKEND_VALUES
+
+    def __init__(self, services, slots, backends, affinity=(), max_connection_backend_id=0, family=BACKEND4):
+        self._services, self._slots, self._backends = services, slots, backends
+        self.BACKEND_VALUES = family
+        self._affinity, self._ct_max = affinity, max_connection_backend_id
+
+    def services(self):
+        return iter(self._services)
+
+    def slots(self):
+        return iter(self._slots)
+
+    def backend_rows(self):
+        return iter(self._backends)
+
+    def backends(self):
+        return {bid: self.BACKEND_VALUES.record(raw) for bid, raw in self._backends}
+
+    def source_ranges(self):
+        return iter(())
+
+    def affinity_ids(self):
+        return iter(self._affinity)
+
+    def max_connection_backend_id(self):
+        return self._ct_max
+
+
+SLOT_ROWS = [  # (service id, bank, scope, slot, backend id); service 2 has a hole after slot 1
+    (1, 0, CLUSTER, 0, 11), (1, 0, CLUSTER, 1, 12), (1, 0, LOCAL, 0, 12), (1, 1, CLUSTER, 0, 99),
+    (2, 0, CLUSTER, 0, 21), (2, 0, CLUSTER, 1, 22), (2, 0, CLUSTER, 3, 24),
+    ((1 << 32) - 1, 255, 255, (1 << 16) - 1, (1 << 32) - 1),  # every field at its widest
+]
+BACKEND_ROWS = [
+    raw_backend(11, "10.244.1.11", 8080, s.LB4_BE_IN_CLUSTER),
+    raw_backend(12, "10.244.1.12", 65535, s.LB4_BE_IN_CLUSTER | s.LB4_BE_IN_LOCAL),
+    raw_backend(21, "0.0.0.0", 0, 0),
+    raw_backend(22, "255.255.255.255", 1, s.LB4_BE_IN_LOCAL),
+    raw_backend(77, "10.244.9.9", 53, s.LB4_BE_IN_CLUSTER),  # referenced by no slot
+]
+RECORDS = {  # what BACKEND_ROWS hold, written out
+    11: record("10.244.1.11", 8080, s.LB4_BE_IN_CLUSTER),
+    12: record("10.244.1.12", 65535, s.LB4_BE_IN_CLUSTER | s.LB4_BE_IN_LOCAL),
+    21: record("0.0.0.0", 0, 0),
+    22: record("255.255.255.255", 1, s.LB4_BE_IN_LOCAL),
+    77: record("10.244.9.9", 53, s.LB4_BE_IN_CLUSTER),
+}
+BACKEND6_ROWS = [  # epx_backend6: the same ids, IPv6 addresses (lb6_backend, 20 bytes a value)
+    raw_backend(11, "fd00:10:244::11", 8080, s.LB4_BE_IN_CLUSTER),
+    raw_backend(12, "fd00:10:244:1::12", 65535, s.LB4_BE_IN_CLUSTER | s.LB4_BE_IN_LOCAL),
+    raw_backend(21, "::", 0, 0),
+    raw_backend(22, "ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff", 1, s.LB4_BE_IN_LOCAL),
+    raw_backend(77, "::ffff:10.244.9.9", 53, s.LB4_BE_IN_CLUSTER),
+]
+RECORDS6 = {
+    11: record("fd00:10:244::11", 8080, s.LB4_BE_IN_CLUSTER),
+    12: record("fd00:10:244:1::12", 65535, s.LB4_BE_IN_CLUSTER | s.LB4_BE_IN_LOCAL),
+    21: record("::", 0, 0),
+    22: record("ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff", 1, s.LB4_BE_IN_LOCAL),
+    77: record("::ffff:10.244.9.9", 53, s.LB4_BE_IN_CLUSTER),
+}
+
+
+def shuffled(rows, seed=12):
+    rows = list(rows)
+    random.Random(seed).shuffle(rows)
+    return rows
+
+
+def test_the_slot_table_answers_what_the_dict_it_replaces_answered():
+    table = adopt.SlotTable.of(shuffled(SLOT_ROWS))
+    plain = {row[:4]: row[4] for row in SLOT_ROWS}
+    assert len(table) == len(plain)
+    assert list(table) == sorted(plain), "iterated in key order (strays() relies on it)"
+    assert list(table.items()) == sorted(plain.items()) and dict(table) == plain
+    assert sorted(table.values()) == sorted(plain.values())
+    for key, bid in plain.items():
+        assert key in table and table[key] == bid and table.get(key) == bid
+    for missing in ((1, 0, CLUSTER, 2), (2, 0, CLUSTER, 2), (3, 0, CLUSTER, 0), (1, 0, 2, 0), (-1, 0, 0, 0),
+                    (1 << 32, 0, 0, 0), (1, 0, CLUSTER, 1 << 16), "junk"):
+        assert missing not in table and table.get(missing) is None
+    assert table.max_service_id() == (1 << 32) - 1 and table.max_backend_id() == (1 << 32) - 1
+
+
+def test_a_slot_run_stops_at_the_first_missing_slot_and_at_most():
+    table = adopt.SlotTable.of(shuffled(SLOT_ROWS))
+    assert table.run(1, 0, CLUSTER, 10) == (11, 12)
+    assert table.run(1, 0, CLUSTER, 1) == (11,)
+    assert table.run(1, 0, LOCAL, 10) == (12,)
+    assert table.run(1, 1, CLUSTER, 10) == (99,), "the other bank is apart"
+    assert table.run(2, 0, CLUSTER, 1 << 16) == (21, 22), "slot 3 is past the hole"
+    assert table.run(3, 0, CLUSTER, 10) == () and table.run(1, 0, CLUSTER, 0) == ()
+    # a full run of 65,536 slots does not run on into the next scope's slot 0
+    full = adopt.SlotTable.of([(5, 0, CLUSTER, i, i + 1) for i in range(1 << 16)] + [(5, 0, CLUSTER + 1, 0, 7)])
+    assert len(full.run(5, 0, CLUSTER, 1 << 17)) == 1 << 16
+
+
+def test_an_empty_read_back_has_no_ids():
+    table, backends = adopt.SlotTable(), adopt.BackendTable()
+    assert len(table) == 0 and list(table) == [] and table.get((1, 0, 0, 0)) is None
+    assert table.max_service_id() == 0 and table.max_backend_id() == 0
+    assert backends.max_id() == 0 and backends.get(1) is None and list(backends.ids_except([1])) == []
+
+
+def test_the_backend_table_makes_the_records_the_map_reader_makes():
+    table = adopt.BackendTable.of(shuffled(BACKEND_ROWS))
+    plain = RECORDS
+    assert list(table) == sorted(plain) and dict(table.items()) == plain and len(table) == len(plain)
+    assert plain[12] == Backend("10.244.1.12", 65535, in_cluster=True, in_local=True)
+    assert plain[21] == Backend("0.0.0.0", 0, in_cluster=False, in_local=False)
+    for bid, be in plain.items():
+        assert table[bid] == be and table.get(bid) == be and bid in table
+    assert 13 not in table and table.get(13) is None and "11" not in table and table.get(-1) is None
+    assert table.max_id() == 77
+
+
+def test_picked_backends_are_packed_like_the_records_in_the_order_asked():
+    table = adopt.BackendTable.of(shuffled(BACKEND_ROWS))
+    plain = RECORDS
+    picked = table.pick([22, 11, 13, 22, 12])
+    assert isinstance(picked, Backends)
+    assert list(picked.items()) == [(22, plain[22]), (11, plain[11]), (12, plain[12])], "each id once, missing skipped"
+    assert picked == Backends.pack({22: plain[22], 11: plain[11], 12: plain[12]})
+    assert picked.map_entries() == [(key, value) for bid in (22, 11, 12)
+                                    for key, value in [(bid.to_bytes(4, sys.byteorder), dict(BACKEND_ROWS)[bid])]], \
+        "the values as the map holds them"
+    assert list(table.ids_except([11, 12, 13, 12])) == [21, 22, 77]
+
+
+def test_read_matches_the_maps_and_counts_every_id_in_use():
+    services = [(Frontend("10.96.0.1", 80), Service(1, 2, 1, flags=s.LB4_F_HAS_ENDPOINTS)),
+                (Frontend("10.96.0.2", 53, socket.IPPROTO_UDP), Service(2, 2))]
+    maps = FakeMaps(services, SLOT_ROWS[:-1], BACKEND_ROWS)
+    snap = adopt.read(maps)
+    assert dict(snap.slots) == {row[:4]: row[4] for row in SLOT_ROWS[:-1]}
+    assert dict(snap.backends.items()) == RECORDS
+    assert (snap.max_svc_id, snap.max_backend_id) == (2, 99), "slot 99 of bank 1 counts, though no backend"
+    snap = adopt.read(FakeMaps(services, SLOT_ROWS[:-1], BACKEND_ROWS, affinity=[(9, 5)], max_connection_backend_id=300))
+    assert (snap.max_svc_id, snap.max_backend_id) == (9, 300)
+    entries = adopt.entries_of(snap, 1)
+    assert entries.cluster_slots == (11, 12) and entries.local_slots == (12,)
+    assert dict(entries.backends.items()) == {11: RECORDS[11], 12: RECORDS[12]}
+
+
+def test_strays_are_what_no_claimed_service_reads_in_key_order():
+    services = [(Frontend("10.96.0.1", 80), Service(1, 2, 1))]
+    snap = adopt.read(FakeMaps(services, SLOT_ROWS[:-1], BACKEND_ROWS))
+    found = adopt.strays(snap, {1: adopt.entries_of(snap, 1)})
+    assert found.services == ()
+    assert found.slots == ((1, 1, CLUSTER, 0), (2, 0, CLUSTER, 0), (2, 0, CLUSTER, 1), (2, 0, CLUSTER, 3))
+    assert found.backends == (21, 22, 77), "service 1 reads 11 and 12; 21 and 22 only from slots of no service"
+
+
+def test_ipv6_backends_are_held_raw_and_read_as_maps6_reads_them():
+    assert Maps6.BACKEND_VALUES is BACKEND6 and Maps.BACKEND_VALUES is BACKEND4 and BACKEND6.size == 20
+    table = adopt.BackendTable.of(shuffled(BACKEND6_ROWS), BACKEND6)
+    assert list(table) == sorted(RECORDS6) and dict(table.items()) == RECORDS6
+    assert table[22] == RECORDS6[22] and 13 not in table and table.max_id() == 77
+    picked = table.pick([22, 11, 13, 22])
+    assert list(picked.items()) == [(22, RECORDS6[22]), (11, RECORDS6[11])]
+    assert picked == Backends.pack({22: RECORDS6[22], 11: RECORDS6[11]}), "as ServiceEntries keeps IPv6 backends"
+    assert list(table.ids_except([11, 77])) == [12, 21, 22]
+
+
+def test_an_ipv6_read_back_builds_the_entries_maps6_wrote():
+    services = [(Frontend("fd00:96::1", 80), Service(1, 2, 1, flags=s.LB4_F_HAS_ENDPOINTS))]
+    snap = adopt.read(FakeMaps(services, SLOT_ROWS[:-1], BACKEND6_ROWS, family=BACKEND6))
+    entries = adopt.entries_of(snap, 1)
+    assert entries.cluster_slots == (11, 12) and entries.local_slots == (12,)
+    assert dict(entries.backends.items()) == {11: RECORDS6[11], 12: RECORDS6[12]}
+    found = adopt.strays(snap, {1: entries})
+    assert found.backends == (21, 22, 77)
+
+
+def test_values_of_another_size_are_refused_naming_the_struct():
+    try:
+        adopt.BackendTable.of(BACKEND6_ROWS)  # lb6_backend values read as lb4_backend ones
+    except ValueError as exc:
+        assert "lb4_backend" in str(exc) and "epx_backend" in str(exc)
+    else:
+        raise AssertionError("20-byte values taken as 8-byte lb4_backend ones")
