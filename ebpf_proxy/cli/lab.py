@@ -177,7 +177,9 @@ def exec_(name: str, where: str, command: tuple[str, ...]) -> None:
              "  ebpf-proxy lab probe --from outside --to 172.20.20.16:30294/udp")
 @name_option
 @click.option("--from", "where", required=True, help="Node, pod or client to send from.")
-@click.option("--to", "target", required=True, help="IP:PORT[/tcp|udp]")
+@click.option("--to", "target", required=True,
+              help="IP:PORT[/tcp|udp|sctp] (default tcp), IPv6 [IP]:PORT[/...]; sctp needs kernel SCTP sockets "
+                   "(modprobe sctp), else the probe fails saying so.")
 @click.option("--source-ip", help="Which of WHERE's addresses to send from (e.g. a node's extra IP, 127.0.0.1).")
 @click.option("--count", type=click.IntRange(1, 100000), default=1, show_default=True, help="Fresh connections to open.")
 @click.option("--timeout", type=float, default=1.0, show_default=True, help="Seconds before an attempt counts as dropped.")

@@ -257,7 +257,7 @@ class Lab:
         ready.unlink(missing_ok=True)
         try:
             argv = echod.server_argv(pod.server, pod.name, pod.listen, ready, ipv6=any(":" in ip for ip in pod.ips))
-        except cbuild.BuildError as exc:
+        except (cbuild.BuildError, ValueError) as exc:
             raise LabError(f"pod {pod.name}: server {pod.server}: {exc}") from None
         proc = nsexec.spawn(naming.pod_netns(self.name, pod.name), argv,
                             log_path=str(self.dir / f"echo-{pod.name}.log"))

@@ -1,12 +1,14 @@
 """The lab's echo server: runs in every pod and tells each client who answered and what it saw.
 
-    python -m ebpf_proxy.lab.echo --pod NAME --listen 80/tcp --listen 53/udp [--ready-file F]
+    python -m ebpf_proxy.lab.echo --pod NAME --listen 80/tcp --listen 53/udp --listen 3868/sctp [--ready-file F]
 
 Every answer is one JSON object, `{"pod", "local", "peer", "proto"}`: `local` is the address the
 connection or datagram arrived on *after* any DNAT (the backend address), `peer` the source the
 pod saw (so SNAT/masquerade is visible). That is what lets a probe check a service proxy's
 packet-level decisions from outside. TCP: the line is sent on accept, then everything the client
-sends is echoed back until EOF (benchmarks use that for request/response). UDP: each datagram gets
+sends is echoed back until EOF (benchmarks use that for request/response). SCTP (one-to-one
+sockets) is served exactly as TCP, where the kernel has SCTP sockets; where it has not, the
+server logs one line saying SCTP is not served and why, and serves the rest. UDP: each datagram gets
 the same object, plus the request payload under "echo" (decoded as UTF-8 with replacement, cut to
 ECHO_CAP bytes so the reply stays within one MTU-sized datagram).
 
@@ -28,7 +30,9 @@ import struct
 import sys
 from dataclasses import dataclass, field
 
-PROTOS = ("tcp", "udp")
+from ebpf_proxy.lab.sctp import sctp_available
+
+PROTOS = ("tcp", "udp", "sctp")
 ECHO_CAP = 1024
 REPLY_KEYS = ("pod", "local", "peer", "proto")
 
@@ -43,6 +47,7 @@ _PKTINFO6 = struct.Struct("=16sI")  # struct in6_pktinfo: addr, ifindex
 _READ_CHUNK = 65536
 _OUTBUF_HIGH = 1 << 20  # stop reading from a client that does not read its echo
 _UDP_BATCH = 64  # datagrams per wake-up, so one busy UDP port cannot starve the rest
+_SCTP_NODELAY = getattr(socket, "SCTP_NODELAY", 3)  # linux/sctp.h; Python exports it only with SCTP headers
 
 
 # --- wire format -------------------------------------------------------------------------------
@@ -77,7 +82,7 @@ def parse_reply(data: bytes) -> dict[str, str] | None:
 
 @dataclass(frozen=True)
 class Listen:
-    """One port to serve; parsed from 'PORT[/tcp|udp]'."""
+    """One port to serve; parsed from 'PORT[/tcp|udp|sctp]'."""
 
     port: int
     proto: str = "tcp"
@@ -87,11 +92,11 @@ class Listen:
 
 
 def parse_listen(spec: str) -> Listen:
-    """Parse '--listen' values such as '80/tcp', '53/udp' or '8080' (tcp)."""
+    """Parse '--listen' values such as '80/tcp', '53/udp', '3868/sctp' or '8080' (tcp)."""
     port_s, _, proto = spec.strip().partition("/")
     proto = (proto or "tcp").lower()
     if proto not in PROTOS:
-        raise ValueError(f"listen {spec!r}: protocol must be tcp or udp")
+        raise ValueError(f"listen {spec!r}: protocol must be tcp, udp or sctp")
     if not port_s.isdigit() or not 1 <= int(port_s) <= 65535:
         raise ValueError(f"listen {spec!r}: port must be a number from 1 to 65535")
     return Listen(int(port_s), proto)
@@ -114,9 +119,11 @@ class EchoServer:
     until stop() — which is safe to call from a signal handler or another thread.
     """
 
-    def __init__(self, pod: str, listens: list[Listen], host: str = "0.0.0.0", ipv6: bool = False) -> None:
+    def __init__(self, pod: str, listens: list[Listen], host: str = "0.0.0.0", ipv6: bool = False,
+                 log=None) -> None:
         """`ipv6`: serve every listen on IPv6 (`::`, IPv6 only) as well, for a pod with an IPv6
-        address; separate sockets, so IPv4 peers are reported as plain IPv4, never ::ffff:a.b.c.d."""
+        address; separate sockets, so IPv4 peers are reported as plain IPv4, never ::ffff:a.b.c.d.
+        `log(line)` receives the one line saying SCTP listens are not served (default: stderr)."""
         if not listens:
             raise ValueError("nothing to listen on")
         self.pod = pod
@@ -128,6 +135,8 @@ class EchoServer:
         self._conns: dict[int, _Conn] = {}
         self._wake_r, self._wake_w = socket.socketpair()
         self._stopping = False
+        self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.unserved: list[Listen] = []  # SCTP listens this kernel cannot serve (see bind)
 
     # lifecycle
 
@@ -137,10 +146,20 @@ class EchoServer:
         self._wake_w.setblocking(False)
         self._sel.register(self._wake_r, selectors.EVENT_READ, self._on_wake)
         families = [socket.AF_INET, socket.AF_INET6] if self.ipv6 else [socket.AF_INET]
-        for listen in self.listens:
+        listens = self.listens
+        if any(listen.proto == "sctp" for listen in listens):
+            why = sctp_available()
+            if why is not None:  # serve the rest: a pod's TCP and UDP do not depend on SCTP
+                self.unserved = [listen for listen in listens if listen.proto == "sctp"]
+                listens = [listen for listen in listens if listen.proto != "sctp"]
+                self._log(f"echo[{self.pod}]: not serving {', '.join(map(str, self.unserved))}: {why}")
+        for listen in listens:
             for family in families:
-                make = self._tcp_listener if listen.proto == "tcp" else self._udp_socket
-                self._listeners.append(make(listen.port, family))
+                if listen.proto == "udp":
+                    self._listeners.append(self._udp_socket(listen.port, family))
+                else:
+                    proto = socket.IPPROTO_SCTP if listen.proto == "sctp" else socket.IPPROTO_TCP
+                    self._listeners.append(self._stream_listener(listen.port, family, proto))
 
     def serve_forever(self) -> None:
         while not self._stopping:
@@ -171,7 +190,7 @@ class EchoServer:
         out = []
         for sock in self._listeners:
             host, port = sock.getsockname()[:2]
-            out.append((host, port, "tcp" if sock.type == socket.SOCK_STREAM else "udp"))
+            out.append((host, port, _proto_name(sock)))
         return out
 
     # sockets
@@ -179,8 +198,10 @@ class EchoServer:
     def _host(self, family: int) -> str:
         return self.host if family == socket.AF_INET else "::"
 
-    def _tcp_listener(self, port: int, family: int = socket.AF_INET) -> socket.socket:
-        sock = socket.socket(family, socket.SOCK_STREAM)
+    def _stream_listener(self, port: int, family: int = socket.AF_INET,
+                         proto: int = socket.IPPROTO_TCP) -> socket.socket:
+        """A listening TCP or one-to-one SCTP socket: both accept() connections served alike."""
+        sock = socket.socket(family, socket.SOCK_STREAM, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if family == socket.AF_INET6:
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
@@ -219,9 +240,13 @@ class EchoServer:
             except OSError:  # e.g. ECONNABORTED, EMFILE: skip this one, keep serving
                 return
             sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            proto = _proto_name(listener)
+            if proto == "tcp":
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            else:  # SCTP_NODELAY: the same option number, at SCTP's level
+                sock.setsockopt(socket.IPPROTO_SCTP, _SCTP_NODELAY, 1)
             local = sock.getsockname()
-            conn = _Conn(sock, bytearray(reply_line(self.pod, format_addr(*local[:2]), format_addr(*peer[:2]), "tcp")))
+            conn = _Conn(sock, bytearray(reply_line(self.pod, format_addr(*local[:2]), format_addr(*peer[:2]), proto)))
             self._conns[sock.fileno()] = conn
             self._sel.register(sock, selectors.EVENT_READ, self._on_conn)
             self._flush(conn)
@@ -306,6 +331,13 @@ class EchoServer:
         return None
 
 
+def _proto_name(sock: socket.socket) -> str:
+    """"tcp", "udp" or "sctp": the listen protocol a server socket serves."""
+    if sock.type == socket.SOCK_DGRAM:
+        return "udp"
+    return "sctp" if sock.proto == socket.IPPROTO_SCTP else "tcp"
+
+
 # --- command line ------------------------------------------------------------------------------
 
 
@@ -323,7 +355,7 @@ def write_ready_file(path: str, server: EchoServer) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ebpf_proxy.lab.echo", description=__doc__.split("\n")[0])
     parser.add_argument("--pod", required=True, help="name reported in every reply")
-    parser.add_argument("--listen", action="append", required=True, type=parse_listen, metavar="PORT[/tcp|udp]")
+    parser.add_argument("--listen", action="append", required=True, type=parse_listen, metavar="PORT[/tcp|udp|sctp]")
     parser.add_argument("--ready-file", help="written (atomically) once every socket is bound; removed on exit")
     parser.add_argument("--host", default="0.0.0.0", help="IPv4 address to bind (default: all)")
     parser.add_argument("--ipv6", action="store_true", help="serve on IPv6 (::) as well")

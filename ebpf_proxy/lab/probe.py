@@ -25,6 +25,10 @@ reduced to one of exactly three outcomes, the ones a service proxy can produce f
            Beware the kernel's ICMP rate limit (a burst of ~6-8 errors per destination, then ~1/s):
            a burst of UDP probes to a port that REJECTs turns into timeouts after the first few.
 
+SCTP (`IP:PORT/sctp`) is probed as TCP is, over a one-to-one socket: an ABORT is refused
+(ECONNREFUSED), no INIT ACK in time is a timeout. On a kernel without SCTP sockets the probe
+cannot be made and raises ProbeError naming the cause (lab/sctp.py).
+
 Anything else (the source IP is not configured, file descriptors exhausted...) is a mistake in
 the set-up, not an outcome: it raises ProbeError.
 
@@ -51,6 +55,7 @@ from typing import Any, Callable
 
 from ebpf_proxy.lab._setns import run_in_netns
 from ebpf_proxy.lab.echo import PROTOS, format_addr, parse_reply
+from ebpf_proxy.lab.sctp import sctp_available
 
 DEFAULT_PAYLOAD = b"probe"
 MAX_LINE = 4096  # our echo server's line is ~120 bytes; a longer "line" is not ours
@@ -72,7 +77,7 @@ class Outcome(StrEnum):
 
 
 class TargetError(ValueError):
-    """A target string that is not IP:PORT[/tcp|udp]."""
+    """A target string that is not IP:PORT[/tcp|udp|sctp]."""
 
 
 class ProbeError(RuntimeError):
@@ -101,20 +106,20 @@ class Target:
 
 
 def parse_target(text: str, proto: str | None = None) -> Target:
-    """Parse 'IP:PORT[/tcp|udp]' ('[IPv6]:PORT' for IPv6); `proto` fills in (or must agree with) the suffix."""
+    """Parse 'IP:PORT[/tcp|udp|sctp]' ('[IPv6]:PORT[/...]' for IPv6); `proto` fills in (or must agree with) the suffix."""
     if not isinstance(text, str):
-        raise TargetError(f"target must be a string IP:PORT[/tcp|udp], not {type(text).__name__}")
+        raise TargetError(f"target must be a string IP:PORT[/tcp|udp|sctp], not {type(text).__name__}")
     raw = text.strip()
     if not raw:
-        raise TargetError("empty target: expected IP:PORT[/tcp|udp], e.g. 10.96.0.10:80/tcp")
+        raise TargetError("empty target: expected IP:PORT[/tcp|udp|sctp], e.g. 10.96.0.10:80/tcp")
     addr_part, slash, suffix = raw.partition("/")
     suffix = suffix.lower()
     if slash and suffix not in PROTOS:
-        raise TargetError(f"target {text!r}: protocol after '/' must be tcp or udp, not {suffix!r}")
+        raise TargetError(f"target {text!r}: protocol after '/' must be tcp, udp or sctp, not {suffix!r}")
     if proto is not None:
         proto = proto.lower()
         if proto not in PROTOS:
-            raise TargetError(f"protocol must be tcp or udp, not {proto!r}")
+            raise TargetError(f"protocol must be tcp, udp or sctp, not {proto!r}")
         if slash and suffix != proto:
             raise TargetError(f"target {text!r} says /{suffix} but proto={proto!r} was asked for")
     final_proto = suffix or proto or "tcp"
@@ -127,7 +132,7 @@ def parse_target(text: str, proto: str | None = None) -> Target:
     else:
         host, colon, port_s = addr_part.rpartition(":")
         if not colon:
-            raise TargetError(f"target {text!r}: missing ':PORT' (expected IP:PORT[/tcp|udp])")
+            raise TargetError(f"target {text!r}: missing ':PORT' (expected IP:PORT[/tcp|udp|sctp])")
         if ":" in host:
             raise TargetError(f"target {text!r}: write IPv6 addresses as [IPv6]:PORT")
     if not host:
@@ -247,8 +252,8 @@ def _answered(data: bytes) -> ProbeResult:
     return ProbeResult(Outcome.OK, reply["pod"], reply["local"], reply["peer"])
 
 
-def _new_socket(target: Target, kind: int, source_ip: str | None) -> socket.socket:
-    sock = socket.socket(target.family, kind)
+def _new_socket(target: Target, kind: int, source_ip: str | None, proto: int = 0) -> socket.socket:
+    sock = socket.socket(target.family, kind, proto)
     if source_ip is not None:
         if kind == socket.SOCK_STREAM:
             try:
@@ -263,9 +268,11 @@ def _new_socket(target: Target, kind: int, source_ip: str | None) -> socket.sock
     return sock
 
 
-def _tcp_once(target: Target, source_ip: str | None, timeout: float) -> ProbeResult:
+def _stream_once(target: Target, source_ip: str | None, timeout: float, proto: int = 0) -> ProbeResult:
+    """One TCP connection, or (proto IPPROTO_SCTP) one SCTP association on a one-to-one socket:
+    connect, then read the echo server's line."""
     deadline = time.monotonic() + timeout
-    sock = _new_socket(target, socket.SOCK_STREAM, source_ip)
+    sock = _new_socket(target, socket.SOCK_STREAM, source_ip, proto)
     try:
         sock.settimeout(timeout)
         try:
@@ -315,7 +322,9 @@ def _udp_once(target: Target, source_ip: str | None, timeout: float, payload: by
 
 def _run(target: Target, count: int, source_ip: str | None, timeout: float, payload: bytes) -> list[ProbeResult]:
     if target.proto == "tcp":
-        return [_tcp_once(target, source_ip, timeout) for _ in range(count)]
+        return [_stream_once(target, source_ip, timeout) for _ in range(count)]
+    if target.proto == "sctp":
+        return [_stream_once(target, source_ip, timeout, socket.IPPROTO_SCTP) for _ in range(count)]
     return [_udp_once(target, source_ip, timeout, payload) for _ in range(count)]
 
 
@@ -373,7 +382,7 @@ def probe(
     cgroup: str | None = None,
     payload: bytes = DEFAULT_PAYLOAD,
 ) -> ProbeReport:
-    """Make `count` fresh TCP connections or UDP exchanges to `target`, one after another, from netns `netns`.
+    """Make `count` fresh TCP connections, UDP exchanges or SCTP associations to `target`, one after another, from netns `netns`.
 
     `netns` None probes from the caller's own namespace. `source_ip` is bound before connecting
     (it must be configured in that netns). `timeout` bounds each attempt as a whole. `label` is
@@ -396,6 +405,8 @@ def probe(
         if (src.version == 6) != (tgt.family == socket.AF_INET6):
             raise ProbeError(f"source IP {source_ip} and target {tgt} are not the same IP version")
         source_ip = str(src)
+    if tgt.proto == "sctp" and (why := sctp_available()) is not None:
+        raise ProbeError(f"cannot probe {tgt}: {why}")
     if cgroup is not None:
         results = _run_in_subprocess(netns, cgroup, tgt, count, source_ip, timeout, payload)
     else:
@@ -447,7 +458,7 @@ def wait_until_ok(
 def main(argv: list[str] | None = None) -> int:
     """`python -m ebpf_proxy.lab.probe TARGET ...`: print the report; exit 0 if all ok, 1 if not, 2 on errors."""
     parser = argparse.ArgumentParser(prog="python -m ebpf_proxy.lab.probe", description=probe.__doc__.split("\n")[0])
-    parser.add_argument("target", help="IP:PORT[/tcp|udp]")
+    parser.add_argument("target", help="IP:PORT[/tcp|udp|sctp]")
     parser.add_argument("--netns", help="probe from this named netns (default: where we run)")
     parser.add_argument("--cgroup", help="join this cgroup v2 directory first (cgroup BPF hooks then apply)")
     parser.add_argument("--from", dest="label", help='the report\'s "from" label')

@@ -24,7 +24,9 @@ not a silently ignored setting)::
                                     #   .0 network and .1 gateway addresses and taken ones);
                                     #   a fixed IP may lie outside the podCIDR
         labels: {app: web}          # optional, string values
-        listen: [80/tcp, 53/udp]    # optional, default [80/tcp]: what the pod's server serves
+        listen: [80/tcp, 53/udp]    # optional, default [80/tcp]: what the pod's server serves;
+                                    #   PORT/sctp too (python server only; served where the
+                                    #   kernel has SCTP sockets, else logged and skipped)
         server: native              # optional, default python: the echo server that answers;
                                     #   native is echod.c, one thread per CPU (the bench's
                                     #   backends, so the server is not what a rate measures)
@@ -91,7 +93,7 @@ DEFAULT_POD_CIDR_PREFIXES = {4: 24, 6: 64}
 DEFAULT_NAMESPACE = "default"
 DEFAULT_LISTEN = ("80/tcp",)
 DEFAULT_POD_CIDR_PREFIX = 24
-PROTOCOLS = ("tcp", "udp")
+PROTOCOLS = ("tcp", "udp", "sctp")
 
 _TOP_KEYS = ("serviceCIDR", "serviceNodePortRange", "clusterCIDR", "apiServerIP", "nodes", "pods", "clients",
              "kubeProxyConfiguration", "agentArgs")
@@ -503,12 +505,12 @@ def _pair(value: Any, where: str, one) -> list[Any]:
 def _listen_entry(value: Any, where: str) -> tuple[int, str]:
     match = _LISTEN.match(value) if isinstance(value, str) else None
     if not match:
-        raise TopologyError(where, f"{value!r} is not PORT/tcp or PORT/udp")
+        raise TopologyError(where, f"{value!r} is not PORT/tcp, PORT/udp or PORT/sctp")
     port, proto = int(match.group(1)), match.group(2).lower()
     if not 1 <= port <= 65535:
         raise TopologyError(where, f"{value!r}: port {port} is outside 1-65535")
     if proto not in PROTOCOLS:
-        raise TopologyError(where, f"{value!r}: protocol {proto!r} is not tcp or udp")
+        raise TopologyError(where, f"{value!r}: protocol {proto!r} is not tcp, udp or sctp")
     return port, proto
 
 
@@ -783,6 +785,9 @@ class _Parser:
             server = obj.get("server", "python")
             if server not in SERVERS:
                 raise TopologyError(f"{where}.server", f"{server!r} is not one of {', '.join(SERVERS)}")
+            if server == "native" and any(entry.endswith("/sctp") for entry in listen):
+                raise TopologyError(f"{where}.listen", "server native (echod.c) serves tcp and udp only; "
+                                                       "an sctp listen needs server python")
             ips: dict[int, Any] = {}
             if obj.get("ip") is not None:
                 node = by_name[node_name]

@@ -1,11 +1,18 @@
 """SCTP Services end to end, in every mode (iptables: netfilter's SCTP conntrack and NAT; ebpf: the
 TC programs and bpf/lib/sctp.h's CRC32c update), on the lab's real nodes and agents.
 
-The lab's echo server and probe speak TCP and UDP only, and this machine's kernel has no SCTP
-sockets (CONFIG_IP_SCTP unset). Neither is needed to see what a service proxy does to SCTP: the
-test plays both ends of an association's opening itself, with raw IP sockets (protocol 132),
-which a kernel without SCTP delivers every SCTP packet to. A client sends an INIT to the Service;
-each backend pod answers an INIT that reaches it with an INIT ACK. Both sides check what they got
+Two tests, and on any kernel exactly one of them runs (lab/sctp.py's sctp_available() decides, and
+the other is skipped giving its reason):
+
+- with kernel SCTP sockets, the lab's own probe and echo server speak SCTP: real associations
+  through a ClusterIP and a NodePort, answered by the echo server of each backend pod;
+- without them (this machine: CONFIG_IP_SCTP unset, no module to `modprobe sctp`), neither can,
+  but neither is needed to see what a service proxy does to SCTP: the raw test plays both ends of
+  an association's opening itself, with raw IP sockets (protocol 132), which a kernel without SCTP
+  delivers every SCTP packet to.
+
+The raw test: a client sends an INIT to the Service; each backend pod answers an INIT that
+reaches it with an INIT ACK. Both sides check what they got
 against what kube-proxy would have made of it (addresses, ports, masquerade) and recompute its
 CRC32c from scratch: a port rewrite that forgot the CRC, or got it wrong, is a packet the real
 receiver drops.
@@ -28,23 +35,19 @@ from scapy.layers.inet import IP
 from scapy.layers.sctp import SCTP, SCTPChunkInit, SCTPChunkInitAck
 
 from ebpf_proxy.lab._setns import in_netns
+from ebpf_proxy.lab.probe import Outcome
+from ebpf_proxy.lab.sctp import sctp_available
+from ebpf_proxy.lab.topology import PodSpec
 from tests.bpf.packets import sctp_crc_valid
 from tests.e2e.scenario_runner import substitute
 
 
-def _kernel_sctp() -> str | None:
-    """Why the raw-socket test cannot run here, or None."""
-    try:
-        socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_SCTP).close()
-    except OSError:
-        return None  # no SCTP stack: raw sockets see every SCTP packet, and nothing else answers
-    return ("this kernel has SCTP sockets: its own SCTP stack would answer the test's raw INITs with ABORTs "
-            "and race the raw answers (the lab's echo and probe do not speak SCTP; tests/bpf/test_tc_sctp.py "
-            "covers the eBPF datapath)")
+NO_KERNEL_SCTP = sctp_available()  # None, or why this kernel has no SCTP sockets
+RAW_SKIP = ("this kernel has SCTP sockets: its own SCTP stack would answer the raw test's INITs with ABORTs "
+            "and race the raw answers; test_sctp_probe_through_a_service covers SCTP Services here with the "
+            "lab's own probe and echo server (and tests/bpf/test_tc_sctp.py the eBPF datapath)")
 
-
-pytestmark = [pytest.mark.root, pytest.mark.e2e,
-              pytest.mark.skipif(_kernel_sctp() is not None, reason=_kernel_sctp() or "")]
+pytestmark = [pytest.mark.root, pytest.mark.e2e]
 
 SCTP_P = socket.IPPROTO_SCTP
 VIP, PORT, TARGET, NODE_PORT = "10.96.122.10", 3868, 3869, 30122
@@ -52,17 +55,24 @@ CHUNK_INIT, CHUNK_INIT_ACK = 1, 2
 BACKENDS = ("web-1", "web-2")
 TRIES = 8
 WAIT = 2.0
-MANIFESTS = f"""
+
+
+def _service(name: str, vip: str, app: str, node_port: int) -> str:
+    """An SCTP NodePort Service (eTP=Cluster) on PORT -> TARGET of the pods labelled app=`app`."""
+    return f"""
 apiVersion: v1
 kind: Service
-metadata: {{name: sctp-web}}
+metadata: {{name: {name}}}
 spec:
   type: NodePort
-  clusterIP: {VIP}
+  clusterIP: {vip}
   externalTrafficPolicy: Cluster
-  selector: {{app: web}}
-  ports: [{{name: diameter, protocol: SCTP, port: {PORT}, targetPort: {TARGET}, nodePort: {NODE_PORT}}}]
+  selector: {{app: {app}}}
+  ports: [{{name: diameter, protocol: SCTP, port: {PORT}, targetPort: {TARGET}, nodePort: {node_port}}}]
 """
+
+
+MANIFESTS = _service("sctp-web", VIP, "web", NODE_PORT)
 
 
 @dataclass(frozen=True)
@@ -172,6 +182,7 @@ def _check(lab, client: str, dst: str, dport: int, source: str, backends: list[B
     return problems
 
 
+@pytest.mark.skipif(NO_KERNEL_SCTP is None, reason=RAW_SKIP)
 def test_sctp_associations_open_through_a_service(e2e_lab):
     """pod -> ClusterIP (DNAT, the port too: 3868 -> 3869) and outside -> NodePort with
     externalTrafficPolicy=Cluster (DNAT and masquerade: both ports may change), both backends."""
@@ -191,4 +202,46 @@ def test_sctp_associations_open_through_a_service(e2e_lab):
         for b in backends:
             b.stop()
         lab.delete_manifests(MANIFESTS, "sctp")
+        lab.wait_converged()
+
+
+# --- with kernel SCTP: the lab's probe and echo server speak it ----------------------------------
+
+PROBE_VIP, PROBE_NODE_PORT = "10.96.122.11", 30123
+PROBE_PODS = (("sctp-1", "worker1"), ("sctp-2", "worker3"))
+PROBE_MANIFESTS = _service("sctp-echo", PROBE_VIP, "sctp-echo", PROBE_NODE_PORT)
+
+
+@pytest.mark.skipif(NO_KERNEL_SCTP is not None,
+                    reason=f"{NO_KERNEL_SCTP}: the lab's probe and echo server cannot speak SCTP here "
+                           "(test_sctp_associations_open_through_a_service covers SCTP Services with raw sockets)")
+def test_sctp_probe_through_a_service(e2e_lab):
+    """`lab probe --to VIP:PORT/sctp` from a pod (ClusterIP: DNAT 3868 -> 3869, the pod's own address
+    kept as the source) and `--to NODE:NODEPORT/sctp` from outside (NodePort, eTP=Cluster), answered
+    by the echo server of SCTP pods on two nodes, in every mode."""
+    lab = e2e_lab
+    for name, node in PROBE_PODS:
+        lab.add_pod(PodSpec(name=name, node=node, labels={"app": "sctp-echo"}, listen=(f"{TARGET}/sctp",)))
+    lab.apply_manifests(PROBE_MANIFESTS, "sctp-probe")
+    try:
+        lab.wait_converged()
+        names = {name for name, _node in PROBE_PODS}
+        pod_ips = {lab.topology.pod(name).ip for name in names}
+        client = substitute("${client-1}", lab)
+        via_vip = lab.probe("client-1", f"{PROBE_VIP}:{PORT}/sctp", count=TRIES, timeout=WAIT)
+        assert via_vip.all_ok, f"{lab.mode}: ClusterIP over SCTP: {via_vip.summary}"
+        assert via_vip.pods <= names and {b.rsplit(":", 1)[1] for b in via_vip.backends} == {str(TARGET)}
+        assert {b.rsplit(":", 1)[0] for b in via_vip.backends} <= pod_ips
+        assert via_vip.source_ips == {client}, f"{lab.mode}: a pod's SCTP to a ClusterIP is not masqueraded"
+        w1 = substitute("${worker1}", lab)
+        via_node = lab.probe("outside", f"{w1}:{PROBE_NODE_PORT}/sctp", count=TRIES, timeout=WAIT)
+        assert via_node.all_ok, f"{lab.mode}: NodePort over SCTP: {via_node.summary}"
+        assert via_node.pods <= names
+        assert via_vip.pods | via_node.pods == names, "every backend answers some association"
+        closed = lab.probe("client-1", f"{lab.topology.pod('sctp-1').ip}:{TARGET + 1}/sctp", timeout=WAIT)
+        assert [r.outcome for r in closed.results] == [Outcome.REFUSED], "an ABORT is refused, like a TCP RST"
+    finally:
+        lab.delete_manifests(PROBE_MANIFESTS, "sctp-probe")
+        for name, _node in PROBE_PODS:
+            lab.remove_pod(name)
         lab.wait_converged()

@@ -20,7 +20,8 @@ from tests.netns_util import add_netns, del_netns, nsenter
 from ebpf_proxy.lab import echod, nsexec
 from ebpf_proxy.lab._setns import run_in_netns
 from ebpf_proxy.lab.echo import reply_line
-from ebpf_proxy.lab.probe import probe, wait_until_ok
+from ebpf_proxy.lab.probe import ProbeError, probe, wait_until_ok
+from ebpf_proxy.lab.sctp import sctp_available
 
 pytestmark = [
     pytest.mark.root,
@@ -176,3 +177,37 @@ def test_a_port_another_server_holds_is_an_error(net, tmp_path, kind, holder):
             assert not (tmp_path / "ready").exists()
     finally:
         stop(held)
+
+
+def test_python_server_serves_sctp_where_the_kernel_has_it_and_says_why_not_elsewhere(net, tmp_path):
+    """An sctp listen beside tcp and udp: with kernel SCTP, the probe's association is answered
+    like a TCP connection (the pod, the backend address, the client seen); without it (this
+    machine), the server says in one stderr line that SCTP is not served and why, and serves the
+    rest, and a probe over SCTP is an error naming the same cause. The native server refuses sctp."""
+    ready = tmp_path / "ready"
+    proc = start("python", "web-s", ready, "9180/tcp", "9868/sctp", "9153/udp", ipv6=True)
+    why = sctp_available()
+    try:
+        listening = json.loads(ready.read_text())["listen"]
+        assert probe(CLIENT, f"{POD_IP}:9180").pods == {"web-s"}
+        assert probe(CLIENT, f"{POD_IP}:9153/udp").pods == {"web-s"}
+        if why is None:
+            assert listening == ["9180/tcp", "9868/sctp", "9153/udp"]
+            for ip, client in ((POD_IP, CLIENT_IP), (f"[{POD_IP6}]", f"[{CLIENT_IP6}]")):
+                report = probe(CLIENT, f"{ip}:9868/sctp", count=3, timeout=2.0)
+                assert report.all_ok and report.pods == {"web-s"}, report.summary
+                assert report.backends == {f"{ip}:9868"} and report.source_ips == {client.strip("[]")}
+            assert [r.outcome for r in probe(CLIENT, f"{POD_IP}:9869/sctp", timeout=2.0).results] == ["refused"]
+        else:
+            assert listening == ["9180/tcp", "9153/udp"]
+            with pytest.raises(ProbeError, match="no SCTP sockets"):
+                probe(CLIENT, f"{POD_IP}:9868/sctp")
+    finally:
+        assert stop(proc) == 0
+    log = proc.stderr.read()
+    if why is None:
+        assert "sctp" not in log, log
+    else:
+        assert log.splitlines() == [f"echo[web-s]: not serving 9868/sctp: {why}"], log
+    with pytest.raises(ValueError, match="native .* tcp and udp only"):
+        echod.server_argv("native", "web-s", ["9180/tcp", "9868/sctp"])

@@ -1,11 +1,14 @@
 """Probe target parsing, the report's stable JSON shape, and the echo wire format (no root)."""
 
 import json
+import socket
 
 import pytest
 
-from ebpf_proxy.lab.echo import ECHO_CAP, Listen, parse_listen, parse_reply, reply_line
-from ebpf_proxy.lab.probe import Outcome, ProbeReport, ProbeResult, Target, TargetError, parse_target, probe
+from ebpf_proxy.lab.echo import ECHO_CAP, EchoServer, Listen, parse_listen, parse_reply, reply_line
+from ebpf_proxy.lab.probe import (Outcome, ProbeError, ProbeReport, ProbeResult, Target, TargetError, parse_target,
+                                  probe)
+from ebpf_proxy.lab.sctp import sctp_available
 
 
 @pytest.mark.parametrize(
@@ -16,6 +19,9 @@ from ebpf_proxy.lab.probe import Outcome, ProbeReport, ProbeResult, Target, Targ
         (" 10.96.0.10:443/TCP ", Target("10.96.0.10", 443, "tcp")),
         ("[fd00::1]:8080/udp", Target("fd00::1", 8080, "udp")),
         ("127.0.0.1:65535", Target("127.0.0.1", 65535, "tcp")),
+        ("10.96.0.10:3868/sctp", Target("10.96.0.10", 3868, "sctp")),
+        ("10.96.0.10:3868/SCTP", Target("10.96.0.10", 3868, "sctp")),
+        ("[fd00::1]:3868/sctp", Target("fd00::1", 3868, "sctp")),
     ],
 )
 def test_parse_target_accepts(text, expected):
@@ -35,9 +41,11 @@ def test_parse_target_accepts(text, expected):
         (":80", "missing IP"),
         ("web.default:80", "not an IP address"),
         ("10.96.0.300:80", "not an IP address"),
-        ("10.96.0.10:80/sctp", "must be tcp or udp"),
-        ("10.96.0.10:80/", "must be tcp or udp"),
-        ("10.96.0.10:80/tcp/x", "must be tcp or udp"),
+        ("10.96.0.10:80/quic", "must be tcp, udp or sctp"),
+        ("10.96.0.10:80/", "must be tcp, udp or sctp"),
+        ("10.96.0.10:80/tcp/x", "must be tcp, udp or sctp"),
+        ("[fd00::1]3868/sctp", "[IPv6]:PORT"),
+        ("fd00::1:3868/sctp", "[IPv6]:PORT"),
         ("fd00::1:80", "[IPv6]:PORT"),
         ("[fd00::1]80", "[IPv6]:PORT"),
         ("[fd00::1:80", "[IPv6]:PORT"),
@@ -58,12 +66,16 @@ def test_proto_argument_fills_in_and_must_agree():
     assert parse_target("10.0.0.1:53/udp", proto="UDP").proto == "udp"
     with pytest.raises(TargetError, match="says /tcp"):
         parse_target("10.0.0.1:53/tcp", proto="udp")
-    with pytest.raises(TargetError, match="tcp or udp"):
+    assert parse_target("[fd00::1]:3868", proto="SCTP") == Target("fd00::1", 3868, "sctp")
+    with pytest.raises(TargetError, match="says /sctp"):
+        parse_target("10.0.0.1:3868/sctp", proto="tcp")
+    with pytest.raises(TargetError, match="tcp, udp or sctp"):
         parse_target("10.0.0.1:53", proto="icmp")
 
 
 def test_target_string_form_round_trips():
-    for text in ("10.0.0.1:80/tcp", "10.0.0.1:53/udp", "[fd00::1]:80/tcp"):
+    for text in ("10.0.0.1:80/tcp", "10.0.0.1:53/udp", "[fd00::1]:80/tcp", "10.0.0.1:3868/sctp",
+                 "[fd00::1]:3868/sctp"):
         assert str(parse_target(text)) == text
 
 
@@ -149,6 +161,56 @@ def test_parse_listen():
     assert parse_listen("80/tcp") == Listen(80, "tcp")
     assert parse_listen("53/UDP") == Listen(53, "udp")
     assert parse_listen("8080") == Listen(8080, "tcp")
-    for bad in ("", "0/tcp", "70000", "80/sctp", "x/tcp"):
+    assert parse_listen("3868/SCTP") == Listen(3868, "sctp")
+    for bad in ("", "0/tcp", "70000", "80/quic", "x/tcp"):
         with pytest.raises(ValueError):
             parse_listen(bad)
+
+
+# --- SCTP: what this kernel really does, whichever way it answers --------------------------------
+
+
+def test_sctp_available_agrees_with_the_kernel():
+    """None exactly when a one-to-one SCTP socket opens; otherwise a reason naming the cause and the fix."""
+    why = sctp_available()
+    try:
+        socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_SCTP).close()
+    except OSError as exc:
+        assert why is not None and "no SCTP sockets" in why and exc.strerror in why and "modprobe sctp" in why
+    else:
+        assert why is None
+
+
+@pytest.mark.parametrize("target", ["127.0.0.1:9/sctp", "[::1]:9/sctp"])
+def test_sctp_probe_of_a_closed_port_is_refused_or_says_the_kernel_has_no_sctp(target):
+    """With kernel SCTP, an INIT to a port nobody listens on gets an ABORT: refused, like a TCP RST.
+    Without it (this machine), the probe cannot be made: a ProbeError naming the cause, no traceback
+    of a bare OSError, and no outcome pretending the network answered."""
+    why = sctp_available()
+    if why is None:
+        report = probe(None, target, timeout=2.0)
+        assert [r.outcome for r in report.results] == [Outcome.REFUSED] and str(report.target) == target
+        return
+    with pytest.raises(ProbeError) as err:
+        probe(None, target, timeout=2.0, source_ip="::1" if "[" in target else "127.0.0.1")
+    assert str(err.value) == f"cannot probe {target}: {why}"
+    assert "no SCTP sockets" in str(err.value) and "modprobe sctp" in str(err.value)
+
+
+def test_echo_server_without_kernel_sctp_says_so_once_and_serves_the_rest():
+    """An sctp listen the kernel cannot serve is logged (one line, with the reason) and left out;
+    the TCP and UDP listens of the same pod are served. With kernel SCTP, all three are served."""
+    lines: list[str] = []
+    server = EchoServer("web-a", [Listen(0, "tcp"), Listen(0, "sctp"), Listen(0, "udp")], host="127.0.0.1",
+                        log=lines.append)
+    try:
+        server.bind()
+        protos = [proto for _host, _port, proto in server.addresses]
+        why = sctp_available()
+        if why is None:
+            assert protos == ["tcp", "sctp", "udp"] and lines == [] and server.unserved == []
+        else:
+            assert protos == ["tcp", "udp"] and server.unserved == [Listen(0, "sctp")]
+            assert lines == [f"echo[web-a]: not serving 0/sctp: {why}"]
+    finally:
+        server.close()

@@ -277,9 +277,9 @@ ERRORS = [
     ("listen not a list", variant("pods.0.listen", "80/tcp"), "pods[0].listen",
      "expected a list"),
     ("listen without protocol", variant("pods.0.listen", [80]), "pods[0].listen[0]",
-     "not PORT/tcp or PORT/udp"),
-    ("listen bad protocol", variant("pods.0.listen", ["80/sctp"]), "pods[0].listen[0]",
-     "protocol 'sctp' is not tcp or udp"),
+     "not PORT/tcp, PORT/udp or PORT/sctp"),
+    ("listen bad protocol", variant("pods.0.listen", ["80/quic"]), "pods[0].listen[0]",
+     "protocol 'quic' is not tcp, udp or sctp"),
     ("listen port zero", variant("pods.0.listen", ["0/tcp"]), "pods[0].listen[0]",
      "outside 1-65535"),
     ("listen port too big", variant("pods.0.listen", ["53/udp", "70000/udp"]),
@@ -452,3 +452,13 @@ def test_pod_server_is_optional_validated_and_round_trips():
         with pytest.raises(TopologyError) as err:
             parse_topology(variant("pods.0.server", bad))
         assert err.value.field == "pods[0].server" and "python, native" in str(err.value)
+
+
+def test_pod_listen_sctp_is_for_the_python_server_only():
+    """The Python echo server serves SCTP (where the kernel has it); echod.c does not, so a native
+    pod asking for it is refused when the topology is read, not when its server starts."""
+    t = parse_topology(variant("pods.0.listen", ["80/tcp", "3868/SCTP"]))
+    assert t.pod("web-1").listen == ("80/tcp", "3868/sctp")
+    with pytest.raises(TopologyError) as err:
+        parse_topology(variant("pods.0.server", "native", variant("pods.0.listen", ["3868/sctp"])))
+    assert err.value.field == "pods[0].listen" and "native" in str(err.value) and "sctp" in str(err.value)
