@@ -92,7 +92,7 @@ enum epx_reason {
 	EPX_EV_HOST_STACK_MTU = 37,      /* not a verdict: slow path, larger than the route's MTU: the kernel fragments it or answers fragmentation needed */
 	EPX_EV_HOST_STACK_SKIP = 38,     /* not a verdict: slow path, not a packet to route here (fragment, IP options, TTL <= 1, not for this host, mark, mode switch) */
 	EPX_PASS_IPV6_FRAG = 39,         /* IPv6 packet with a fragment header: untouched (no IPv6 fragment tracking; the ip6tables mode reassembles) */
-	EPX_PASS_IPV6_NOT_L4 = 40,       /* IPv6 but neither TCP nor UDP after the extension headers (ICMPv6, neighbour discovery, SCTP, ESP, ...): untouched */
+	EPX_PASS_IPV6_NOT_L4 = 40,       /* IPv6 but neither TCP, UDP nor SCTP after the extension headers (ICMPv6, neighbour discovery, ESP, ...): untouched */
 	EPX_DROP_MALFORMED_IPV6 = 41,    /* bad IPv6 version or payload length, truncated IPv6 or extension header */
 	EPX_DROP_IPV6_EXTHDRS = 42,      /* IPv6 extension header chain longer than the parser walks (pkt6.h): dropped, so that no chain carries a packet past the service rules */
 	EPX_PASS_IPV6_UNTRACED = 43,     /* no longer recorded (IPv6 trace runs are explained since): was "trace run of an IPv6 packet, nothing decided"; kept so that no number moves */

@@ -39,7 +39,8 @@ static __always_inline void ct6_touch(struct ct6_entry *e, const struct lb4_conf
 
 	if (reply)
 		flags |= CT4_F_SEEN_REPLY;
-	if (p->proto == IPPROTO_TCP)
+	/* SCTP's flags are only ever SYN or RST (pkt4_sctp_flags), as in ct4_touch */
+	if (p->proto == IPPROTO_TCP || p->proto == IPPROTO_SCTP)
 		flags = ct4_tcp_state(flags, p->tcp_flags, reply);
 	if (flags != e->flags)
 		e->flags = flags;

@@ -9,7 +9,8 @@
  * frame out of the device it came in on. The ICMPv6 checksum covers the pseudo-header (source,
  * destination, upper-layer length, next header 58) and the whole message.
  *
- * CHECKSUM_PARTIAL (see icmp4.h): a local pod's packet usually arrives with its checksum still
+ * CHECKSUM_PARTIAL (see icmp4.h, also for SCTP, quoted the same way, whose pending CRC32c the
+ * pod's offloading veth leaves alone): a local pod's packet usually arrives with its checksum still
  * owed at csum_start (the original L4 header, frame offset l4_off) + 16 (TCP) or + 6 (UDP), and
  * the kernel computes it over [csum_start, end] if the reply leaves through a device without TX
  * checksum offload. IPv4 pads its header with zero options; IPv6 has no header options, and the

@@ -101,7 +101,7 @@ static __always_inline __u32 icmp6_err_parse(struct __sk_buff *skb, const struct
 		return EPX_PASS_ICMP6_FRAG;
 	if (pkt6_is_exthdr(nh))
 		return EPX_PASS_ICMP6_EXTHDRS; /* the walk ended before the chain did */
-	if (nh != IPPROTO_TCP && nh != IPPROTO_UDP)
+	if (nh != IPPROTO_TCP && nh != IPPROTO_UDP && nh != IPPROTO_SCTP)
 		return EPX_PASS_ICMP_NO_CT; /* we translate no other protocol */
 	e->in_l4_off = off;
 	/* the first 8 L4 bytes: the ports and (UDP) checksum */
@@ -112,7 +112,7 @@ static __always_inline __u32 icmp6_err_parse(struct __sk_buff *skb, const struct
 	q->proto = nh;
 	q->kind = 0;
 	q->pad = 0;
-	e->in_l4_csum = 0;
+	e->in_l4_csum = 0; /* SCTP: its quoted CRC32c stays, as icmp4_err.h leaves IPv4's */
 	if (nh == IPPROTO_UDP && ports[3])
 		e->in_l4_csum = off + offsetof(struct udphdr, check);
 	else if (nh == IPPROTO_TCP && off + sizeof(struct tcphdr) <= end)

@@ -162,8 +162,8 @@ static __always_inline __u32 lb6_forward(struct __sk_buff *skb, struct scratch6 
 
 	s->key = ct6_key_make(&p->saddr, &p->daddr, p->sport, p->dport, p->proto, CT4_SVC);
 	e = tr ? ct6_find_svc(&s->key, now) : ct6_lookup_svc(s, &s->key, now);
-	/* a new SYN on a closing connection's tuple is a new connection (port reuse) */
-	if (e && p->proto == IPPROTO_TCP && (e->flags & CT4_F_CLOSING) &&
+	/* a new SYN (SCTP: INIT) on a closing connection's tuple is a new connection (port reuse) */
+	if (e && (p->proto == IPPROTO_TCP || p->proto == IPPROTO_SCTP) && (e->flags & CT4_F_CLOSING) &&
 	    (p->tcp_flags & (EPX_TCP_SYN | EPX_TCP_ACK)) == EPX_TCP_SYN) {
 		if (!tr)
 			ct6_forget(s, &s->key, e);

@@ -70,6 +70,7 @@ static __always_inline __u32 nat4_rewrite(struct __sk_buff *skb, struct pkt4 *p,
  * of which the trace signal uses cb[0] and cb[1]) rather than on the stack: kept there across
  * the whole program, they overflowed tc_ingress's 512-byte stack. */
 #define NAT4_SCTP_PORTS_CB 2
+#define NAT6_SCTP_OFF_CB 3 /* IPv6: where the SCTP header starts, 0 if the packet is not SCTP (nat6.h) */
 
 /* After parsing: remember an SCTP packet's ports. */
 static __always_inline void nat4_sctp_begin(struct __sk_buff *skb, const struct pkt4 *p)
@@ -78,12 +79,12 @@ static __always_inline void nat4_sctp_begin(struct __sk_buff *skb, const struct 
 		skb->cb[NAT4_SCTP_PORTS_CB] = sctp4_ports_word(p->sport, p->dport);
 }
 
-/* After the translations of a packet the program lets through: its CRC32c for the ports they
- * changed. Only an SCTP packet that nat4_sctp_begin saw can have changed ports: any other
- * packet is left alone by sctp4_crc_update. Returns 0 or -1. */
+/* After the translations of a packet the program lets through, IPv4 or IPv6: its CRC32c for the
+ * ports they changed. Only an SCTP packet that nat4_sctp_begin or nat6_sctp_begin saw can have
+ * changed ports: any other packet is left alone by sctp_crc_update. Returns 0 or -1. */
 static __always_inline int nat4_sctp_finish(struct __sk_buff *skb)
 {
-	return sctp4_crc_update(skb, skb->cb[NAT4_SCTP_PORTS_CB]);
+	return sctp_crc_update(skb, skb->cb[NAT4_SCTP_PORTS_CB], skb->cb[NAT6_SCTP_OFF_CB]);
 }
 
 /* ---- which halves count: shared by the packet path here and the ICMP error path (icmp4_err.h),

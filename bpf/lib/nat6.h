@@ -9,6 +9,9 @@
  * pseudo-header. A 16-byte address is too wide for bpf_l4_csum_replace's 2/4-byte forms, so the
  * difference of the two addresses is computed with bpf_csum_diff and applied as a diff (size 0)
  * with BPF_F_PSEUDO_HDR, which also keeps a CHECKSUM_PARTIAL skb right (see csum.h).
+ * SCTP has no pseudo-header: an address leaves its CRC32c alone; a port changes it, which
+ * nat4_sctp_finish updates once per run, for IPv6 as for IPv4 (nat6_sctp_begin, sctp.h).
+ * (IPv6 fragments are not translated at all, pkt6.h: EPX_PASS_IPV6_FRAG.)
  */
 #ifndef EPX_NAT6_H
 #define EPX_NAT6_H
@@ -43,9 +46,17 @@ static __always_inline __u32 nat6_rewrite(struct __sk_buff *skb, struct pkt6 *p,
 	__u64 mangled0 = csum_l4_flags(p->proto);
 	struct epx_in6 new_addr = *addr;
 
-	if (!in6_eq(&old_addr, &new_addr) && nat6_store_addr(skb, addr_off, csum_off, &old_addr, &new_addr, mangled0))
+	if (p->proto == IPPROTO_SCTP) {
+		if (!in6_eq(&old_addr, &new_addr) && bpf_skb_store_bytes(skb, addr_off, (void *)&new_addr, sizeof(new_addr), 0))
+			return EPX_DROP_NAT_FAILED;
+		/* RECOMPUTE_CSUM: no checksum field compensates in a CHECKSUM_COMPLETE sum */
+		if (old_port != port && bpf_skb_store_bytes(skb, port_off, &port, sizeof(port), BPF_F_RECOMPUTE_CSUM))
+			return EPX_DROP_NAT_FAILED;
+	} else if (!in6_eq(&old_addr, &new_addr) &&
+		   nat6_store_addr(skb, addr_off, csum_off, &old_addr, &new_addr, mangled0)) {
 		return EPX_DROP_NAT_FAILED;
-	if (old_port != port) {
+	}
+	if (p->proto != IPPROTO_SCTP && old_port != port) {
 		if (bpf_l4_csum_replace(skb, csum_off, old_port, port, mangled0 | sizeof(port)))
 			return EPX_DROP_NAT_FAILED;
 		if (bpf_skb_store_bytes(skb, port_off, &port, sizeof(port), 0))
@@ -59,6 +70,16 @@ static __always_inline __u32 nat6_rewrite(struct __sk_buff *skb, struct pkt6 *p,
 		p->dport = port;
 	}
 	return 0;
+}
+
+/* After parsing an IPv6 frame (nat4_sctp_begin's twin): an SCTP packet's ports and where its
+ * header starts, for nat4_sctp_finish; for any other frame, no offset, so that finish leaves it
+ * alone whatever an earlier program left in the skb's scratch words. */
+static __always_inline void nat6_sctp_begin(struct __sk_buff *skb, const struct pkt6 *p)
+{
+	skb->cb[NAT6_SCTP_OFF_CB] = p->proto == IPPROTO_SCTP ? p->l4_off : 0;
+	if (p->proto == IPPROTO_SCTP)
+		skb->cb[NAT4_SCTP_PORTS_CB] = sctp4_ports_word(p->sport, p->dport);
 }
 
 /* ---- which halves count (nat4.h's *_owns): shared by the packet path here and the ICMPv6 error

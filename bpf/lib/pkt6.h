@@ -3,7 +3,7 @@
  *
  * Extension headers are where an IPv6 parser breaks or is bypassed, so they are walked, bounded:
  * up to EPX_IPV6_MAX_EXTHDRS hop-by-hop, routing, destination-options or authentication headers
- * before TCP/UDP, which is where the ports are (a service packet carrying a few options is still
+ * before TCP/UDP/SCTP, which is where the ports are (a service packet carrying a few options is still
  * a service packet). What the walk cannot handle gets a named, counted verdict, never a guess:
  *   - a fragment header: EPX_PASS_IPV6_FRAG (no IPv6 fragment tracking yet; pkt4.h's epx_frag4
  *     has no IPv6 twin);
@@ -13,11 +13,10 @@
  *   - an IPv6 or extension header cut short by the frame or by the payload length, a payload
  *     length longer than the frame, a version other than 6: EPX_DROP_MALFORMED_IPV6 (the kernel
  *     drops those too);
- *   - no TCP/UDP at the end of the chain (ICMPv6, neighbour discovery, ESP, no next header):
- *     EPX_PASS_IPV6_NOT_L4, untouched. SCTP too: the IPv4 path serves it (sctp.h), the IPv6 path
- *     not yet (its CRC32c update reads an IPv4 header, and nat6/ct6 know TCP and UDP), so an
- *     IPv6 SCTP packet is left to the stack (ip6tables serves IPv6 Services today);
- *   - a TCP/UDP header cut short, a TCP data offset < 5: EPX_DROP_MALFORMED_L4 (as IPv4).
+ *   - no TCP/UDP/SCTP at the end of the chain (ICMPv6, neighbour discovery, ESP, no next
+ *     header): EPX_PASS_IPV6_NOT_L4, untouched;
+ *   - a TCP/UDP/SCTP header cut short, a TCP data offset < 5: EPX_DROP_MALFORMED_L4 (as IPv4).
+ * SCTP is parsed as pkt4.h parses it: its ports, and its first chunk as a TCP flag (pkt4_sctp_flags).
  * A frame whose Ethernet type is not IPv6 gets EPX_PASS_NOT_IPV4 (neither family).
  */
 #ifndef EPX_PKT6_H
@@ -130,7 +129,7 @@ static __always_inline __u32 pkt6_parse(void *data, void *data_end, __u32 wire_l
 		return EPX_DROP_IPV6_EXTHDRS; /* the walk ended before the chain did */
 	p->proto = nh;
 	p->l4_off = ETH_HLEN + off;
-	if (nh != IPPROTO_TCP && nh != IPPROTO_UDP)
+	if (nh != IPPROTO_TCP && nh != IPPROTO_UDP && nh != IPPROTO_SCTP)
 		return EPX_PASS_IPV6_NOT_L4;
 
 	if (nh == IPPROTO_TCP) {
@@ -141,6 +140,17 @@ static __always_inline __u32 pkt6_parse(void *data, void *data_end, __u32 wire_l
 		p->sport = tcp->source;
 		p->dport = tcp->dest;
 		p->tcp_flags = ((__u8 *)tcp)[13];
+	} else if (nh == IPPROTO_SCTP) {
+		struct sctp4_hdr *sctp = (void *)ip6 + off;
+		__u8 *chunk = (void *)(sctp + 1);
+
+		if (end < off + sizeof(*sctp) || (void *)(sctp + 1) > data_end)
+			return EPX_DROP_MALFORMED_L4;
+		p->sport = sctp->source;
+		p->dport = sctp->dest;
+		/* as pkt4.h: a chunk missing or past the pulled bytes reads as DATA */
+		if ((void *)(chunk + 1) <= data_end && end >= off + sizeof(*sctp) + 1)
+			p->tcp_flags = pkt4_sctp_flags(*chunk);
 	} else {
 		struct udphdr *udp = (void *)ip6 + off;
 

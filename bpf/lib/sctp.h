@@ -47,7 +47,12 @@
 #ifndef EPX_SCTP_H
 #define EPX_SCTP_H
 
+#include <uapi/linux/ipv6.h>
 #include "lib/common.h"
+
+/* The furthest an IPv6 packet's SCTP header may start (pkt6.h walks no further: its
+ * EPX_PULL6_LEN less a TCP header) */
+#define SCTP_L4_OFF6_MAX (ETH_HLEN + 40 + EPX_IPV6_MAX_EXTLEN)
 
 /* The common header (include/linux/sctp.h's struct sctphdr, which is not UAPI). */
 struct sctp4_hdr {
@@ -121,36 +126,58 @@ static __always_inline __u32 sctp4_ports_word(__be16 sport, __be16 dport)
 
 /* Update the CRC32c of the SCTP packet in `skb` whose ports were `ports_before`
  * (sctp4_ports_word) when it was parsed, unless they did not change, or the field is 0 (a CRC
- * still to be computed, see above). Everything else is read from the packet as it is now: this
- * runs after the translations, where nothing of them is left on tc_ingress's 512-byte stack,
- * which is full (tc_lb.c: tc_sctp_done). Not SCTP (any more: a REJECT turned it into ICMP) or a
- * later fragment: nothing to do. Returns 0, or -1 when the header cannot be read.
+ * still to be computed, see above). Family-free, as the CRC is: an IPv4 packet's SCTP header
+ * follows its IP header; an IPv6 packet's lies at `l4_off6` from the frame's start (past its
+ * extension headers, which the parser walked: pkt6.h), 0 when the parser found no SCTP there
+ * or the packet is no longer it (a REJECT turned it into an ICMPv6 error: tc6.h).
+ * Everything else is read from the packet as it is now: this runs after the translations, where
+ * nothing of them is left on tc_ingress's 512-byte stack, which is full (tc_lb.c: tc_sctp_done).
+ * Not SCTP (any more: a REJECT turned it into ICMP or ICMPv6) or a later fragment: nothing to
+ * do. Returns 0, or -1 when the header cannot be read.
  *
  * Direct packet access, no helper buffers. The headers are linear and writable (pkt4_parse_skb
- * pulled them; the rewrites since keep them so). A CHECKSUM_COMPLETE skb's csum is kept right with
- * bpf_csum_update: unlike TCP's and UDP's, this change is not cancelled out by a checksum field
- * of the one's-complement kind. */
-static __always_inline int sctp4_crc_update(struct __sk_buff *skb, __u32 ports_before)
+ * and pkt6_parse_skb pulled them; the rewrites since keep them so). A CHECKSUM_COMPLETE skb's csum
+ * is kept right with bpf_csum_update: unlike TCP's and UDP's, this change is not cancelled out by
+ * a checksum field of the one's-complement kind. */
+static __always_inline int sctp_crc_update(struct __sk_buff *skb, __u32 ports_before, __u32 l4_off6)
 {
 	void *data = (void *)(long)skb->data, *data_end = (void *)(long)skb->data_end;
 	struct ethhdr *eth = data;
-	struct iphdr *ip = data + ETH_HLEN;
 	struct sctp4_hdr *sctp;
-	__u32 hlen, d, old, crc, sum;
+	__u32 off, len, d, old, crc, sum;
 
-	if ((void *)(ip + 1) > data_end || eth->h_proto != epx_htons(ETH_P_IP) || ip->protocol != IPPROTO_SCTP ||
-	    (ip->frag_off & epx_htons(EPX_IP_OFFSET)))
+	if ((void *)(eth + 1) > data_end)
 		return 0;
-	hlen = ip->ihl * 4;
-	sctp = (void *)ip + hlen;
+	if (eth->h_proto == epx_htons(ETH_P_IP)) {
+		struct iphdr *ip = (void *)(eth + 1);
+
+		if ((void *)(ip + 1) > data_end || ip->protocol != IPPROTO_SCTP ||
+		    (ip->frag_off & epx_htons(EPX_IP_OFFSET)))
+			return 0;
+		off = ETH_HLEN + ip->ihl * 4;
+		len = epx_ntohs(ip->tot_len) + ETH_HLEN - off; /* the SCTP length: IP total length - IP header */
+	} else if (eth->h_proto == epx_htons(ETH_P_IPV6) && l4_off6) {
+		struct ipv6hdr *ip6 = (void *)(eth + 1);
+
+		if ((void *)(ip6 + 1) > data_end)
+			return 0;
+		off = l4_off6;
+		len = ETH_HLEN + sizeof(*ip6) + epx_ntohs(ip6->payload_len);
+		if (off > SCTP_L4_OFF6_MAX || off > len)
+			return -1;
+		len -= off;
+	} else {
+		return 0;
+	}
+	sctp = data + off;
 	if ((void *)(sctp + 1) > data_end)
 		return -1;
 	d = ports_before ^ sctp4_ports_word(sctp->source, sctp->dest);
 	old = sctp->checksum; /* the wire bytes as a native word */
 	if (!d || !old)
 		return 0; /* ports unchanged, or the CRC is pending (offloaded): computed later over the new ports */
-	/* crc_raw of the change: d * x^(8 L), L = the SCTP length (IP total length - IP header) */
-	crc = epx_le32_to_cpu(old) ^ sctp4_crc32c_mul(d, sctp4_crc32c_x8pow(epx_ntohs(ip->tot_len) - hlen));
+	/* crc_raw of the change: d * x^(8 L), L = the SCTP length */
+	crc = epx_le32_to_cpu(old) ^ sctp4_crc32c_mul(d, sctp4_crc32c_x8pow(len));
 	sctp->checksum = epx_cpu_to_le32(crc);
 	/* the one's-complement difference of the two words, for skb->csum: csum_add(~old, new) */
 	sum = ~old + sctp->checksum;

@@ -8,6 +8,8 @@
  *   the frontend back as source (on egress toward the client, as IPv4: PLATFORM.md pitfall 2).
  * In both, an ICMPv6 error about a connection's packet gets that connection's translation
  *   (icmp6_err.h), as tc_lb.c gives IPv4's (icmp4_err.h).
+ * TCP, UDP and SCTP alike; an SCTP packet's CRC32c is updated once per run by tc_lb.c's
+ * tc_sctp_done, as IPv4's (nat6_sctp_begin tells it where the header is).
  * Both return the reason to count; a frame that is not IPv6 gets EPX_PASS_NOT_IPV4 back, for the
  * caller's own handling of non-IP frames (ARP).
  *
@@ -38,6 +40,7 @@ static __always_inline __u32 tc6_ingress(struct __sk_buff *skb, struct epx_trace
 	__u64 now;
 
 	reason = pkt6_parse_skb(skb, &p);
+	nat6_sctp_begin(skb, &p);
 	if (reason && !tc6_icmp6(reason, &p))
 		return reason;
 	cfg = epx_lookup(epx_config, &zero);
@@ -51,6 +54,8 @@ static __always_inline __u32 tc6_ingress(struct __sk_buff *skb, struct epx_trace
 	reason = nat6_rev_snat(skb, s, &p, cfg, now, tr);
 	if (!reason)
 		reason = lb6_forward(skb, s, &p, cfg, now, tr);
+	if (reason == EPX_REJECT)
+		skb->cb[NAT6_SCTP_OFF_CB] = 0; /* an ICMPv6 error now (or dropped): no CRC to update */
 	/* a local pod's packet may be CHECKSUM_PARTIAL (see icmp6.h): it came in on a pod device, or
 	 * its source is in the detector's pod CIDR */
 	if (reason == EPX_REJECT && !tr &&
@@ -68,6 +73,7 @@ static __always_inline __u32 tc6_egress(struct __sk_buff *skb, struct epx_trace_
 	__u64 now;
 
 	reason = pkt6_parse_skb(skb, &p);
+	nat6_sctp_begin(skb, &p);
 	if (reason && !tc6_icmp6(reason, &p))
 		return reason;
 	cfg = epx_lookup(epx_config, &zero);

@@ -108,7 +108,7 @@ def _crc32c(data: bytes) -> int:
 
 def build_frame(flow: FlowSpec, dst_mac: bytes = b"\x02\0\0\0\0\x0b", src_mac: bytes = b"\x02\0\0\0\0\x0a") -> bytes:
     """Ethernet + IPv4 or IPv6 (the flow's family) + a TCP SYN (or a UDP datagram with 4 bytes of
-    payload, or, over IPv4, an SCTP INIT), checksums valid. A plain builder rather than scapy: the
+    payload, or an SCTP INIT), checksums valid. A plain builder rather than scapy: the
     agent image, where `trace` runs, has no scapy."""
     v6 = flow.family == 6
     family = socket.AF_INET6 if v6 else socket.AF_INET
@@ -119,7 +119,7 @@ def build_frame(flow: FlowSpec, dst_mac: bytes = b"\x02\0\0\0\0\x0b", src_mac: b
     elif flow.protocol == Protocol.TCP:
         proto = socket.IPPROTO_TCP
         l4, check_at = struct.pack("!HHIIBBHHH", flow.sport, flow.dport, 1, 0, 5 << 4, 0x02, 64240, 0, 0), 16
-    elif flow.protocol == Protocol.SCTP and not v6:
+    elif flow.protocol == Protocol.SCTP:
         proto = socket.IPPROTO_SCTP
         # INIT (type 1, 20 bytes): initiate tag, a_rwnd, outbound and inbound streams, initial TSN
         init = struct.pack("!BBHIIHHI", 1, 0, 20, 0x65707874, 65535, 1, 1, 1)
@@ -127,8 +127,7 @@ def build_frame(flow: FlowSpec, dst_mac: bytes = b"\x02\0\0\0\0\x0b", src_mac: b
         l4 = l4[:8] + struct.pack("<I", _crc32c(l4)) + l4[12:]  # stored little-endian, as the kernel does
         check_at = None  # the CRC32c covers the SCTP packet alone: no pseudo-header
     else:
-        raise TraceError(f"{flow.protocol.value} over IPv{flow.family}: the eBPF datapath serves TCP and UDP, "
-                         "and SCTP over IPv4")
+        raise TraceError(f"{flow.protocol.value} over IPv{flow.family}: the eBPF datapath serves TCP, UDP and SCTP")
     if check_at is not None:
         # the pseudo-header: RFC 8200 8.1 (32-bit length, next header last) or RFC 793's
         pseudo = src + dst + (struct.pack("!I3xB", len(l4), proto) if v6 else struct.pack("!BBH", 0, proto, len(l4)))
@@ -145,10 +144,10 @@ def build_frame(flow: FlowSpec, dst_mac: bytes = b"\x02\0\0\0\0\x0b", src_mac: b
 
 
 def _frame_dst(frame: bytes) -> tuple[str, int] | None:
-    """(daddr, dport) of an IPv4 TCP/UDP/SCTP or IPv6 TCP/UDP frame (build_frame's: no IPv6 extension
+    """(daddr, dport) of an IPv4 or IPv6 TCP/UDP/SCTP frame (build_frame's: no IPv6 extension
     headers)."""
     if frame[12:14] == b"\x86\xdd":
-        if len(frame) < 14 + 40 + 4 or frame[20] not in (socket.IPPROTO_TCP, socket.IPPROTO_UDP):
+        if len(frame) < 14 + 40 + 4 or frame[20] not in (socket.IPPROTO_TCP, socket.IPPROTO_UDP, socket.IPPROTO_SCTP):
             return None
         return socket.inet_ntop(socket.AF_INET6, frame[38:54]), struct.unpack("!H", frame[56:58])[0]
     if len(frame) < 34 or frame[12:14] != b"\x08\x00":

@@ -258,7 +258,7 @@ def classify6(frame: bytes) -> R:
     """What the IPv6 path (bpf/lib/pkt6.h, RFC 8200) must count for an IPv6 frame when no IPv6
     service or connection exists (this world programs IPv4 only): a malformed IPv6 or extension
     header, a chain longer than the walk, a fragment, an ICMPv6 message (classify_icmp6), not
-    TCP/UDP, a TCP/UDP header cut short, else nothing of ours."""
+    TCP/UDP/SCTP, a TCP/UDP/SCTP header cut short, else nothing of ours."""
     ip = frame[ETH_HLEN:]
     if len(ip) < 40 or ip[0] >> 4 != 6 or 40 + struct.unpack("!H", ip[4:6])[0] > len(ip):
         return R.DROP_MALFORMED_IPV6
@@ -268,9 +268,9 @@ def classify6(frame: bytes) -> R:
         return {"cut": R.DROP_MALFORMED_IPV6, "long": R.DROP_IPV6_EXTHDRS, "frag": R.PASS_IPV6_FRAG}[walk]
     if nh == ICMP6:
         return classify_icmp6(ip, off, end)
-    if nh not in (TCP, UDP):
+    if nh not in (TCP, UDP, SCTP):
         return R.PASS_IPV6_NOT_L4
-    need = 20 if nh == TCP else 8
+    need = 20 if nh == TCP else 12 if nh == SCTP else 8
     if end < off + need or (nh == TCP and ip[off + 12] >> 4 < 5):
         return R.DROP_MALFORMED_L4
     return R.PASS_NO_SERVICE
@@ -290,7 +290,7 @@ def classify_icmp6(ip: bytes, off: int, end: int) -> R:
     nh, qoff, walk = walk6(ip, q + 40, ip[q + 6], end)
     if walk:
         return {"cut": R.PASS_ICMP_MALFORMED, "long": R.PASS_ICMP6_EXTHDRS, "frag": R.PASS_ICMP6_FRAG}[walk]
-    if nh in (TCP, UDP) and end < qoff + 8:
+    if nh in (TCP, UDP, SCTP) and end < qoff + 8:
         return R.PASS_ICMP_MALFORMED
     return R.PASS_ICMP_NO_CT
 
@@ -591,8 +591,11 @@ def judge(world: World, prog: str, frame: bytes, verdict: int, out: bytes, count
             world.fragments[(p.src, p.dst, p.ip_id, p.proto, prog)] = socket.inet_ntoa(out[addr_at:addr_at + 4])
     elif reason == R.DROP_SCTP_FRAG:
         assert p.proto == SCTP and p.first, "only an SCTP first fragment is refused for its CRC"
-        would = {t for r in TRANSLATIONS for t in allowed(world, r, p, prog)[1]}
-        assert {port for _, port in would} - {p.sport, p.dport}, "refused though no port would change"
+        sides = [allowed(world, r, p, prog) for r in TRANSLATIONS]
+        would = {t for _, targets in sides for t in targets}
+        # a port changes when a target's differs from the port of the side it rewrites
+        assert any(port != (p.sport if side == "src" else p.dport) for side, targets in sides for _, port in targets), \
+            "refused though no port would change"
         # the ports were remembered at parse: its later fragments follow the connection's addresses
         world.fragments[(p.src, p.dst, p.ip_id, p.proto, prog)] = {addr for addr, _ in would}
     elif reason == R.REJECT:

@@ -90,6 +90,15 @@ def test_sctp_is_programmed_like_tcp():
     assert (sctp_entries.backends, sctp_entries.cluster_slots) == (tcp_entries.backends, tcp_entries.cluster_slots)
 
 
+def test_sctp_over_ipv6_is_programmed_like_tcp():
+    """Issue 10: the IPv6 programs serve SCTP too (sctp.h's CRC update is family-free)."""
+    web6 = replace(WEB, cluster_ip="fd00:10:96::a", external_ips=(), load_balancer_ips=())
+    tcp_entries = ServicePrograms(maps=None, family=6).entries(web6, ())
+    sctp_entries = ServicePrograms(maps=None, family=6).entries(replace(web6, protocol=Protocol.SCTP), ())
+    assert sctp_entries is not None
+    assert sctp_entries.frontends == {replace(fe, proto=132): flags for fe, flags in tcp_entries.frontends.items()}
+
+
 class _NullMaps:
     """Maps that accept every write and hold nothing: ServicePrograms' own memory, measured alone."""
 

@@ -22,7 +22,6 @@ from scapy.layers.inet6 import (
     PadN,
 )
 from scapy.layers.l2 import Ether
-from scapy.layers.sctp import SCTP, SCTPChunkInit
 from scapy.packet import Packet
 from scapy.utils import checksum
 
@@ -31,7 +30,7 @@ from ebpf_proxy.datapath.ebpf import testrun
 from ebpf_proxy.datapath.ebpf.maps import DETECT_NONE
 from tests.bpf import world as w
 from tests.bpf import world6 as w6
-from tests.bpf.packets import MAC_NODE, MAC_PEER, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, XDP_PASS, counted, run, tcp
+from tests.bpf.packets import MAC_NODE, MAC_PEER, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, counted, run, tcp
 from tests.bpf.world6 import ALL6, LOCAL_EP6, NODE6, NODE_PORT, OUTSIDE6, POD6, VIP6, endpoints6, rewritten, step6, tcp6, udp6
 
 pytestmark = [pytest.mark.bpf, pytest.mark.root]
@@ -373,24 +372,19 @@ def test_what_the_parser_does_not_take_is_counted(datapath, maps6, prog, name):
             assert out.raw == bytes(frame), "passed untouched"
 
 
-@pytest.mark.parametrize("prog", ["tc_ingress", "tc_egress", "xdp_lb"])
-def test_sctp_over_ipv6_passes_untouched_and_counted(datapath, maps6, prog):
-    """The IPv4 path serves SCTP (test_tc_sctp.py); the IPv6 path does not yet (pkt6.h): even to an
-    IPv6 SCTP Service's frontend (an eTP=Local one from outside, which TCP would have dropped), an
-    SCTP packet is left to the stack untouched, counted under PASS_IPV6_NOT_L4 (XDP: passed on
-    uncounted, TC counts it), and no connection is made."""
-    w6.install6(maps6, w6.web6(proto=SCTP_P, flags=HAS | ETP, local=()))
-    for src, dst, dport in ((POD6, VIP6, 80), (OUTSIDE6, NODE6, NODE_PORT)):
-        frame = bytes(Ether(src=MAC_PEER, dst=MAC_NODE) / IPv6(src=src, dst=dst) / SCTP(sport=40000, dport=dport) /
-                      SCTPChunkInit(init_tag=0x1234, a_rwnd=65535, n_out_streams=1, n_in_streams=1, init_tsn=7))
-        maps6.reset_stats()
-        out = run(datapath, prog, frame)
-        if prog == "xdp_lb":
-            assert (out.verdict, counted(maps6)) == (XDP_PASS, {})
-        else:
-            assert (out.verdict, counted(maps6)) == (TC_ACT_OK, {R.PASS_IPV6_NOT_L4: 1})
-        assert out.raw == frame, "passed untouched"
-    assert not maps6.connections6()
+def test_sctp_over_ipv6_is_served(datapath, maps6):
+    """SCTP over IPv6 takes TCP's steps (the cases by family: test_tc_sctp.py): an INIT to an IPv6
+    SCTP Service's clusterIP is DNATed, its CRC32c updated for the new port, byte for byte what
+    scapy builds with the backend's address and port."""
+    w6.install6(maps6, w6.web6(proto=SCTP_P))
+    pkt = w6.sctp6(POD6, 40000, VIP6, 80)
+    maps6.reset_stats()
+    out = run(datapath, "tc_ingress", pkt)
+    assert (out.verdict, counted(maps6)) == (TC_ACT_OK, {R.FWD_NEW: 1})
+    backend = endpoints6(out.pkt)[1]
+    assert backend in ALL6
+    assert out.raw == rewritten(pkt, dst=backend)
+    assert [c.proto for c in maps6.connections6() if c.kind == s.CT4_SVC] == [SCTP_P]
 
 
 def test_a_trace_run_of_an_ipv6_packet_decides_and_writes_nothing(datapath, maps6):

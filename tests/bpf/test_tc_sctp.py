@@ -16,6 +16,7 @@ import time
 
 import pytest
 from scapy.layers.inet import ICMP, IP, IPerror
+from scapy.layers.inet6 import ICMPv6DestUnreach, ICMPv6PacketTooBig, IPv6, IPv6ExtHdrDestOpt, IPv6ExtHdrHopByHop, PadN
 from scapy.layers.l2 import Ether
 from scapy.layers.sctp import SCTP, SCTPChunkAbort, SCTPChunkData, SCTPChunkInitAck, SCTPChunkSACK
 from scapy.packet import Raw
@@ -23,6 +24,8 @@ from scapy.packet import Raw
 from ebpf_proxy.datapath.ebpf import loader
 from ebpf_proxy.datapath.ebpf import structs as s
 from tests.bpf import world as w
+from tests.bpf import world6 as w6
+from tests.bpf.world6 import rewritten
 from tests.bpf.packets import (
     TC_ACT_OK,
     TC_ACT_REDIRECT,
@@ -338,3 +341,147 @@ def test_an_icmp_error_about_an_sctp_connection_is_translated(datapath, maps):
     ip = out[IP]
     assert ip.src == w.VIP
     assert bytes(ip[ICMP].payload) == bytes(sent[IP])[:28], "quote: the packet as the client sent it"
+
+
+# ---- the same over IPv6 (tc6.h: the CRC update is family-free, sctp.h) ------------------------------
+# Each output is compared byte for byte with the packet scapy builds with the translated
+# addresses and ports and its CRC32c recomputed from scratch (world6.rewritten).
+
+
+@pytest.fixture
+def maps6(maps):
+    w6.install_node6(maps)
+    return maps
+
+
+def diameter6(**kw) -> w6.Svc6:
+    """An IPv6 SCTP service: clusterIP [fd00:96::10]:80 (and nodePort, LB IP) -> :8080."""
+    return w6.web6(proto=SCTP_P, **kw)
+
+
+@pytest.mark.parametrize("ext", [(), (IPv6ExtHdrHopByHop(), IPv6ExtHdrDestOpt(options=[PadN(optdata=bytes(60))]))],
+                         ids=["plain", "behind-options"])
+def test_ipv6_dnat_and_masquerade_keep_the_crc_valid_on_random_packets(datapath, maps6, ext):
+    """IPv6 twin of the random-packet test, also behind extension headers (the SCTP header's
+    offset then comes from the parser's walk): DNAT at ingress, masquerade at egress."""
+    w6.install6(maps6, diameter6(cluster=(w6.REMOTE_EP6,), local=()))
+    rng = random.Random(6132)
+    for i in range(30):
+        pkt = w6.sctp6(w6.OUTSIDE6, 20000 + i, w6.NODE6, w6.NODE_PORT, *_random_chunks(rng), tag=rng.randrange(2**32),
+                       ext=ext)
+        fwd = w6.step6(datapath, maps6, "tc_ingress", pkt, R.FWD_NEW, rewritten(pkt, dst=w6.REMOTE_EP6))
+        maps6.reset_stats()
+        out = run(datapath, "tc_egress", fwd)
+        assert out.verdict == TC_ACT_OK and counted(maps6) == {R.SNAT: 1}
+        (src, sport), _ = w6.endpoints6(out.pkt)
+        assert src == w6.NODE6 and w.SNAT_MIN <= sport <= w.SNAT_MAX and sport != 20000 + i
+        assert out.raw == rewritten(fwd, src=(w6.NODE6, sport))
+
+
+def test_ipv6_clusterip_from_a_pod_init_data_and_reply(datapath, maps6):
+    w6.install6(maps6, diameter6())
+    pkt = w6.sctp6(w6.POD6, 40000, w6.VIP6, 80)
+    fwd = w6.step6(datapath, maps6, "tc_ingress", pkt, R.FWD_NEW)
+    backend = w6.endpoints6(fwd)[1]
+    assert backend in w6.ALL6 and bytes(fwd) == rewritten(pkt, dst=backend)
+    w6.step6(datapath, maps6, "tc_egress", fwd, R.PASS_NO_SERVICE, bytes(fwd))
+
+    ack = w6.sctp6(*backend, w6.POD6, 40000, SCTPChunkInitAck(init_tag=0x55, a_rwnd=65535, n_out_streams=1,
+                                                               n_in_streams=1, init_tsn=3), tag=0x1234)
+    w6.step6(datapath, maps6, "tc_egress", ack, R.REV_DNAT, rewritten(ack, src=(w6.VIP6, 80)))
+    for payload in (b"x", b"diameter request", bytes(999)):
+        data = w6.sctp6_data(w6.POD6, 40000, w6.VIP6, 80, payload)
+        w6.step6(datapath, maps6, "tc_ingress", data, R.FWD_ESTABLISHED, rewritten(data, dst=backend))
+    conn = next(c for c in maps6.connections6() if c.kind == s.CT4_SVC)
+    assert conn.proto == SCTP_P and conn.flags & s.CT4_F_SEEN_REPLY
+
+
+def test_ipv6_nodeport_from_outside_is_masqueraded_and_its_replies_restored(datapath, maps6):
+    w6.install6(maps6, diameter6())
+    pkt = w6.sctp6(w6.OUTSIDE6, 40000, w6.NODE6, w6.NODE_PORT)
+    fwd = w6.step6(datapath, maps6, "tc_ingress", pkt, R.FWD_NEW)
+    backend = w6.endpoints6(fwd)[1]
+    assert bytes(fwd) == rewritten(pkt, dst=backend)
+    out = w6.step6(datapath, maps6, "tc_egress", fwd, R.SNAT)
+    (snat_addr, snat_port), _ = w6.endpoints6(out)
+    assert snat_addr == w6.NODE6 and bytes(out) == rewritten(fwd, src=(snat_addr, snat_port))
+
+    reply = w6.sctp6_data(*backend, snat_addr, snat_port)
+    back = w6.step6(datapath, maps6, "tc_ingress", reply, R.REV_SNAT, rewritten(reply, dst=(w6.OUTSIDE6, 40000)))
+    w6.step6(datapath, maps6, "tc_egress", back, R.REV_DNAT, rewritten(back, src=(w6.NODE6, w6.NODE_PORT)))
+
+
+def test_ipv6_a_pending_crc_stays_zero(datapath, maps6):
+    w6.install6(maps6, diameter6())
+    out = run(datapath, "tc_ingress", w6.sctp6(w6.POD6, 40000, w6.VIP6, 80, chksum=0))
+    assert out.verdict == TC_ACT_OK and counted(maps6) == {R.FWD_NEW: 1}
+    assert w6.endpoints6(out.pkt)[1][1] == 8080 and out.pkt[SCTP].chksum == 0
+
+
+@pytest.mark.parametrize("prog", ["tc_ingress", "xdp_lb"])
+def test_ipv6_etp_local_without_a_local_endpoint_drops(datapath, maps6, prog):
+    w6.install6(maps6, diameter6(local=(), flags=s.LB4_F_HAS_ENDPOINTS | s.LB4_F_ETP_LOCAL))
+    out = run(datapath, prog, w6.sctp6(w6.OUTSIDE6, 40000, w6.NODE6, w6.NODE_PORT))
+    assert out.verdict == (XDP_DROP if prog == "xdp_lb" else TC_ACT_SHOT)
+    assert counted(maps6) == {R.DROP_NO_LOCAL_EXTERNAL: 1}
+    assert not maps6.connections6()
+
+
+@pytest.mark.parametrize("src, dst, dport", [(w6.POD6, w6.VIP6, 80), (w6.OUTSIDE6, w6.NODE6, w6.NODE_PORT)])
+def test_ipv6_no_endpoints_rejects_with_port_unreachable(datapath, maps6, src, dst, dport):
+    """ICMPv6 port unreachable quoting the IPv6 header and the first 8 SCTP bytes (ports and
+    verification tag); the CRC fix-up leaves the error alone."""
+    w6.install6(maps6, diameter6(flags=0, cluster=(), local=()))
+    pkt = w6.sctp6(src, 40000, dst, dport, tag=0xABCD)
+    out = run(datapath, "tc_ingress", pkt)
+    assert out.verdict == TC_ACT_REDIRECT and counted(maps6) == {R.REJECT: 1}
+    icmp = out.pkt[ICMPv6DestUnreach]
+    assert (out.pkt[IPv6].src, out.pkt[IPv6].dst, icmp.type, icmp.code) == (dst, src, 1, 4)
+    w6.assert_l4_checksum_valid(out.pkt)
+    assert out.raw.endswith(bytes(pkt[IPv6])[:48]), "the IPv6 header and 8 SCTP bytes, untouched"
+    assert not maps6.connections6()
+
+
+@pytest.mark.parametrize("prog", ["tc_ingress", "xdp_lb"])
+def test_ipv6_a_truncated_sctp_header_is_a_malformed_drop(datapath, maps6, prog):
+    w6.install6(maps6, diameter6())
+    cut = Ether(bytes(w6.sctp6(w6.POD6, 40000, w6.VIP6, 80))[:14 + 40 + 11])
+    cut[IPv6].plen = 11
+    out = run(datapath, prog, Ether(bytes(cut)))
+    assert out.verdict == (XDP_DROP if prog == "xdp_lb" else TC_ACT_SHOT)
+    assert counted(maps6) == {R.DROP_MALFORMED_L4: 1}
+
+
+def test_ipv6_an_abort_closes_and_an_init_starts_anew(datapath, maps6):
+    """ABORT closes the association (CLOSING, DONE), a new INIT on its tuple is a new one."""
+    w6.install6(maps6, diameter6(cluster=(w6.REMOTE_EP6,), local=()))
+
+    def entry():
+        return next(c for c in maps6.connections6() if c.kind == s.CT4_SVC)
+
+    w6.step6(datapath, maps6, "tc_ingress", w6.sctp6(w6.POD6, 40000, w6.VIP6, 80), R.FWD_NEW)
+    w6.step6(datapath, maps6, "tc_ingress", w6.sctp6(w6.POD6, 40000, w6.VIP6, 80, SCTPChunkAbort(), tag=1),
+             R.FWD_ESTABLISHED)
+    assert entry().flags & s.CT4_F_DONE
+    w6.step6(datapath, maps6, "tc_ingress", w6.sctp6(w6.POD6, 40000, w6.VIP6, 80), R.FWD_NEW)
+    assert not entry().flags & s.CT4_F_CLOSING
+
+
+def test_ipv6_an_icmpv6_error_about_an_sctp_connection_is_translated(datapath, maps6):
+    """Packet too big from the backend's path about a DNATed packet reaches the client from the
+    frontend, quoting the packet as the client sent it (the quoted CRC left, as IPv4's)."""
+    w6.install6(maps6, diameter6(cluster=(w6.REMOTE_EP6,), local=()))
+    sent = w6.sctp6_data(w6.POD6, 40000, w6.VIP6, 80)
+    fwd = w6.step6(datapath, maps6, "tc_ingress", sent, R.FWD_NEW)
+    err = Ether(bytes(Ether(src=sent.src, dst=sent.dst) / IPv6(src="fd10:244:1::1", dst=w6.POD6) /
+                      ICMPv6PacketTooBig(mtu=1280) / Raw(bytes(fwd[IPv6]))))
+    maps6.reset_stats()
+    res = run(datapath, "tc_egress", err)
+    assert res.verdict == TC_ACT_OK and counted(maps6) == {R.ICMP_RELATED: 1}
+    out = res.pkt
+    assert out[IPv6].src == w6.VIP6
+    quote, sent6, fwd6 = res.raw[14 + 40 + 8:], bytes(sent[IPv6]), bytes(fwd[IPv6])
+    assert quote == sent6[:48] + fwd6[48:52] + sent6[52:], "quote: the packet as the client sent it, its CRC left"
+    fresh = Ether(res.raw)
+    fresh[ICMPv6PacketTooBig].cksum = None
+    assert Ether(bytes(fresh))[ICMPv6PacketTooBig].cksum == out[ICMPv6PacketTooBig].cksum, "ICMPv6 checksum valid"

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from scapy.layers.inet import TCP, UDP
 from scapy.layers.inet6 import ICMPv6DestUnreach, IPv6
+from scapy.layers.sctp import SCTP, SCTPChunkData, SCTPChunkInit
 from scapy.layers.l2 import Ether
 from scapy.packet import Packet, Raw
 
@@ -35,7 +36,7 @@ VIP6 = "fd00:96::10"
 LB_IP6 = "2001:db8:80::80"
 NODE_PORT = 30080
 
-TCP_P, UDP_P = socket.IPPROTO_TCP, socket.IPPROTO_UDP
+TCP_P, UDP_P, SCTP_P = socket.IPPROTO_TCP, socket.IPPROTO_UDP, 132
 EXT = s.LB4_F_EXTERNAL
 HAS = s.LB4_F_HAS_ENDPOINTS
 
@@ -111,18 +112,37 @@ def udp6(src: str, sport: int, dst: str, dport: int, payload: bytes = b"ping", e
     return Ether(bytes(Ether(src=MAC_PEER, dst=MAC_NODE) / l3 / UDP(sport=sport, dport=dport) / Raw(payload)))
 
 
+def sctp6(src: str, sport: int, dst: str, dport: int, *chunks: Packet, tag: int = 0, chksum: int | None = None,
+          ext=()) -> Packet:
+    """Ether / IPv6 / extension headers / SCTP (an INIT unless chunks are given), its CRC32c
+    computed by scapy unless `chksum` is given (packets.sctp's IPv6 twin)."""
+    chunks = chunks or (SCTPChunkInit(init_tag=0x1234, a_rwnd=65535, n_out_streams=1, n_in_streams=1, init_tsn=7),)
+    l3 = IPv6(src=src, dst=dst)
+    for hdr in ext:
+        l3 = l3 / hdr
+    pkt = Ether(src=MAC_PEER, dst=MAC_NODE) / l3 / SCTP(sport=sport, dport=dport, tag=tag, chksum=chksum)
+    for chunk in chunks:
+        pkt = pkt / chunk
+    return Ether(bytes(pkt))
+
+
+def sctp6_data(src: str, sport: int, dst: str, dport: int, payload: bytes = b"hello") -> Packet:
+    return sctp6(src, sport, dst, dport, SCTPChunkData(tsn=8, data=payload), tag=0x1234)
+
+
 def l4(pkt: Packet):
-    return pkt[TCP] if TCP in pkt else pkt[UDP]
+    return pkt[TCP] if TCP in pkt else pkt[SCTP] if SCTP in pkt else pkt[UDP]
 
 
 def endpoints6(pkt: Packet) -> tuple[tuple[str, int], tuple[str, int]]:
-    """((src, sport), (dst, dport)) of a TCP or UDP packet."""
+    """((src, sport), (dst, dport)) of a TCP, UDP or SCTP packet."""
     return (pkt[IPv6].src, l4(pkt).sport), (pkt[IPv6].dst, l4(pkt).dport)
 
 
 def rewritten(pkt: Packet, src: tuple[str, int] | None = None, dst: tuple[str, int] | None = None) -> bytes:
     """`pkt` with its source and/or destination address and port replaced and the L4 checksum
-    recomputed by scapy from scratch: what a correct translation must produce, byte for byte."""
+    recomputed by scapy from scratch (SCTP: its CRC32c): what a correct translation must produce,
+    byte for byte."""
     out = Ether(bytes(pkt))
     seg = l4(out)
     if src:
@@ -134,14 +154,15 @@ def rewritten(pkt: Packet, src: tuple[str, int] | None = None, dst: tuple[str, i
 
 
 def assert_l4_checksum_valid(pkt: Packet) -> None:
-    """The TCP/UDP/ICMPv6 checksum equals scapy's recomputation over the IPv6 pseudo-header."""
-    for layer, field in ((TCP, "chksum"), (UDP, "chksum"), (ICMPv6DestUnreach, "cksum")):
+    """The TCP/UDP/ICMPv6 checksum equals scapy's recomputation over the IPv6 pseudo-header (SCTP:
+    its CRC32c, over the SCTP packet alone)."""
+    for layer, field in ((TCP, "chksum"), (UDP, "chksum"), (SCTP, "chksum"), (ICMPv6DestUnreach, "cksum")):
         if layer in pkt:
             fresh = Ether(bytes(pkt))
             setattr(fresh[layer], field, None)
             assert getattr(Ether(bytes(fresh))[layer], field) == getattr(pkt[layer], field), f"{layer.__name__} checksum invalid"
             return
-    raise AssertionError("no TCP, UDP or ICMPv6 error to check")
+    raise AssertionError("no TCP, UDP, SCTP or ICMPv6 error to check")
 
 
 def step6(datapath, maps, prog: str, pkt: Packet, reason: s.Reason, expect: bytes | None = None) -> Packet:
@@ -162,4 +183,6 @@ def reply6(pkt: Packet, flags: str = "SA", payload: bytes = b"") -> Packet:
     (src, sport), (dst, dport) = endpoints6(pkt)
     if TCP in pkt:
         return tcp6(dst, dport, src, sport, flags=flags, payload=payload)
+    if SCTP in pkt:
+        return sctp6_data(dst, dport, src, sport, payload=payload or b"pong")
     return udp6(dst, dport, src, sport, payload=payload or b"pong")

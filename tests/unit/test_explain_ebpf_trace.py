@@ -1,6 +1,7 @@
 """The pure parts of the eBPF trace (no root): the frame it hands the kernel, and the words it uses."""
 
 from scapy.layers.inet import IP, TCP, UDP
+from scapy.layers.inet6 import IPv6
 from scapy.layers.l2 import Ether
 from scapy.layers.sctp import SCTP, SCTPChunkInit
 
@@ -83,3 +84,14 @@ def test_service_names_are_looked_up_whatever_the_protocol_spelling():
     assert ebpf_trace._service_name({("10.96.0.10", 80, Protocol.TCP): "default/web:http"}, flow) == "default/web:http"
     assert ebpf_trace._service_name({("10.96.0.10", 80, "tcp"): "default/web:http"}, flow) == "default/web:http"
     assert ebpf_trace._service_name(None, flow) is None
+
+
+def test_sctp_frame_over_ipv6_is_an_init_with_a_valid_crc32c():
+    raw = ebpf_trace.build_frame(FlowSpec("fd10:244::7", "fd00:96::10", 80, sport=41000, protocol=Protocol.SCTP))
+    pkt = Ether(raw)
+    assert (pkt[IPv6].nh, pkt[IPv6].plen, pkt[SCTP].sport, pkt[SCTP].dport, pkt[SCTPChunkInit].type) == \
+        (132, 32, 41000, 80, 1)
+    fresh = Ether(raw)
+    del fresh[SCTP].chksum
+    assert Ether(bytes(fresh))[SCTP].chksum == pkt[SCTP].chksum  # no pseudo-header: the same CRC32c as IPv4's
+    assert ebpf_trace._frame_dst(raw) == ("fd00:96::10", 80)

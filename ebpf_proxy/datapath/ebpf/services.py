@@ -308,7 +308,7 @@ class ServicePrograms:
     def entries(self, svc: ServicePort, endpoints: tuple[Endpoint, ...],
                 topology: NodeTopology = NodeTopology()) -> ServiceEntries | None:
         """The map entries for `svc` seen from this node (`topology`: its name and zone, for the
-        endpoints' hints), or None when it is not programmed (headless, another family, SCTP over IPv6)."""
+        endpoints' hints), or None when it is not programmed (headless, another family)."""
         if not self.serves(svc):
             return None
         family = self.family
@@ -362,8 +362,7 @@ class ServicePrograms:
         """Whether `svc` is programmed here: a clusterIP of this family, a protocol the programs
         translate."""
         return svc.cluster_ip is not None and svc.protocol in SUPPORTED and \
-            ipaddress.ip_address(svc.cluster_ip).version == self.family and \
-            not (self.family == 6 and svc.protocol == Protocol.SCTP)  # sctp.h reads IPv4 headers only
+            ipaddress.ip_address(svc.cluster_ip).version == self.family
 
     def apply(self, name: ServicePortName, new: ServiceEntries | None) -> int:
         """Move the maps from what `name` had to `new` (None: delete). Returns the map writes made."""

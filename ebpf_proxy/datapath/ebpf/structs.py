@@ -125,7 +125,7 @@ REASON_DESCRIPTIONS: dict[Reason, str] = {
     Reason.EV_HOST_STACK_MTU: "not a verdict: slow path, larger than the route's MTU: the kernel fragments it or answers fragmentation needed",
     Reason.EV_HOST_STACK_SKIP: "not a verdict: slow path, not a packet to route here (fragment, IP options, TTL <= 1, not for this host, mark, mode switch)",
     Reason.PASS_IPV6_FRAG: "IPv6 packet with a fragment header: untouched (no IPv6 fragment tracking; the ip6tables mode reassembles)",
-    Reason.PASS_IPV6_NOT_L4: "IPv6 but neither TCP nor UDP after the extension headers (ICMPv6, neighbour discovery, SCTP, ESP, ...): untouched",
+    Reason.PASS_IPV6_NOT_L4: "IPv6 but neither TCP, UDP nor SCTP after the extension headers (ICMPv6, neighbour discovery, ESP, ...): untouched",
     Reason.DROP_MALFORMED_IPV6: "bad IPv6 version or payload length, truncated IPv6 or extension header",
     Reason.DROP_IPV6_EXTHDRS: "IPv6 extension header chain longer than the parser walks (pkt6.h): dropped, so that no chain carries a packet past the service rules",
     Reason.PASS_IPV6_UNTRACED: "no longer recorded (IPv6 trace runs are explained since): was \"trace run of an IPv6 packet, nothing decided\"; kept so that no number moves",
