@@ -205,7 +205,7 @@ static __always_inline int sock6_decide(struct bpf_sock_addr *ctx, const struct 
 	}
 	trace_service(tr, svc);
 	src = in6_is_zero(bound) ? cfg6->snat_addr : *bound;
-	reason = lb6_policy(svc, &src, EPX_ORIGIN_NODE, cfg->flags, &c);
+	reason = lb6_policy(svc, &src, EPX_ORIGIN_NODE, lb6_flags(cfg), &c);
 	trace_policy(tr, EPX_ORIGIN_NODE, c.scope, c.masq);
 	if (!reason)
 		reason = lb6_select_backend(svc, c.scope, &src, bpf_ktime_get_ns(), &backend_id, &be, tr);

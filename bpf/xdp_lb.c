@@ -41,7 +41,7 @@ static __always_inline int xdp6_run(struct xdp_md *ctx, struct epx_trace_rec *tr
 	struct lb4_service *svc;
 	struct lb4_choice c = {};
 	struct scratch6 *s;
-	__u32 zero = 0, reason;
+	__u32 zero = 0, reason, flags;
 	struct lb4_config *cfg;
 
 	__u64 now;
@@ -70,8 +70,9 @@ static __always_inline int xdp6_run(struct xdp_md *ctx, struct epx_trace_rec *tr
 	if (!svc || !cfg)
 		return xdp_done(EPX_CONTINUE, 0, tr);
 	trace_service(tr, svc);
-	origin = lb6_origin(&p.saddr, ctx->ingress_ifindex, cfg->flags);
-	reason = lb6_policy(svc, &p.saddr, origin, cfg->flags, &c);
+	flags = lb6_flags(cfg);
+	origin = lb6_origin(&p.saddr, ctx->ingress_ifindex, flags);
+	reason = lb6_policy(svc, &p.saddr, origin, flags, &c);
 	trace_policy(tr, origin, c.scope, c.masq);
 	return xdp_done(xdp_early_drop(reason) ? reason : EPX_CONTINUE, data_end - data, tr);
 }

@@ -570,6 +570,9 @@ struct sock6_rev {
 #define CFG6_F_ON 0x01 /* this node's IPv6 Services are the eBPF datapath's: the programs act on IPv6.
 			* Unset (the agent serves IPv6 with ip6tables, or programs none), IPv6 packets are
 			* untouched (EPX_PASS_IPV6_OFF): not parsed, translated or dropped. */
+#define CFG6_F_DETECT_NONE 0x02 /* IPv6's local-traffic detector is kube-proxy's no-op one (a CIDR
+				 * detector without an IPv6 CIDR): for IPv6 it replaces epx_config's
+				 * CFG_F_DETECT_NONE, which says the same of IPv4 (lb6_flags) */
 
 struct lb6_config {
 	struct epx_in6 snat_addr; /* IPv6 masquerade source (:: = none: masquerade drops, SNAT_NO_ADDR) */

@@ -44,6 +44,19 @@ static __always_inline int lb6_in_pod_cidr(const struct epx_in6 *saddr)
 	return epx_lookup(epx_pod_cidr6, &key) != NULL;
 }
 
+/* epx_config's flags as IPv6 sees them: the detector kinds are shared (an interface detector
+ * serves both families), but whether the CIDR detector is kube-proxy's no-op one is per family
+ * (a dual-stack node's --cluster-cidr may name one family only): CFG_F_DETECT_NONE is IPv4's,
+ * CFG6_F_DETECT_NONE IPv6's. */
+static __always_inline __u32 lb6_flags(const struct lb4_config *cfg)
+{
+	__u32 zero = 0;
+	struct lb6_config *cfg6 = epx_lookup(epx_config6, &zero);
+	__u32 flags = cfg->flags & ~CFG_F_DETECT_NONE;
+
+	return cfg6 && (cfg6->flags & CFG6_F_DETECT_NONE) ? flags | CFG_F_DETECT_NONE : flags;
+}
+
 /* lb4_local_pod for IPv6: the CIDR detectors read epx_pod_cidr6; the interface detectors read the
  * same epx_iface as IPv4 (a device is local for both families). */
 static __always_inline int lb6_local_pod(const struct epx_in6 *saddr, __u32 ifindex, __u32 cfg_flags)
@@ -156,7 +169,7 @@ static __always_inline __u32 lb6_forward(struct __sk_buff *skb, struct scratch6 
 	struct lb4_service *svc;
 	struct lb4_choice c = {};
 	struct lb6_backend be;
-	__u32 backend_id, reason;
+	__u32 backend_id, reason, flags;
 	__u8 origin;
 	int hairpin;
 
@@ -185,8 +198,9 @@ static __always_inline __u32 lb6_forward(struct __sk_buff *skb, struct scratch6 
 	if (!svc)
 		return EPX_PASS_NO_SERVICE;
 	trace_service(tr, svc);
-	origin = lb6_origin(&p->saddr, skb->ifindex, cfg->flags);
-	reason = lb6_policy(svc, &p->saddr, origin, cfg->flags, &c);
+	flags = lb6_flags(cfg);
+	origin = lb6_origin(&p->saddr, skb->ifindex, flags);
+	reason = lb6_policy(svc, &p->saddr, origin, flags, &c);
 	trace_policy(tr, origin, c.scope, c.masq);
 	if (reason)
 		return reason;

@@ -91,7 +91,7 @@ static __always_inline __u32 lo6_decide(struct __sk_buff *skb)
 	cfg = epx_lookup(epx_config, &zero);
 	if (!svc || !cfg)
 		return EPX_CONTINUE;
-	if (lb6_policy(svc, &saddr, EPX_ORIGIN_EXTERNAL, cfg->flags, &c) != EPX_DROP_NO_LOCAL_EXTERNAL)
+	if (lb6_policy(svc, &saddr, EPX_ORIGIN_EXTERNAL, lb6_flags(cfg), &c) != EPX_DROP_NO_LOCAL_EXTERNAL)
 		return EPX_CONTINUE;
 	return EPX_DROP_LOCALHOST6_NO_LOCAL;
 }

@@ -13,6 +13,7 @@ from ebpf_proxy.datapath.ebpf.adopt import adopt
 from ebpf_proxy.datapath.ebpf.services import (
     ServicePrograms,
     detector_cidrs,
+    detector_is_noop,
     node_addresses,
     node_settings,
     program_node,
@@ -286,6 +287,17 @@ def test_node_settings_and_addresses():
     assert detector_cidrs(replace(NODE, local_detector=bridge)) == []
     assert node_addresses(NODE) == [w.NODE_IP, w.NODE_IP2, "127.0.0.1"]
     assert node_addresses(replace(NODE, localhost_nodeports=False)) == [w.NODE_IP, w.NODE_IP2]
+
+
+def test_the_no_op_detector_is_decided_per_family():
+    """--cluster-cidr naming IPv4 only: IPv4's detector is the CIDR one, IPv6's kube-proxy's
+    no-op one (getLocalDetectors), and the interface detectors serve both families."""
+    node6 = replace(NODE, node_ips=("fd00:20::5",), family=6)
+    assert not detector_is_noop(NODE) and detector_is_noop(node6)
+    assert not detector_is_noop(replace(node6, cluster_cidrs=(w.POD_CIDR, "fd00:10:244::/56")))
+    assert detector_is_noop(replace(NODE, cluster_cidrs=("fd00:10:244::/56",)))
+    bridge = LocalDetector(LocalMode.BRIDGE_INTERFACE, interface="cbr0")
+    assert not detector_is_noop(replace(node6, local_detector=bridge))
 
 
 def test_source_ranges_are_normalized():

@@ -212,11 +212,30 @@ def test_masquerade_without_an_ipv6_address_is_dropped(datapath, maps6):
 
 
 def test_no_detector_masquerades_no_clusterip_traffic(datapath, maps6):
-    """As IPv4: without a local-traffic detector kube-proxy has no rule telling pods apart."""
-    maps6.set_settings(replace(w.SETTINGS, local_detect=DETECT_NONE))
+    """As IPv4: without a local-traffic detector kube-proxy has no rule telling pods apart. IPv6's
+    detector is IPv6's own (CFG6_F_DETECT_NONE: the CIDR detector without an IPv6 CIDR)."""
+    w6.install_node6(maps6, detect_none=True)
     w6.install6(maps6, w6.web6())
     step6(datapath, maps6, "tc_ingress", tcp6(OUTSIDE6, 40000, VIP6, 80), R.FWD_NEW)
     assert not conns6(maps6)[s.CT4_SVC].flags & s.CT4_F_MASQ
+
+
+@pytest.mark.parametrize("v4_noop, v6_noop", [(True, False), (False, True)])
+def test_each_family_has_its_own_local_traffic_detector(datapath, maps6, v4_noop, v6_noop):
+    """A dual-stack node whose --cluster-cidr names one family only: kube-proxy gives the other
+    family the no-op detector (cmd/kube-proxy/app/server_linux.go getLocalDetectors: a family
+    without a cluster CIDR gets proxyutil.NewNoOpLocalDetector), so that family's off-cluster
+    ClusterIP traffic is not masqueraded while the other family's is."""
+    if v4_noop:
+        maps6.set_settings(replace(w.SETTINGS, local_detect=DETECT_NONE))
+    w6.install_node6(maps6, detect_none=v6_noop)
+    w.install(maps6, w.web())
+    w6.install6(maps6, w6.web6())
+    step6(datapath, maps6, "tc_ingress", tcp6(OUTSIDE6, 40000, VIP6, 80), R.FWD_NEW)
+    assert bool(conns6(maps6)[s.CT4_SVC].flags & s.CT4_F_MASQ) == (not v6_noop)
+    run(datapath, "tc_ingress", tcp(w.OUTSIDE, 40000, w.VIP, 80))
+    v4 = next(c for c in maps6.connections() if c.kind == s.CT4_SVC)
+    assert bool(v4.flags & s.CT4_F_MASQ) == (not v4_noop)
 
 
 def test_ipv4_and_ipv6_services_keep_their_own_ids(datapath, maps6):

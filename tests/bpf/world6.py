@@ -41,8 +41,8 @@ EXT = s.LB4_F_EXTERNAL
 HAS = s.LB4_F_HAS_ENDPOINTS
 
 
-def install_node6(maps: Maps, snat_addr: str | None = NODE6) -> None:
-    maps.set_settings6(snat_addr)
+def install_node6(maps: Maps, snat_addr: str | None = NODE6, detect_none: bool = False) -> None:
+    maps.set_settings6(snat_addr, detect_none=detect_none)
     maps.set_node_addrs6([NODE6, NODE6_2])
     maps.set_pod_cidrs6([POD_CIDR6])
 

@@ -49,6 +49,7 @@ from ebpf_proxy.datapath.ebpf.services import (
     ServiceEntries,
     ServicePrograms,
     detector_cidrs,
+    detector_is_noop,
     node_addresses,
     program_node,
 )
@@ -140,6 +141,7 @@ class EbpfDatapath(Datapath):
         self._closed = False
         self._snat6: str | None = None  # IPv6: epx_config6's masquerade address
         self._served6 = False  # IPv6: CFG6_F_ON set by this datapath's first sync
+        self._noop6 = detector_is_noop(node)  # IPv6: CFG6_F_DETECT_NONE
 
     def family_maps(self) -> Maps | None:
         """This family's maps (Maps, or Maps6), None before the first sync."""
@@ -169,7 +171,8 @@ class EbpfDatapath(Datapath):
         writes, did_not_fit = self._programs.sync_names(state, names, self.report_progress, PROGRESS_EVERY)
         counts["map_writes"] += writes
         if self.family == 6 and not self._served6:  # the IPv6 maps are written: the programs may serve IPv6
-            counts["map_writes"] += int(self._maps.set_config6(self._snat6, on=True))  # type: ignore[union-attr]
+            counts["map_writes"] += int(self._maps.set_config6(  # type: ignore[union-attr]
+                self._snat6, on=True, detect_none=self._noop6))
             self._served6 = True
         if not self._shared.attached:
             self._shared.attach()
@@ -212,7 +215,8 @@ class EbpfDatapath(Datapath):
             self._snat6 = shared.devices.primary_address(6) or (v6_ips[0] if v6_ips else None)
             # what a previous agent switched on stays on while this one catches up (its maps are
             # adopted, not rewritten); a fresh node's stays off until the first sync is done
-            writes += int(maps.set_config6(self._snat6, on=bool(maps.config().flags & s.CFG6_F_ON)))
+            writes += int(maps.set_config6(self._snat6, on=bool(maps.config().flags & s.CFG6_F_ON),
+                                           detect_none=self._noop6))
             log.info("ebpf datapath IPv6 loaded", extra={
                 "snat_addr": self._snat6 or "", "node_ips": ",".join(self.node.node_ips),
                 "cluster_cidrs": ",".join(self.node.cluster_cidrs), "detect_local": str(self.node.detector)})
@@ -330,7 +334,7 @@ class EbpfDatapath(Datapath):
         if self._programs is None or self._maps is None or shared.devices is None or shared.settings is None:
             return None
         if isinstance(self._maps, Maps6):
-            config: s.LB4Config | s.LB6Config = Maps6.config6_of(self._snat6, self._served6)
+            config: s.LB4Config | s.LB6Config = Maps6.config6_of(self._snat6, self._served6, self._noop6)
         else:
             config = Maps.config_of(shared.settings)
         return Believed(
@@ -359,7 +363,8 @@ class EbpfDatapath(Datapath):
         shared = self._shared
         assert self._maps is not None and shared.settings is not None and shared.devices is not None
         if isinstance(self._maps, Maps6):
-            writes = program_node(self._maps, self.node, None) + int(self._maps.set_config6(self._snat6, self._served6))
+            writes = program_node(self._maps, self.node, None)
+            writes += int(self._maps.set_config6(self._snat6, self._served6, self._noop6))
         else:
             writes = program_node(self._maps, self.node, shared.settings)
         if self._is_lead():

@@ -1002,11 +1002,12 @@ class Maps:
     # -- IPv6 (the epx_*6 maps): a minimal writer with the IPv4 one's conventions. Service and
     # backend ids are the IPv6 writer's own: the maps are separate, so they never collide. --
 
-    def set_settings6(self, snat_addr: str | None, on: bool = True) -> None:
-        """epx_config6: the IPv6 masquerade address (None: none) and whether the programs serve
-        IPv6 at all (CFG6_F_ON; off, IPv6 packets pass untouched, as while ip6tables serves it).
-        Flags, port range and lifetimes are epx_config's (set_settings), shared by both families."""
-        self._put("epx_config6", s.u32(0), s.LB6Config(snat_addr=in6(snat_addr), flags=s.CFG6_F_ON if on else 0))
+    def set_settings6(self, snat_addr: str | None, on: bool = True, detect_none: bool = False) -> None:
+        """epx_config6: the IPv6 masquerade address (None: none), whether the programs serve IPv6
+        at all (CFG6_F_ON; off, IPv6 packets pass untouched, as while ip6tables serves it) and
+        whether IPv6's local-traffic detector is the no-op one (Maps6.config6_of). The other
+        flags, port range and lifetimes are epx_config's (set_settings), shared by both families."""
+        self._put("epx_config6", s.u32(0), Maps6.config6_of(snat_addr, on, detect_none))
 
     def set_node_addrs6(self, addrs: Iterable[str]) -> int:
         """Make epx_node_addr6 exactly `addrs`, touching only what differs. Returns the writes."""
@@ -1220,13 +1221,16 @@ class Maps6(Maps):
         return self._get("epx_config6", s.u32(0)) or s.LB6Config()
 
     @staticmethod
-    def config6_of(snat_addr: str | None, on: bool) -> s.LB6Config:
-        """The epx_config6 struct set_settings6 writes."""
-        return s.LB6Config(snat_addr=in6(snat_addr), flags=s.CFG6_F_ON if on else 0)
+    def config6_of(snat_addr: str | None, on: bool, detect_none: bool = False) -> s.LB6Config:
+        """The epx_config6 struct set_config6 writes: the IPv6 masquerade address, CFG6_F_ON, and
+        CFG6_F_DETECT_NONE when IPv6's local-traffic detector is kube-proxy's no-op one
+        (services.detector_is_noop: the CIDR detector without an IPv6 CIDR)."""
+        flags = (s.CFG6_F_ON if on else 0) | (s.CFG6_F_DETECT_NONE if detect_none else 0)
+        return s.LB6Config(snat_addr=in6(snat_addr), flags=flags)
 
-    def set_config6(self, snat_addr: str | None, on: bool) -> bool:
+    def set_config6(self, snat_addr: str | None, on: bool, detect_none: bool = False) -> bool:
         """Write epx_config6; returns False (and writes nothing) when it already holds that."""
-        value = self.config6_of(snat_addr, on)
+        value = self.config6_of(snat_addr, on, detect_none)
         if bytes(self.config()) == bytes(value):
             return False
         self._put("epx_config6", s.u32(0), value)

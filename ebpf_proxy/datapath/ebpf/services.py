@@ -210,15 +210,15 @@ def node_settings(node: NodeConfig, host_netns_cookie: int = 0, snat_addr: str |
     address is IPv4's, IPv6's is epx_config6's). The local-traffic detector decides by source
     CIDR (epx_pod_cidr/epx_pod_cidr6, see detector_cidrs) or by device (epx_iface, see
     devices.py); a CIDR detector without a CIDR of the node's family is kube-proxy's no-op
-    detector. The flags are shared by both families' programs (one epx_config). Connection
+    detector (detector_is_noop). The flags are shared by both families' programs (one
+    epx_config), but for IPv6 epx_config6 says whether its detector is the no-op one. Connection
     timeouts are kube-proxy's conntrack settings (node.conntrack).
     """
     v4_ips = of_family(node.node_ips, 4)
-    detector = node.detector
-    if detector.by_interface:
+    if node.detector.by_interface:
         local_detect = DETECT_IFACE
     else:
-        local_detect = DETECT_CIDR if detector_cidrs(node) else DETECT_NONE
+        local_detect = DETECT_NONE if detector_is_noop(node) else DETECT_CIDR
     ct = node.conntrack
     return NodeSettings(
         snat_addr=snat_addr or (v4_ips[0] if v4_ips else None),
@@ -253,6 +253,15 @@ def program_node(maps: Maps, node: NodeConfig, settings: NodeSettings | None) ->
     writes += maps.set_node_addrs(node_addresses(node))
     writes += maps.set_pod_cidrs(detector_cidrs(node))
     return writes
+
+
+def detector_is_noop(node: NodeConfig) -> bool:
+    """Whether the node's local-traffic detector is, for its family, kube-proxy's no-op one: a CIDR
+    detector without a CIDR of that family (a dual-stack node whose --cluster-cidr names one family
+    only: pkg/proxy/util/localdetector.go's NewNoOpLocalDetector for the other). The detector's
+    kind is shared by both families' programs (epx_config); this is per family (epx_config's
+    CFG_F_DETECT_NONE for IPv4, epx_config6's CFG6_F_DETECT_NONE for IPv6)."""
+    return not node.detector.by_interface and not detector_cidrs(node)
 
 
 def detector_cidrs(node: NodeConfig) -> list[str]:

@@ -429,6 +429,7 @@ class Sock6Rev(_Struct):
 
 
 CFG6_F_ON = 0x01  # lb6_config.flags: the programs act on IPv6 (common.h)
+CFG6_F_DETECT_NONE = 0x02  # lb6_config.flags: IPv6's local-traffic detector is the no-op one (common.h)
 
 
 class LB6Config(_Struct):
