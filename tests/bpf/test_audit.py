@@ -30,7 +30,7 @@ def test_tampering_is_found_named_and_repaired(node):
     _sync(lab, dp, _state())
     clean = _audit(lab, dp)
     assert clean.clean, "\n".join(clean.lines())
-    assert clean.checked == {"service ports": 2, "frontends": 4, "backends": 2, "devices": 3}
+    assert clean.checked == {"service ports": 2, "frontends": 4, "backends": 2, "devices": 4}  # the three links and lo (tc_lo)
 
     maps = pins.open_maps(lab.bpffs)  # another tool, with its own handles
     try:
