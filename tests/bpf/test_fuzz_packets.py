@@ -55,7 +55,7 @@ from scapy.layers.sctp import crc32c
 
 from ebpf_proxy.datapath.ebpf import structs as s
 from ebpf_proxy.datapath.ebpf import testrun
-from ebpf_proxy.datapath.ebpf.maps import Maps
+from ebpf_proxy.datapath.ebpf.maps import Maps, Maps6
 from tests.bpf import world as w
 from tests.bpf.packets import MAC_NODE, MAC_PEER, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, XDP_DROP, XDP_PASS
 from tests.fuzzing import fuzz, fuzz_examples, fuzz_settings
@@ -331,7 +331,7 @@ def set_up(datapath, maps: Maps) -> World:
     """Blank connection state, then six connections made by real packets (TCP, UDP, SCTP)."""
     for name in ("epx_ct4", "epx_frag4", "epx_affinity"):
         maps.clear(name)
-    maps.set_settings6(None)  # the IPv6 path on (CFG6_F_ON), no IPv6 service: its parser is what is fuzzed
+    Maps6(maps).set_config6(None, on=True)  # the IPv6 path on (CFG6_F_ON), no IPv6 service: its parser is what is fuzzed
     world = World()
     for proto in (TCP, UDP, SCTP):
         for client, frontend in (((w.POD_CLIENT, 40000), (w.VIP, 80)),

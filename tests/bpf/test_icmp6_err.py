@@ -34,6 +34,7 @@ from scapy.layers.l2 import Ether
 from scapy.packet import Packet, Raw
 
 from ebpf_proxy.datapath.ebpf import structs as s
+from ebpf_proxy.datapath.ebpf.maps import Maps6
 from tests.bpf import world6 as w6
 from tests.bpf.packets import MAC_NODE, MAC_PEER, hop
 from tests.bpf.world6 import LB_IP6, NODE6, NODE_PORT, OUTSIDE6, POD6, VIP6, tcp6, udp6
@@ -300,7 +301,7 @@ def test_errors_are_left_alone_while_the_ipv6_path_is_off(datapath, maps6):
     """CFG6_F_ON unset (ip6tables serves IPv6): not even parsed."""
     w6.install6(maps6, w6.web6())
     _, _, at_backend = connect(datapath, maps6, tcp6(POD6, 40000, VIP6, 80), False)
-    maps6.set_settings6(NODE6, on=False)
+    Maps6(maps6).set_config6(NODE6, on=False)
     error = icmp6_error(ROUTER6, POD6, ptb(), at_backend)
     for prog in ("tc_ingress", "tc_egress"):
         assert hop(datapath, maps6, prog, error, R.PASS_IPV6_OFF) == error

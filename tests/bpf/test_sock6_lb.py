@@ -20,7 +20,7 @@ import pytest
 
 from ebpf_proxy.datapath.ebpf import loader
 from ebpf_proxy.datapath.ebpf import structs as s
-from ebpf_proxy.datapath.ebpf.maps import Backend, Frontend, Service
+from ebpf_proxy.datapath.ebpf.maps import Backend, Frontend, Maps6, Service
 from tests.bpf import netlab, world6
 from tests.bpf.netlab import BACKEND_IP, NODE_BACKEND_SIDE, sh
 from tests.netns_util import nsenter
@@ -189,7 +189,7 @@ def test_ipv6_off_leaves_ipv6_alone_but_serves_mapped(lab6, maps):
     it is (the node has no route to the clusterIP: the call fails unrouted), while an IPv4-mapped
     one is IPv4 traffic, which the eBPF datapath serves all the same."""
     lab, cgroup = lab6
-    maps.set_settings6(world6.NODE6, on=False)
+    Maps6(maps).set_config6(world6.NODE6, on=False)
     for proto in ("tcp", "udp"):
         assert call(lab, cgroup, proto, VIP6)[0] == "error"
     assert s.Reason.SOCK_FWD not in counted(maps)

@@ -10,6 +10,7 @@ from scapy.layers.inet import IP, TCP
 from scapy.layers.l2 import Ether
 
 from ebpf_proxy.datapath.ebpf import structs as s
+from ebpf_proxy.datapath.ebpf.maps import Maps6
 from tests.bpf import world6 as w6
 from tests.bpf.packets import TC_ACT_OK, TC_ACT_SHOT, counted, run
 from tests.bpf.world6 import LOCAL_EP6, NODE6, NODE_PORT, REMOTE_EP6, REMOTE_EP6_2, tcp6, udp6
@@ -71,7 +72,7 @@ def test_everything_else_on_lo_passes_uncounted(datapath, maps6, case):
 def test_ipv6_not_served_passes(datapath, maps6):
     """CFG6_F_ON unset: ip6tables serves IPv6, its own rule drops the packet."""
     w6.install6(maps6, NO_LOCAL)
-    maps6.set_settings6(NODE6, on=False)
+    Maps6(maps6).set_config6(NODE6, on=False)
     assert _verdict(datapath, maps6, tcp6("::1", 40000, "::1", NODE_PORT)) == (TC_ACT_OK, {})
 
 

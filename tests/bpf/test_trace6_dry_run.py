@@ -159,7 +159,7 @@ def test_the_frames_trace_builds_are_decided(datapath, maps6, proto):
 
 def test_ipv6_off_is_recorded_and_nothing_decided(datapath, maps6):
     w6.install6(maps6, w6.web6())
-    maps6.set_settings6(NODE6, on=False)
+    Maps6(maps6).set_config6(NODE6, on=False)
     traced = trace_tc(datapath, "tc_ingress", w6.tcp6(POD6, 40000, VIP6, 80))
     rec = traced_record(maps6, s.HOOK_TC_INGRESS)
     assert R(rec.reason) == R.PASS_IPV6_OFF and not rec.flags & s.TRACE_F_SERVICE

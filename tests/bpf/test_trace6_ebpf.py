@@ -11,6 +11,7 @@ from pyroute2 import IPRoute
 
 from ebpf_proxy.datapath.ebpf import loader
 from ebpf_proxy.datapath.ebpf import structs as s
+from ebpf_proxy.datapath.ebpf.maps import Maps6
 from ebpf_proxy.explain.ebpf_trace import TraceError, ipv6_served, trace_ebpf
 from ebpf_proxy.explain.packet import FlowSpec, host_port
 from ebpf_proxy.lab._setns import run_in_netns
@@ -38,7 +39,7 @@ def lab6(datapath, maps):
     endpoints, for TCP and UDP; the TC programs on the node's veths, the server on the backend."""
     with netlab.NetLab() as lab, dual_stack_server(lab):
         add_ipv6(lab)
-        maps.set_settings6(NODE_OUT6)
+        Maps6(maps).set_config6(NODE_OUT6, on=True)
         maps.set_node_addrs6([addr for _, addr, _ in LINKS6.values()])
         maps.set_pod_cidrs6([world6.POD_CIDR6])
         ext, ranged = world6.EXT, world6.EXT | s.LB4_F_SOURCE_RANGES
@@ -125,7 +126,7 @@ def test_with_the_ipv6_path_off_the_ebpf_tracer_refuses(lab6, maps, pin_dir):
     """ip6tables serves IPv6 then (the CLI walks its rules instead, cli/trace.py): the programs
     would only say PASS_IPV6_OFF."""
     assert run_in_netns(lab6.ns["node"], ipv6_served, pin_dir)
-    maps.set_settings6(NODE_OUT6, on=False)
+    Maps6(maps).set_config6(NODE_OUT6, on=False)
     assert not run_in_netns(lab6.ns["node"], ipv6_served, pin_dir)
     with pytest.raises(TraceError, match="CFG6_F_ON"):
         node_trace(lab6, pin_dir, FlowSpec(POD6, VIP6, PORT, origin="pod"))

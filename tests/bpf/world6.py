@@ -18,7 +18,7 @@ from scapy.layers.l2 import Ether
 from scapy.packet import Packet, Raw
 
 from ebpf_proxy.datapath.ebpf import structs as s
-from ebpf_proxy.datapath.ebpf.maps import Backend, Frontend, Maps, Service
+from ebpf_proxy.datapath.ebpf.maps import Backend, Frontend, Maps, Maps6, Service
 from tests.bpf.packets import MAC_NODE, MAC_PEER, TC_ACT_OK, counted, run
 
 NODE6 = "fd00:50::10"
@@ -42,7 +42,7 @@ HAS = s.LB4_F_HAS_ENDPOINTS
 
 
 def install_node6(maps: Maps, snat_addr: str | None = NODE6, detect_none: bool = False) -> None:
-    maps.set_settings6(snat_addr, detect_none=detect_none)
+    Maps6(maps).set_config6(snat_addr, on=True, detect_none=detect_none)
     maps.set_node_addrs6([NODE6, NODE6_2])
     maps.set_pod_cidrs6([POD_CIDR6])
 

@@ -1002,13 +1002,6 @@ class Maps:
     # -- IPv6 (the epx_*6 maps): a minimal writer with the IPv4 one's conventions. Service and
     # backend ids are the IPv6 writer's own: the maps are separate, so they never collide. --
 
-    def set_settings6(self, snat_addr: str | None, on: bool = True, detect_none: bool = False) -> None:
-        """epx_config6: the IPv6 masquerade address (None: none), whether the programs serve IPv6
-        at all (CFG6_F_ON; off, IPv6 packets pass untouched, as while ip6tables serves it) and
-        whether IPv6's local-traffic detector is the no-op one (Maps6.config6_of). The other
-        flags, port range and lifetimes are epx_config's (set_settings), shared by both families."""
-        self._put("epx_config6", s.u32(0), Maps6.config6_of(snat_addr, on, detect_none))
-
     def set_node_addrs6(self, addrs: Iterable[str]) -> int:
         """Make epx_node_addr6 exactly `addrs`, touching only what differs. Returns the writes."""
         wanted = {bytes(in6(a)) for a in addrs}
