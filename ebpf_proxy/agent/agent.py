@@ -85,10 +85,11 @@ class _SliceEvents(_Events):
             self.agent.queue_sync()
 
     def _apply(self, obj: dict) -> None:
-        ref = convert.object_ref(obj)
         self.agent.metrics.endpoint_changes.inc()
         trackers = self.agent.trackers
         sl = convert.endpoint_slice(obj, self.agent.node_name, self.agent.report_invalid, tuple(trackers))
+        # a slice converted names itself (namespace/name, as object_ref reads them)
+        ref = convert.object_ref(obj) if sl is None else sl
         if ref is None:
             return
         # nothing usable (invalid, FQDN, a family not served): whatever an earlier version
@@ -304,7 +305,13 @@ class Agent:
             reflector.start()
 
     def wait_until_listed(self, poll: float = 0.2) -> bool:
-        """Block until every collection was listed once; False if stopped first."""
+        """Block until every collection was listed once; False if stopped first.
+
+        Listed means a LIST that succeeded to its last page (Reflector.synced). A first list is
+        handed to the trackers page by page as it arrives (k8s/watch.py); one that fails half
+        way has left part of the collection there, and does not count: the first sync waits for
+        the retry, whose difference removes what the failed attempt left and the API no longer
+        has."""
         waiting_since = time.monotonic()
         logged = False
         while not self._stop.is_set():

@@ -4,11 +4,11 @@ The lab bench (`bench/controlplane.py`) times a full sync from outside: agent st
 with the API server, HTTP and the kernel's programs in the way. This harness takes the same path
 inside one process, phase by phase, so that each cost has a number:
 
-- `list+convert`: the agent's real list path, KubeListWatch.list (the pages' JSON held and
-  checked), fed by a simulated API server that builds each page on request (the Services and
-  EndpointSlices a bench of N Services x E endpoints installs, with the fields kube-apiserver
-  defaults); then the Reflectors deliver what they listed to the agent's own handlers (decode,
-  k8s/convert.py, the trackers), as `ebpf-proxy run` does, the three collections concurrently.
+- `list+convert`: the agent's real first-list path, KubeListWatch.stream (each page decoded once,
+  as it arrives), fed by a simulated API server that builds each page on request (the Services
+  and EndpointSlices a bench of N Services x E endpoints installs, with the fields kube-apiserver
+  defaults); the Reflectors deliver each page to the agent's own handlers (k8s/convert.py, the
+  trackers) as it comes, as `ebpf-proxy run` does, the three collections concurrently.
   The CPU seconds the simulated server spends building pages are counted apart (`api_server_s`):
   subtract them for the agent's own share (on a real node the API server runs elsewhere);
 - `sync`: Agent.sync(full=True), the agent's first sync: tracker.take, the datapath, commit,
@@ -178,6 +178,9 @@ class SimulatedListWatch:
 
     def list(self):
         return self._lw.list()
+
+    def stream(self):
+        return self._lw.stream()
 
     def watch(self, resource_version: str) -> _IdleWatch:
         return _IdleWatch()

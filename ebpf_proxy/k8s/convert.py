@@ -251,6 +251,9 @@ def service_ports_by_family(svc: Any, reporter: Reporter | None = None,
     ref = _require_ref(svc, "Service", reporter)
     if ref is None:
         return empty
+    plain = _plain_service_ports(svc, ref, families)
+    if plain is not None:
+        return plain
     try:
         return _service_ports(svc, ref, reporter, families)
     except _Reject as err:
@@ -313,6 +316,91 @@ def _service_ports(svc: dict, ref: ObjectRef, reporter: Reporter | None,
             health_check_node_port=health_port,
         ) for spn, number, node_port in ports]
     return out
+
+
+_PROTOCOLS = {p.value: p for p in Protocol}
+_PLAIN_SERVICE_TYPES = (None, "", "ClusterIP")
+_PLAIN_POLICIES = (None, "", *TRAFFIC_POLICIES)
+_PLAIN_AFFINITIES = (None, "", "None")
+
+
+def _plain_service_ports(svc: dict, ref: ObjectRef, families: tuple[int, ...]) -> dict[int, list[ServicePort]] | None:
+    """_service_ports' answer for the usual Service, read without its per-field checks (100,000
+    of them in a first list at 100,000 Services): a ClusterIP Service with one IPv4 cluster IP (a
+    canonical dotted quad), IPv4 served, plain ports (_plain_ports), no external or load-balancer
+    IP, no source range, no session affinity, every other field it reads unset or valid. None
+    for anything else, which then takes the checked path: the same value where both apply
+    (tests/unit/test_convert_plain.py), its reports and logs where they do not."""
+    spec = svc.get("spec")
+    if type(spec) is not dict or 4 not in families:
+        return None
+    ips, status = spec.get("clusterIPs"), svc.get("status")
+    if spec.get("type") not in _PLAIN_SERVICE_TYPES or type(ips) is not list or len(ips) != 1 \
+            or type(ips[0]) is not str or not _is_dotted_quad(ips[0]) \
+            or spec.get("externalIPs") not in (None, []) or spec.get("loadBalancerSourceRanges") not in (None, []) \
+            or spec.get("externalTrafficPolicy") not in _PLAIN_POLICIES \
+            or spec.get("internalTrafficPolicy") not in _PLAIN_POLICIES \
+            or spec.get("sessionAffinity") not in _PLAIN_AFFINITIES:
+        return None
+    if status is not None and (type(status) is not dict or not _no_ingress(status.get("loadBalancer"))):
+        return None
+    ports = _plain_ports(spec.get("ports"), node_ports=True)
+    if ports is None:
+        return None
+    out: dict[int, list[ServicePort]] = {f: [] for f in families}
+    cluster_ip, internal_local = ips[0], spec.get("internalTrafficPolicy") == "Local"
+    # not externally accessible (ClusterIP, no external IP): eTP does not apply, as in _service_ports
+    out[4] = [ServicePort(name=ServicePortName(ref.namespace, ref.name, name, protocol), cluster_ip=cluster_ip,
+                          port=number, protocol=protocol, node_port=node_port, internal_policy_local=internal_local)
+              for name, protocol, number, node_port in ports]
+    return out
+
+
+def _no_ingress(lb: Any) -> bool:
+    """Whether status.loadBalancer is unset or an object without ingress points."""
+    return lb is None or (type(lb) is dict and lb.get("ingress") in (None, []))
+
+
+def _plain_ports(ports: Any, node_ports: bool) -> list[tuple[str, Protocol, int, int]] | None:
+    """(name, protocol, port, nodePort) of each entry of a Service's or EndpointSlice's ports when
+    every one is plain: an object whose name is unset or a DNS-1123 label, protocol unset or
+    known, port a number in 1..65535, nodePort (read when `node_ports`, else 0) unset or in
+    0..65535, no (name, protocol) twice. None when one is not (the checked paths then decide)."""
+    if ports is None:
+        return []
+    if type(ports) is not list:
+        return None
+    result: list[tuple[str, Protocol, int, int]] = []
+    seen: set[tuple[str, Protocol]] = set()
+    for port in ports:
+        if type(port) is not dict:
+            return None
+        name, protocol, number = port.get("name"), port.get("protocol"), port.get("port")
+        node_port = port.get("nodePort") if node_ports else None
+        if name is None:
+            name = ""
+        elif type(name) is not str or (name and not is_dns_label(name)):
+            return None
+        protocol = Protocol.TCP if protocol is None else _PROTOCOLS.get(protocol) if type(protocol) is str else None
+        if node_port is None:
+            node_port = 0
+        elif type(node_port) is not int or not 0 <= node_port <= 65535:
+            return None
+        if protocol is None or type(number) is not int or not 0 < number <= 65535 or (name, protocol) in seen:
+            return None
+        seen.add((name, protocol))
+        result.append((name, protocol, number, node_port))
+    return result
+
+
+def _is_dotted_quad(text: str) -> bool:
+    """Whether `text` is an IPv4 address as inet_pton reads it: a canonical dotted quad (no leading
+    zeros, nothing around it), which str(ipaddress) gives back as it is."""
+    try:
+        socket.inet_pton(socket.AF_INET, text)
+        return True
+    except (OSError, ValueError):  # ValueError: a NUL or a lone surrogate in the text
+        return False
 
 
 def _service_port_numbers(ports: list, ref: ObjectRef) -> list[tuple[ServicePortName, int, int]]:
@@ -453,6 +541,9 @@ def endpoint_slice(obj: Any, node_name: str, reporter: Reporter | None = None,
     ref = _require_ref(obj, "EndpointSlice", reporter)
     if ref is None:
         return None
+    plain = _plain_ipv4_slice(obj, ref, node_name) if 4 in families else None
+    if plain is not None:
+        return plain
     try:
         return _endpoint_slice(obj, ref, node_name, reporter, families)
     except _Reject as err:
@@ -493,6 +584,39 @@ def _endpoint_slice(obj: dict, ref: ObjectRef, node_name: str, reporter: Reporte
     annotations = _get(meta, "annotations", "metadata.annotations", dict, {})
     return SliceEndpoints(namespace=ref.namespace, name=ref.name, service=service, endpoints=by_port,
                           trigger_time=_trigger_time(annotations.get(TRIGGER_TIME_ANNOTATION), ref), family=family)
+
+
+_NO_HINTS: tuple[tuple, tuple] = ((), ())
+
+
+def _plain_ipv4_slice(obj: dict, ref: ObjectRef, node_name: str) -> SliceEndpoints | None:
+    """_endpoint_slice's answer for the usual IPv4 slice, read without its per-field checks
+    (100,000 slices, a million endpoints, in a first list at 100,000 Services): labels naming
+    the Service, plain ports (_plain_ports), plain endpoints (_plain_ipv4_endpoint) without
+    hints, annotations unset or an object. None for anything else, which then takes the checked
+    path: the same value where both apply (tests/unit/test_convert_plain.py), its reports where
+    they do not."""
+    meta = obj["metadata"]
+    labels, annotations, endpoints = meta.get("labels"), meta.get("annotations"), obj.get("endpoints")
+    if type(labels) is not dict or (annotations is not None and type(annotations) is not dict) \
+            or obj.get("addressType") != "IPv4" or (endpoints is not None and type(endpoints) is not list):
+        return None
+    service = labels.get(SERVICE_NAME_LABEL)
+    ports = _plain_ports(obj.get("ports"), node_ports=False)
+    if type(service) is not str or not is_dns_label(service) or ports is None:
+        return None
+    rows = []
+    for ep in endpoints or ():
+        row = _plain_ipv4_endpoint(ep, node_name)
+        if row is None or ep.get("hints") is not None:
+            return None
+        rows.append(row + _NO_HINTS)
+    packed = PortlessEndpoints(rows, plain_ipv4=True)
+    by_port = {ServicePortName(ref.namespace, service, name, protocol): packed.with_port(number)
+               for name, protocol, number, _ in ports}
+    trigger = annotations.get(TRIGGER_TIME_ANNOTATION) if annotations else None
+    return SliceEndpoints(namespace=ref.namespace, name=ref.name, service=service, endpoints=by_port,  # type: ignore[arg-type]
+                          trigger_time=_trigger_time(trigger, ref), family=4)
 
 
 def _slice_ports(ports: list, ref: ObjectRef, reporter: Reporter | None) -> list[tuple[str, Protocol, int]]:
@@ -560,7 +684,7 @@ def _plain_ipv4_endpoint(ep: Any, node_name: str) -> tuple | None:
             or (conditions is not None and type(conditions) is not dict) or (node is not None and type(node) is not str):
         return None
     ip = addresses[0]
-    try:
+    try:  # _is_dotted_quad, inline: a million calls
         socket.inet_pton(socket.AF_INET, ip)  # canonical: as str(ipaddress) gives it back (_endpoint_ip)
     except (OSError, ValueError):
         return None
@@ -583,12 +707,8 @@ def _endpoint_ip(value: Any, path: str, family: int) -> str:
     """An endpoint's address of `family`, canonical. A dotted quad inet_pton takes (no leading
     zeros, nothing around it: nearly every IPv4 endpoint) is its own canonical form, which is
     what str(ipaddress) would give for it; everything else is parsed as every IP (_ip)."""
-    if family == 4 and type(value) is str:
-        try:
-            socket.inet_pton(socket.AF_INET, value)
-            return value
-        except (OSError, ValueError):  # ValueError: a NUL or a lone surrogate in the text
-            pass
+    if family == 4 and type(value) is str and _is_dotted_quad(value):
+        return value
     ip = _ip(value, path)
     if ip.version != family:
         raise _Reject(path, inv.WRONG_FAMILY, f"{value!r} is not IPv{family} in an IPv{family} slice")

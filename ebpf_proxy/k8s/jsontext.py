@@ -1,8 +1,9 @@
 """JSON text from the API server → Python values, fast, and exactly as `json.loads` gives them.
 
-At 100,000 Services and slices the agent decodes ~170 MB of LIST pages twice (k8s/client.py
-ListPages: checked when a page arrives, decoded again when delivered): with `json` that was a
-fifth of a full sync (bench/cpscale.py). orjson (a declared dependency) decodes the same text
+At 100,000 Services and slices the agent decodes ~170 MB of LIST pages (k8s/client.py: once
+each for a first list, ListStream; a relist's, ListPages, up to three times: checked when a page
+arrives, walked for the names, decoded again when delivered): with `json` that was a fifth of a
+full sync (bench/cpscale.py). orjson (a declared dependency) decodes the same text
 several times faster. It does not read everything `json` reads, and one thing it reads
 differently, so `loads` uses it only where both agree and `json` everywhere else, and the agent
 sees the same values, or the same error, as before:

@@ -23,7 +23,14 @@ Why not `kubernetes.watch.Watch().stream`: it deserializes into generated models
 object raises inside the client) and retries one 410 by itself from a stale RV. Here the raw event
 stream is read as dicts and every case above is handled in one place.
 
-A failed LIST never changes the cache: an API outage must not look like "every service was deleted".
+A failed LIST never changes what the handlers saw: an API outage must not look like "every service
+was deleted". A relist is held until its last page is in, then its difference from the cache is
+delivered. The first LIST is delivered as its pages arrive, where the collection offers that
+(`ListWatch.stream`): with nothing delivered yet there is nothing to delete, so nothing to hold
+(at 100,000 Services and slices, ~200 MB of page text and one decode of it). Should it fail half
+way, what it delivered stays in the cache and `synced` stays unset (the agent does not sync a
+partial view: Agent.wait_until_listed); the retry is then a relist like any other, whose
+difference deletes what the failed attempt delivered and the new list no longer has.
 
 The cache holds what `keep` retains of each object (client-go's informer transform): all of it by
 default; the agent keeps only the resourceVersion (`keep_version`), since its handlers turn every
@@ -67,6 +74,10 @@ class ListWatch(Protocol):
     def list(self) -> tuple[Iterable[Any], str]:
         """All objects (an iterable the Reflector walks twice) and the list's resourceVersion.
         Raises on any failure (HTTP status in `.status`)."""
+
+    # Optional: `stream()`, an iterable of the objects as they arrive, that raises as `list()`
+    # does where the LIST fails and has the list's `resource_version` once walked to its end
+    # (k8s.client.ListStream). Without it the first LIST is held like any relist.
 
     def watch(self, resource_version: str) -> Iterable[Any]:
         """Raw watch events ({"type": ..., "object": {...}}) from `resource_version` on. May have
@@ -213,7 +224,7 @@ class Reflector:
         while not self._stop.is_set():
             if need_list:
                 try:
-                    items, rv = self.lw.list()
+                    rv = self._list()
                 except Exception as exc:
                     # 410 on a LIST (an expired continue token): start over at once, but only once.
                     if _status(exc) == GONE and not list_gone_retried:
@@ -223,8 +234,6 @@ class Reflector:
                         break
                     continue
                 list_gone_retried = False
-                self._replace(items)
-                del items  # not held while the watch below runs for minutes (the LIST's pages)
                 self.resource_version = rv if isinstance(rv, str) else ""
                 self.lists += 1
                 self.backoff.reset()
@@ -326,6 +335,20 @@ class Reflector:
             self.resource_version = rv
         return None
 
+    def _list(self) -> Any:
+        """One LIST, delivered; returns its resourceVersion. Raises where the LIST fails: a relist
+        before anything is delivered; a streamed first list at the page that failed, after the
+        items of the pages before it (the module docstring)."""
+        stream = getattr(self.lw, "stream", None)
+        if stream is not None and not self.cache and not self.synced.is_set():
+            items = stream()
+            with self._bulk():
+                self._deliver(items, {})
+            return items.resource_version
+        listed, rv = self.lw.list()
+        self._replace(listed)
+        return rv
+
     def _replace(self, items: Iterable[Any]) -> None:
         """A (re)list: deliver the difference between the new list and the cache, deletions first.
 
@@ -337,15 +360,16 @@ class Reflector:
         if isinstance(items, (str, bytes, dict)) or not isinstance(items, Iterable):
             items = []
         drain = getattr(items, "drain", None)
-        old, self.cache = self.cache, {}
+        old = self.cache
+        listed: set[str] = set()
         if old or drain is None:
-            listed: set[str] = set()
-            for item in items:
+            for item in items:  # an iterable that fails here (run() retries) has changed nothing
                 ref = object_ref(item)
                 if ref is not None:
                     listed.add(str(ref))
-            for key in sorted(old.keys() - listed):
-                self._call(self.handler.on_delete, _deleted(key, old[key]))
+        self.cache = {}
+        for key in sorted(old.keys() - listed):
+            self._call(self.handler.on_delete, _deleted(key, old[key]))
         with self._bulk():
             self._deliver(drain() if drain is not None else items, old)
 

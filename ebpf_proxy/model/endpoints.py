@@ -25,6 +25,7 @@ import struct
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import fields
+from itertools import islice, repeat
 from typing import Any, overload
 
 from ebpf_proxy.model.types import Endpoint
@@ -265,20 +266,34 @@ class PortlessEndpoints:
     terminating, is_local, zone hints, node hints), packed once for all the slice's ports.
     `with_port(port)` is then the EndpointList of Endpoint(ip, port, ...) for each row, in order,
     without building the Endpoint values (k8s/convert.py: a million of them at 100,000 Services
-    x 10 endpoints), or their tuple where a row does not fit the packed form."""
+    x 10 endpoints), or their tuple where a row does not fit the packed form.
 
-    __slots__ = ("_rows", "_head", "_extras")
+    Where the rows' IPs are in increasing order (as text) with no repeat, which is how the
+    EndpointSlice controller lists them in most slices, one port's endpoints are already what
+    `merge` makes of them: `with_port` then gives the MergedEndpoints (the same bytes), and the
+    change tracker's merge of a Service's lone slice takes it as it is instead of unpacking and
+    sorting it again (issue 12: a first list at 100,000 Services).
 
-    def __init__(self, rows: Iterable[tuple]) -> None:
+    `plain_ipv4=True` is the caller's word that every row fits the packed form and every IP is a
+    dotted quad inet_ntoa gives back as it is (k8s/convert.py's plain IPv4 slice, which checked
+    them): they are packed without checking them again."""
+
+    __slots__ = ("_rows", "_head", "_extras", "_merged")
+
+    def __init__(self, rows: Iterable[tuple], *, plain_ipv4: bool = False) -> None:
         self._rows = rows = tuple(rows)
         self._head: bytes | None = None
         self._extras: list[int] = []
-        if rows and all(map(_packable_row, rows)):
+        self._merged = False
+        if rows and (plain_ipv4 or all(map(_packable_row, rows))):
             self._extras = [_extra_index(row[1:]) for row in rows]
-            self._head = _ip_head([row[0] for row in rows])
+            ips = [row[0] for row in rows]
+            self._head = b"\0" + b"".join(map(socket.inet_aton, ips)) if plain_ipv4 else _ip_head(ips)
+            self._merged = all(map(str.__lt__, ips, islice(ips, 1, None)))
 
     def with_port(self, port: int) -> EndpointList | tuple[Endpoint, ...]:
         if self._head is None or type(port) is not int or not 0 <= port < 1 << 16:
             return tuple(Endpoint(ip, port, node, ready, serving, terminating, is_local, zones, nodes)
                          for ip, node, ready, serving, terminating, is_local, zones, nodes in self._rows)
-        return EndpointList(self._head + b"".join(_ROW.pack(port, extra) for extra in self._extras))
+        packed = self._head + b"".join(map(_ROW.pack, repeat(port), self._extras))
+        return MergedEndpoints(packed) if self._merged else EndpointList(packed)

@@ -126,8 +126,10 @@ class ChangeTracker:
         key = f"{namespace}/{name}"
         new = compact_mapping({p.name: p for p in ports})
         with self._lock:
-            new = _named_as(self._endpoints.get(key, ()), new)
             old = self._services.get(key, {})
+            if not new and not old:  # not proxied, and was not (each Service in the other family's tracker)
+                return False
+            new = _named_as(self._endpoints.get(key, ()), new)
             if new == old:
                 return False
             self._own_locked()
@@ -135,8 +137,8 @@ class ChangeTracker:
                 self._flat_services.pop(spn, None)
                 if spn in self._visible_endpoints:
                     self._hidden_endpoints[spn] = self._visible_endpoints.pop(spn)
-            self._flat_services.update(new)
-            for spn in new:
+            for spn, port in new.items():  # not dict.update: a OneEntry is read through the Mapping ABC
+                self._flat_services[spn] = port
                 if spn in self._hidden_endpoints:
                     self._visible_endpoints[spn] = self._hidden_endpoints.pop(spn)
             if new:
