@@ -6,7 +6,11 @@ account. Lists and watches are requested with `_preload_content=False` and parse
 so that a malformed object reaches convert.py (which skips it) instead of failing inside the
 client's generated models (with orjson where it reads the text as json would: k8s/jsontext.py).
 
-The agent only reads services, endpointslices and nodes (see resources.AGENT_API_CALLS).
+The agent only reads services, endpointslices and nodes (see resources.AGENT_API_CALLS), by path
+(CollectionGet): the official client loads the kubeconfig or service account and carries the
+requests (auth, TLS, timeouts, urllib3), but its generated API classes and models are never
+imported. CoreV1Api alone brings ~250 model modules, ~21 MiB of the agent's ~86 MiB with one
+Service (issue 12); tests/unit/test_k8s_path_calls.py keeps them out of the agent's process.
 """
 
 from __future__ import annotations
@@ -15,8 +19,12 @@ import logging
 import random
 from typing import Any, Callable, Iterator
 
-from kubernetes import client as kclient
+# Submodules by name: `kubernetes.client` is a lazy package whose attributes import the generated
+# API classes and models on first use.
 from kubernetes import config as kconfig
+from kubernetes.client.api_client import ApiClient
+from kubernetes.client.configuration import Configuration
+from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 from urllib3.exceptions import MaxRetryError, ReadTimeoutError
 from urllib3.util.retry import Retry
@@ -47,18 +55,18 @@ class ClientConfigError(Exception):
     """No usable way to reach the API server (names the flag or file at fault)."""
 
 
-def _configuration() -> kclient.Configuration:
+def _configuration() -> Configuration:
     """A client configuration whose requests are not re-sent after a read timeout.
 
     urllib3 retries an idempotent request 3 times by default, read timeouts included, so a watch
     waiting for the headers of a frozen API server would take 4 idle timeouts to fail. The
     Reflector already retries with backoff; one layer of retries is enough."""
-    configuration = kclient.Configuration()
+    configuration = Configuration()
     configuration.retries = Retry(total=3, read=0)
     return configuration
 
 
-def make_api_client(kubeconfig: str = "", master: str = "") -> kclient.ApiClient:
+def make_api_client(kubeconfig: str = "", master: str = "") -> ApiClient:
     """An ApiClient for --kubeconfig/--master, or the in-cluster service account."""
     if kubeconfig:
         try:
@@ -72,14 +80,63 @@ def make_api_client(kubeconfig: str = "", master: str = "") -> kclient.ApiClient
     configuration = _configuration()
     if master:
         configuration.host = master
-        return kclient.ApiClient(configuration)
+        return ApiClient(configuration)
     try:
         kconfig.load_incluster_config(client_configuration=configuration)
     except kconfig.ConfigException as exc:
         raise ClientConfigError(
             f"neither --kubeconfig nor --master was given and the in-cluster config is unusable: {exc}"
         ) from exc
-    return kclient.ApiClient(configuration)
+    return ApiClient(configuration)
+
+
+# The keywords of the generated list methods (list_node, list_service_for_all_namespaces, ...)
+# KubeListWatch uses, and their query parameters, in the generated code's order.
+_QUERY_PARAMETERS = (
+    ("allow_watch_bookmarks", "allowWatchBookmarks"),
+    ("_continue", "continue"),
+    ("field_selector", "fieldSelector"),
+    ("label_selector", "labelSelector"),
+    ("limit", "limit"),
+    ("resource_version", "resourceVersion"),
+    ("timeout_seconds", "timeoutSeconds"),
+    ("watch", "watch"),
+)
+_KEYWORDS = frozenset(keyword for keyword, _ in _QUERY_PARAMETERS)
+
+
+class CollectionGet:
+    """A LIST or WATCH of one collection, by its path, through the client's ApiClient: the request
+    the generated list method (e.g. CoreV1Api.list_node for /api/v1/nodes) sends, with its keywords
+    (label_selector=, _continue=, watch=, _request_timeout=, ...), without importing the generated
+    API classes and their models (issue 12). As that method with `_preload_content=False`: the
+    urllib3 response, unread, for a 2xx status; an ApiException (status, reason, body) otherwise.
+    Authentication is the client's (BearerToken: a kubeconfig's or the service account's token,
+    refreshed by the client), and TLS, retries and timeouts are its urllib3 pool's."""
+
+    def __init__(self, api: ApiClient, path: str) -> None:
+        self.api = api
+        self.path = path
+
+    def __repr__(self) -> str:
+        return f"CollectionGet({self.path!r})"
+
+    def __call__(self, *, _preload_content: bool = False, _request_timeout: Any = None, **params: Any) -> Any:
+        if _preload_content:
+            raise ValueError(f"GET {self.path}: _preload_content=True would decode into the client's "
+                             "generated models, which the agent does not load")
+        unknown = sorted(set(params) - _KEYWORDS)
+        if unknown:
+            raise TypeError(f"GET {self.path}: unknown parameter(s) {', '.join(unknown)}")
+        query = [(name, params[keyword]) for keyword, name in _QUERY_PARAMETERS if params.get(keyword) is not None]
+        method, url, headers, body, post_params = self.api.param_serialize(
+            method="GET", resource_path=self.path, query_params=query,
+            header_params={"Accept": "application/json"}, post_params=[], files={}, auth_settings=["BearerToken"])
+        response = self.api.call_api(method, url, headers, body, post_params, _request_timeout=_request_timeout)
+        if not 200 <= response.status <= 299:
+            response.read()
+            raise ApiException.from_response(http_resp=response, body=None, data=None)
+        return response.response
 
 
 class ListError(Exception):
@@ -280,16 +337,14 @@ class KubeListWatch:
         return WatchStream(self.kind, response, self.idle_timeout)
 
 
-def agent_collections(api: kclient.ApiClient, node_name: str,
+def agent_collections(api: ApiClient, node_name: str,
                       idle_timeout: float = WATCH_IDLE_TIMEOUT_SECONDS) -> dict[str, KubeListWatch]:
     """Services, EndpointSlices and this node's Node: everything the agent watches."""
-    core = kclient.CoreV1Api(api)
-    discovery = kclient.DiscoveryV1Api(api)
     return {
-        "Service": KubeListWatch("Service", core.list_service_for_all_namespaces,
+        "Service": KubeListWatch("Service", CollectionGet(api, "/api/v1/services"),
                                  label_selector=PROXY_LABEL_SELECTOR, idle_timeout=idle_timeout),
-        "EndpointSlice": KubeListWatch("EndpointSlice", discovery.list_endpoint_slice_for_all_namespaces,
+        "EndpointSlice": KubeListWatch("EndpointSlice", CollectionGet(api, "/apis/discovery.k8s.io/v1/endpointslices"),
                                        label_selector=PROXY_LABEL_SELECTOR, idle_timeout=idle_timeout),
-        "Node": KubeListWatch("Node", core.list_node, field_selector=f"metadata.name={node_name}",
+        "Node": KubeListWatch("Node", CollectionGet(api, "/api/v1/nodes"), field_selector=f"metadata.name={node_name}",
                               idle_timeout=idle_timeout),
     }

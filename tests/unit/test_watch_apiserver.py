@@ -11,13 +11,11 @@ import threading
 import time
 
 import pytest
-from kubernetes import client as kclient
-
 from ebpf_proxy.agent.agent import EXIT_OK, Agent
 from ebpf_proxy.agent.config import load_config
 from ebpf_proxy.apiserver import ApiServer, Store
 from ebpf_proxy.datapath.fake import FakeDatapath
-from ebpf_proxy.k8s.client import PROXY_LABEL_SELECTOR, KubeListWatch, agent_collections, make_api_client
+from ebpf_proxy.k8s.client import PROXY_LABEL_SELECTOR, CollectionGet, KubeListWatch, agent_collections, make_api_client
 from ebpf_proxy.k8s.watch import Backoff, Handler, Reflector
 from ebpf_proxy.model import Protocol, ServicePortName
 
@@ -81,13 +79,13 @@ def test_list_watch_paginates_and_follows_changes(apiserver):
     for i in range(5):
         store.create("Service", svc(f"s{i}"))
     store.create("Service", svc("other-proxy", **{"service.kubernetes.io/service-proxy-name": "foo"}))
-    core = kclient.CoreV1Api(make_api_client(master=server.url))
+    services = CollectionGet(make_api_client(master=server.url), "/api/v1/services")  # as the agent's
     pages = []
 
     def list_services(**kwargs):
         if not kwargs.get("watch"):
             pages.append(kwargs.get("_continue"))
-        return core.list_service_for_all_namespaces(**kwargs)
+        return services(**kwargs)
 
     lw = KubeListWatch("Service", list_services, label_selector=PROXY_LABEL_SELECTOR, page_size=2)
     items, rv = lw.list()

@@ -8,9 +8,7 @@ import socket
 import threading
 
 import pytest
-from kubernetes import client as kclient
-
-from ebpf_proxy.k8s.client import KubeListWatch, WatchIdleTimeout, make_api_client
+from ebpf_proxy.k8s.client import CollectionGet, KubeListWatch, WatchIdleTimeout, make_api_client
 from ebpf_proxy.k8s.watch import Backoff
 from tests.unit.test_watch import Advance, bookmark, ev, run
 from tests.unit.kobjects import service
@@ -63,8 +61,8 @@ def lw_for():
     def make(preamble: bytes = b"") -> tuple[SilentServer, KubeListWatch]:
         server = SilentServer(preamble)
         servers.append(server)
-        core = kclient.CoreV1Api(make_api_client(master=server.url))
-        return server, KubeListWatch("Service", core.list_service_for_all_namespaces, idle_timeout=IDLE)
+        services = CollectionGet(make_api_client(master=server.url), "/api/v1/services")  # as the agent's
+        return server, KubeListWatch("Service", services, idle_timeout=IDLE)
 
     yield make
     for server in servers:

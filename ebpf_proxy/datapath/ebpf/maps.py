@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import ipaddress
 import os
 import socket
@@ -22,7 +23,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ebpf_proxy.datapath.ebpf import libbpf
+from ebpf_proxy.datapath.ebpf import ctscan, libbpf
 from ebpf_proxy.datapath.ebpf import structs as s
 
 IPPROTO = {"TCP": socket.IPPROTO_TCP, "UDP": socket.IPPROTO_UDP, "SCTP": 132}
@@ -923,50 +924,72 @@ class Maps:
         halves of a connection this pass removes go in the next one), and each entry is read again
         just before its deletion (a half: its connection too), so one a packet refreshed or
         re-created stays.
-        `now_ns` is bpf_ktime_get_ns()'s clock (CLOCK_MONOTONIC). Maps6: the same pass over epx_ct6."""
+        `now_ns` is bpf_ktime_get_ns()'s clock (CLOCK_MONOTONIC). Maps6: the same pass over epx_ct6.
+
+        The batches are read as raw bytes (ctscan.py): a pass over a full table keeps the halves'
+        bytes and one hash per half a live connection honours, not an object per entry."""
         table = self._CT
         fd = self._fd(table.name)
-        flat = table.flat
-        owners: dict[tuple, s.CT4Entry] = {}
-        halves: list[tuple[s.CT4Key, s.CT4Entry]] = []
-        entries = 0
+        layout = _ct_layout(table)
+        ksz, vsz, kind_at = layout.key_size, layout.entry_size, layout.kind
+        live = ctscan.LiveHalves()
+        halves_k, halves_v = bytearray(), bytearray()  # every half read, packed, judged below
+        gone: list[tuple[bytes, bytes]] = []  # expired connections
+        closing: list[tuple[bytes, bytes]] = []  # closing TCP/SCTP ones: early-dropped when pressed
+        entries = owners = 0
         for keys, values, n in self._ct_batches():
             entries += n
+            kb, vb = ctscan.raw(keys, n, ksz), ctscan.raw(values, n, vsz)
             for i in range(n):
-                k, v = table.key.from_buffer_copy(keys[i]), table.entry.from_buffer_copy(values[i])
-                if k.kind == s.CT4_SVC:
-                    fk = flat(k)
-                    owners[(fk.saddr, fk.daddr, fk.sport, fk.dport, fk.proto)] = v
+                k, v = kb[i * ksz:(i + 1) * ksz], vb[i * vsz:(i + 1) * vsz]
+                if k[kind_at] != s.CT4_SVC:
+                    halves_k += k
+                    halves_v += v
+                    continue
+                owners += 1
+                if layout.expires.unpack_from(v)[0] <= now_ns:
+                    gone.append((k, v))
+                elif k[layout.proto] in _CLOSABLE and v[layout.flags] & s.CT4_F_CLOSING:
+                    closing.append((k, v))
                 else:
-                    halves.append((k, v))
+                    for identity in layout.owner_identities(k, v):
+                        live.add(identity)
         capacity = libbpf.map_info(fd).max_entries
         # nf_conntrack's gc worker, above 95 % full, also early-drops TCP and SCTP connections that
         # are closing (can_early_drop; ct4_evictable)
-        pressed = entries >= PRESSURE_FILL * capacity
-        gone = {t for t, v in owners.items()
-                if v.expires <= now_ns or (pressed and t[4] in _CLOSABLE and v.flags & s.CT4_F_CLOSING)}
+        if entries >= PRESSURE_FILL * capacity:
+            gone += closing
+        else:
+            for k, v in closing:
+                for identity in layout.owner_identities(k, v):
+                    live.add(identity)
+        del closing
+        live.seal()
         collected = 0
-        for t in gone:
-            if self._delete_if_unchanged(table.svc_key(t), owners.pop(t)):
+        for k, v in gone:
+            if self._delete_if_unchanged(table.key.from_buffer_copy(k), v):
                 collected += 1
+        flat = table.flat
         suspects: dict[bytes, bytes] = {}
-        for k, v in halves:
-            fk, fv = flat(k), flat(v)
+        for j in range(len(halves_k) // ksz):
+            k, v = bytes(halves_k[j * ksz:(j + 1) * ksz]), bytes(halves_v[j * vsz:(j + 1) * vsz])
+            identity = layout.half_identity(k, v)
+            if identity is not None and identity in live:
+                continue
+            if self._orphans.get(k) != v:
+                suspects[k] = v  # perhaps a connection being (re-)created: next pass
+                continue
+            key, entry = table.key.from_buffer_copy(k), table.entry.from_buffer_copy(v)
+            fk, fv = flat(key), flat(entry)
             owner_key = _owner_tuple(fk, fv)
-            owner = owners.get(owner_key) if owner_key else None
-            if _half_is_live(fk, fv, flat(owner) if owner is not None else None, now_ns):
-                continue
-            if self._orphans.get(bytes(k)) != bytes(v):
-                suspects[bytes(k)] = bytes(v)  # perhaps a connection being (re-)created: next pass
-                continue
             if owner_key is not None:
                 owner = self.connection_entry(table.svc_key(owner_key))
                 if _half_is_live(fk, fv, flat(owner) if owner is not None else None, now_ns):
                     continue  # its connection was (re-)created since the read
-            if self._delete_if_unchanged(k, v):
+            if self._delete_if_unchanged(key, entry):
                 collected += 1
         self._orphans = suspects
-        return ConntrackUsage(entries=entries - collected, capacity=capacity, connections=len(owners),
+        return ConntrackUsage(entries=entries - collected, capacity=capacity, connections=owners - len(gone),
                               collected=collected)
 
     def _delete_if_unchanged(self, key: s.CT4Key, seen: s.CT4Entry) -> bool:
@@ -1141,6 +1164,12 @@ def ct6_key(saddr: str, daddr: str, sport: int, dport: int, proto: int, kind: in
 
 def _key_of(key: Callable[..., object]) -> Callable[[Connection], object]:
     return lambda c: key(c.saddr, c.daddr, c.sport, c.dport, c.proto, c.kind)
+
+
+@functools.cache
+def _ct_layout(table: _CtTable) -> ctscan.Layout:
+    """Where `table`'s fields lie in its packed key and entry (the GC reads raw batches)."""
+    return ctscan.Layout(table.key, table.entry)
 
 
 _CT4 = _CtTable("epx_ct4", s.CT4Key, s.CT4Entry, _connection, _key_of(ct_key), _same, _svc_key)
