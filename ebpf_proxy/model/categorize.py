@@ -24,9 +24,10 @@ own fields for this, exactly as kube-proxy does not.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ebpf_proxy.model.endpoints import MergedEndpoints
+from ebpf_proxy.model.endpoints import MergedEndpoints, columns, v4_texts
 from ebpf_proxy.model.types import Endpoint, NodeTopology, ServicePort
 
 NO_TOPOLOGY = ""
@@ -109,3 +110,56 @@ def categorize(svc: ServicePort, endpoints: tuple[Endpoint, ...],
         return EndpointSets(cluster=cluster, local=local, all_reachable=cluster, has_any=has_any)
     reachable = tuple(sorted(set(cluster) | set(local)))
     return EndpointSets(cluster=cluster, local=local, all_reachable=reachable, has_any=has_any)
+
+
+class Reachable:
+    """categorize's answer for one service port as columns over its all_reachable endpoints, in
+    that order: each one's port, whether it is in the cluster set, whether in the local set (so
+    the sets are all_reachable's endpoints flagged so, in the same order), and has_any. The
+    addresses: `ips()`, and `v4`, their 4 bytes each (socket.inet_aton's) when known without
+    parsing, else None. What the eBPF datapath writes (a backend per reachable endpoint, flagged
+    in-cluster/in-local); build with `reachable`."""
+
+    __slots__ = ("ports", "in_cluster", "in_local", "has_any", "v4", "_ips")
+
+    def __init__(self, ports: Sequence[int], in_cluster: Sequence[bool], in_local: Sequence[bool], has_any: bool,
+                 v4: bytes | None = None, ips: list[str] | None = None) -> None:
+        """Either `v4` or `ips` (or both) gives the addresses."""
+        self.ports, self.in_cluster, self.in_local, self.has_any = ports, in_cluster, in_local, has_any
+        self.v4, self._ips = v4, ips
+
+    def ips(self) -> list[str]:
+        if self._ips is None:  # made on demand: a first sync needs only the bytes
+            self._ips = v4_texts(self.v4)  # type: ignore[arg-type]
+        return self._ips
+
+
+def reachable(svc: ServicePort, endpoints: Sequence[Endpoint], node: NodeTopology = _UNKNOWN_NODE) -> Reachable:
+    """categorize(svc, endpoints, node) as a Reachable: exactly its sets, in its order
+    (tests/unit/test_categorize_reachable.py compares both over varied inputs).
+
+    The common case is read from the packed rows, without an Endpoint value each (a million
+    at every full sync of 100,000 Services): the tracker's MergedEndpoints (sorted, without
+    duplicates) whose endpoints are all ready and unhinted. There, whatever the node, no
+    topology mode applies and no terminating fallback: the cluster set is every endpoint, the
+    local set the local ones (Local policies; none without), all_reachable the cluster set, or
+    the local set when the cluster one is not used (iTP=Local alone), and has_any is true.
+    Everything else is categorize's answer, converted."""
+    if type(endpoints) is MergedEndpoints:
+        cols = columns(endpoints)
+        if cols.ports and all(ready and not zones and not nodes for _, ready, _, _, _, zones, nodes in cols.kinds()):
+            n = len(cols.ports)
+            if svc.uses_cluster_endpoints:
+                local = [extra[4] for extra in cols.extras()] if svc.uses_local_endpoints else [False] * n
+                return Reachable(cols.ports, [True] * n, local, True, cols.v4, cols.ips() if cols.v4 is None else None)
+            picked = [i for i, extra in enumerate(cols.extras()) if extra[4]]  # [4]: is_local
+            v4 = cols.v4
+            return Reachable([cols.ports[i] for i in picked], [False] * len(picked), [True] * len(picked), True,
+                             None if v4 is None else b"".join([v4[4 * i:4 * i + 4] for i in picked]),
+                             None if v4 is not None else [cols.ips()[i] for i in picked])
+    sets = categorize(svc, endpoints, node)  # type: ignore[arg-type]  # any Sequence, as the datapaths pass
+    # by identity: the sets hold the very objects of all_reachable (one per distinct endpoint)
+    cluster, local = {id(ep) for ep in sets.cluster}, {id(ep) for ep in sets.local}
+    eps = sets.all_reachable
+    return Reachable([ep.port for ep in eps], [id(ep) in cluster for ep in eps], [id(ep) in local for ep in eps],
+                     sets.has_any, ips=[ep.ip for ep in eps])

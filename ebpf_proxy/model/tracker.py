@@ -23,6 +23,8 @@ import ipaddress
 
 import threading
 from dataclasses import dataclass, replace
+from itertools import chain
+from types import MappingProxyType
 from typing import Any, Iterable, Mapping, Sequence
 
 from ebpf_proxy.model.compact import compact_mapping
@@ -38,6 +40,7 @@ from ebpf_proxy.model.types import (
 )
 
 EndpointsByPort = Mapping[ServicePortName, tuple[Endpoint, ...]]
+_NOTHING: Mapping = MappingProxyType({})  # what take() reads for a Service without ports or endpoints
 
 
 @dataclass(frozen=True)
@@ -261,19 +264,24 @@ class ChangeTracker:
             changed: set[ServicePortName] = set()
             stale_endpoints: set[tuple[ServicePortName, str]] = set()
             stale_services: set[ServicePortName] = set()
-            in_flight: dict[str, tuple[dict, dict]] = {}
+            in_flight: dict[str, tuple[Mapping, Mapping]] = {}
             triggers: dict[str, list[float]] = {}
+            # a first take diffs every Service (100,000 of them): the lookups bound once
+            services, endpoints = self._services.get, self._endpoints.get
+            synced_services, synced_endpoints = self._synced_services.get, self._synced_endpoints.get
+            pending_triggers, udp = self._triggers, Protocol.UDP
             for key in keys:
-                new_svc, new_eps = self._services.get(key, {}), self._endpoints.get(key, {})
-                old_svc, old_eps = self._synced_services.get(key, {}), self._synced_endpoints.get(key, {})
+                new_svc, new_eps = services(key, _NOTHING), endpoints(key, _NOTHING)
+                old_svc, old_eps = synced_services(key, _NOTHING), synced_endpoints(key, _NOTHING)
                 in_flight[key] = (new_svc, new_eps)
                 key_changed = _changed_ports(old_svc, new_svc, old_eps, new_eps)
                 changed |= key_changed
-                _detect_stale_udp(old_eps, new_eps, stale_endpoints, stale_services)
-                if key_changed and key in self._triggers:
-                    triggers[key] = self._triggers.pop(key)
-                else:
-                    self._triggers.pop(key, None)
+                if any(spn.protocol is udp for spn in chain(old_eps, new_eps)):  # only UDP ports go stale
+                    _detect_stale_udp(old_eps, new_eps, stale_endpoints, stale_services)
+                if key_changed and key in pending_triggers:
+                    triggers[key] = pending_triggers.pop(key)
+                elif pending_triggers:
+                    pending_triggers.pop(key, None)
             self._in_flight, self._in_flight_triggers = in_flight, triggers
             self._in_flight_topology, self._topology_changed = self._topology_changed, False
 
@@ -390,8 +398,12 @@ def _merge_endpoints(parts: Iterable[EndpointsByPort]) -> Mapping[ServicePortNam
 
 def _changed_ports(old_svc: Mapping, new_svc: Mapping, old_eps: Mapping, new_eps: Mapping) -> set[ServicePortName]:
     """Service ports (existing before or after) whose service or endpoints differ."""
+    if not old_svc:  # nothing synced before (every Service at the first take): each port is new
+        return {spn for spn, svc in new_svc.items() if svc is not None or old_eps.get(spn, ()) != new_eps.get(spn, ())}
+    ports = set(old_svc)
+    ports.update(new_svc)
     return {
-        spn for spn in old_svc.keys() | new_svc.keys()
+        spn for spn in ports
         if old_svc.get(spn) != new_svc.get(spn) or old_eps.get(spn, ()) != new_eps.get(spn, ())
     }
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import ipaddress
+import socket
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -29,10 +30,24 @@ class Protocol(str, enum.Enum):
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
+def ip_family(ip: str) -> int:
+    """The IP family (4 or 6) of address `ip`, as ipaddress.ip_address(ip).version, which raises
+    ValueError for anything else. A dotted quad in its one canonical form (what inet_ntoa gives
+    back for its bytes) is IPv4 without the parse (~1.3 µs; a full sync asks for every service
+    port's clusterIP, ~3% of it at 100,000 Services); anything else is parsed, and rejected, as
+    before."""
+    try:
+        if socket.inet_ntoa(socket.inet_aton(ip)) == ip:
+            return 4
+    except (OSError, TypeError, ValueError):
+        pass
+    return ipaddress.ip_address(ip).version
+
+
 def of_family(ips: Iterable[str], family: int) -> tuple[str, ...]:
     """The addresses of `ips` in IP `family` (4 or 6), in order: what one family's proxier takes of
     a list of both (kube-proxy's MapIPsByIPFamily)."""
-    return tuple(ip for ip in ips if ipaddress.ip_address(ip).version == family)
+    return tuple(ip for ip in ips if ip_family(ip) == family)
 
 
 def networks_of_family(cidrs: Iterable[str], family: int) -> list[IPNetwork]:

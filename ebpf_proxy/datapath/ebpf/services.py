@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import ipaddress
 import itertools
+import operator
 from collections import Counter
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -56,9 +57,9 @@ from ebpf_proxy.datapath.ebpf.maps import (
     Service,
 )
 from ebpf_proxy.model import NodeConfig, ProxyState
-from ebpf_proxy.model.categorize import categorize
-from ebpf_proxy.model.compact import compact_mapping
-from ebpf_proxy.model.types import Endpoint, NodeTopology, Protocol, ServicePort, ServicePortName, of_family
+from ebpf_proxy.model.categorize import reachable
+from ebpf_proxy.model.compact import OneEntry, compact_mapping
+from ebpf_proxy.model.types import Endpoint, NodeTopology, Protocol, ServicePort, ServicePortName, ip_family, of_family
 
 # SCTP's CRC32c is updated incrementally on a port rewrite (bpf/lib/sctp.h: a CRC is linear over GF(2))
 SUPPORTED = (Protocol.TCP, Protocol.UDP, Protocol.SCTP)
@@ -83,9 +84,19 @@ class SlotIds(Sequence[int]):
         if isinstance(ids, SlotIds):
             return ids
         ids = tuple(ids)
-        if not ids or not all(type(i) is int and 0 <= i < 1 << (8 * _ID_SIZE) for i in ids):
+        # every one an int (exactly) in a u32, checked in C: set, min, max (no Python loop)
+        if not ids or set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= 1 << (8 * _ID_SIZE):
             return ids
         return cls(array("I", ids).tobytes())
+
+    @classmethod
+    def of_fresh(cls, ids: list[int]) -> "SlotIds | tuple[int, ...]":
+        """pack() of ids the ServicePrograms counters handed out (plain ints, at least 1): only
+        their range is left to check, which array() does (OverflowError beyond a u32)."""
+        try:
+            return cls(array("I", ids).tobytes()) if ids else ()
+        except OverflowError:
+            return tuple(ids)
 
     def __len__(self) -> int:
         return len(self._packed) // _ID_SIZE
@@ -135,10 +146,15 @@ class ServiceEntries:
     bank: int = 0  # which epx_slot bank holds the slots (the module docstring: the bank swap)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "frontends", compact_mapping(self.frontends))
-        object.__setattr__(self, "backends", Backends.pack(self.backends))
-        object.__setattr__(self, "cluster_slots", SlotIds.pack(self.cluster_slots))
-        object.__setattr__(self, "local_slots", SlotIds.pack(self.local_slots))
+        # what ServicePrograms.entries gives is in these forms already: nothing to redo for it
+        if type(self.frontends) is not OneEntry:
+            object.__setattr__(self, "frontends", compact_mapping(self.frontends))
+        if type(self.backends) is not Backends:
+            object.__setattr__(self, "backends", Backends.pack(self.backends))
+        if type(self.cluster_slots) is not SlotIds:
+            object.__setattr__(self, "cluster_slots", SlotIds.pack(self.cluster_slots))
+        if type(self.local_slots) is not SlotIds:
+            object.__setattr__(self, "local_slots", SlotIds.pack(self.local_slots))
 
     def service(self, flags: int) -> Service:
         """The epx_svc record of a frontend with LB4_F_* `flags` (without LB4_F_SLOT_BANK: the bank is ours)."""
@@ -184,6 +200,8 @@ def next_bank(old: ServiceEntries | None, cluster: tuple[int, ...], local: tuple
 def stable_slots(previous: tuple[int, ...], wanted: Iterable[int]) -> tuple[int, ...]:
     """Slot order for `wanted` that moves as few of `previous`'s backends as possible."""
     wanted = set(wanted)
+    if not previous:  # every one a newcomer: what the loops below make of them
+        return tuple(sorted(wanted))
     newcomers = sorted(wanted.difference(previous))
     slots: list[int | None] = [b if b in wanted else None for b in previous]
     for i, b in enumerate(slots):
@@ -195,6 +213,27 @@ def stable_slots(previous: tuple[int, ...], wanted: Iterable[int]) -> tuple[int,
         if last is not None:
             slots[slots.index(None)] = last
     return tuple(slots)  # type: ignore[arg-type]
+
+
+_NAME_FIELDS = operator.attrgetter("namespace", "name", "port", "protocol")  # ServicePortName's, in order
+
+
+def sorted_names(names: Iterable[ServicePortName]) -> list[ServicePortName]:
+    """`names` in ServicePortName's order (its dataclass __lt__: namespace, name, port, protocol
+    compared as a tuple), sorted as one string each: the fields joined by NUL, which sorts as the
+    tuple does (NUL is below every other character, so a field that is a prefix of another still
+    sorts first), as long as no field holds a NUL itself (else, or for fields that are not text,
+    the tuples). Sorting 100,000 names through the Python-level __lt__ was ~3% of a full sync;
+    strings sort in C."""
+    names = list(names)
+    try:
+        keys = list(map("\0".join, map(_NAME_FIELDS, names)))
+    except TypeError:
+        return sorted(names)
+    if sum(map(str.count, keys, itertools.repeat("\0"))) != 3 * len(keys) or len(set(keys)) != len(keys):
+        return sorted(names)
+    by_key = dict(zip(keys, names))
+    return [by_key[key] for key in sorted(keys)]
 
 
 LOCALHOST = "127.0.0.1"
@@ -314,7 +353,7 @@ class ServicePrograms:
         """Delete entries no service port claims (found in the maps after a restart)."""
         return self._write(entries, None)
 
-    def entries(self, svc: ServicePort, endpoints: tuple[Endpoint, ...],
+    def entries(self, svc: ServicePort, endpoints: Sequence[Endpoint],
                 topology: NodeTopology = NodeTopology()) -> ServiceEntries | None:
         """The map entries for `svc` seen from this node (`topology`: its name and zone, for the
         endpoints' hints), or None when it is not programmed (headless, another family)."""
@@ -322,61 +361,77 @@ class ServicePrograms:
             return None
         family = self.family
         old = self.current.get(svc.name)
-        sets = categorize(svc, endpoints, topology)
-        # by identity: categorize's sets hold the very objects of all_reachable (one per distinct
-        # endpoint), and hashing an Endpoint (a Python-level __hash__ over nine fields) six times
-        # per endpoint was a fifth of a 100,000-Service sync (bench/cpscale.py)
-        cluster, local = {id(ep) for ep in sets.cluster}, {id(ep) for ep in sets.local}
-        known = {(be.addr, be.port): bid for bid, be in old.backends.items()} if old else {}
-        rows: list[tuple[int, str, int, bool, bool]] = []  # Backends.of: no Backend record each
-        ids: dict[int, int] = {}
-        for ep in sets.all_reachable:
-            bid = known.get((ep.ip, ep.port)) or next(self._next_backend)
-            ids[id(ep)] = bid
-            rows.append((bid, ep.ip, ep.port, id(ep) in cluster, id(ep) in local))
-        backends = Backends.of(rows)
+        # categorize's sets as columns over all_reachable: the model's choice, read from the
+        # packed endpoints without an Endpoint value each in the common case (building them,
+        # categorizing them and packing them again as backends were ~30% of a 100,000-Service
+        # full sync, bench/cpscale.py)
+        sets = reachable(svc, endpoints, topology)
+        n = len(sets.ports)
+        if old is None or not old.backends:  # every backend new: ids in order, as next() hands them
+            ids = list(itertools.islice(self._next_backend, n))
+        else:
+            known = old.backends.ids_by_address() if type(old.backends) is Backends else \
+                {(be.addr, be.port): bid for bid, be in old.backends.items()}
+            next_id = self._next_backend.__next__
+            ids = [known.get(key) or next_id() for key in zip(sets.ips(), sets.ports)]
+        if sets.v4 is not None:  # canonical dotted quads: packed from their bytes (Backends.of_v4)
+            backends = Backends.of_v4(ids, sets.v4, sets.ports, sets.in_cluster, sets.in_local)
+        else:
+            backends = Backends.of(zip(ids, sets.ips(), sets.ports, sets.in_cluster, sets.in_local))
 
         base = (s.LB4_F_HAS_ENDPOINTS if sets.has_any else 0)
         base |= s.LB4_F_ETP_LOCAL if svc.external_policy_local else 0
         base |= s.LB4_F_ITP_LOCAL if svc.internal_policy_local else 0
-        proto = IPPROTO[svc.protocol.value]
-        frontends = {Frontend(svc.cluster_ip, svc.port, proto): base}
-        external = base | s.LB4_F_EXTERNAL
-        if svc.node_port:
-            frontends[Frontend(None, svc.node_port, proto)] = external
-        for ip in svc.external_ips:
-            if ipaddress.ip_address(ip).version == family:
-                frontends[Frontend(ip, svc.port, proto)] = external
+        proto = IPPROTO[svc.protocol]  # a str enum: its own text as the key (.value is a Python property)
+        clusterip = Frontend(svc.cluster_ip, svc.port, proto)
         ranges = frozenset(svc.load_balancer_source_ranges)
         if ranges and svc.lb_ips_admitted_as_source(self.node_ips):
-            ranges |= {f"{ip}/{32 if ipaddress.ip_address(ip).version == 4 else 128}" for ip in svc.load_balancer_ips}
-        for ip in svc.load_balancer_ips:
-            if ipaddress.ip_address(ip).version == family:
-                frontends[Frontend(ip, svc.port, proto)] = external | (s.LB4_F_SOURCE_RANGES if ranges else 0)
+            ranges |= {f"{ip}/{32 if ip_family(ip) == 4 else 128}" for ip in svc.load_balancer_ips}
+        frontends: Mapping[Frontend, int]
+        if not (svc.node_port or svc.external_ips or svc.load_balancer_ips):
+            frontends = OneEntry(clusterip, base)  # most service ports: no dict to hash it into
+        else:
+            more = {clusterip: base}
+            external = base | s.LB4_F_EXTERNAL
+            if svc.node_port:
+                more[Frontend(None, svc.node_port, proto)] = external
+            for ip in svc.external_ips:
+                if ip_family(ip) == family:
+                    more[Frontend(ip, svc.port, proto)] = external
+            for ip in svc.load_balancer_ips:
+                if ip_family(ip) == family:
+                    more[Frontend(ip, svc.port, proto)] = external | (s.LB4_F_SOURCE_RANGES if ranges else 0)
+            frontends = more
 
-        cluster_slots = stable_slots(old.cluster_slots if old else (), (ids[id(ep)] for ep in sets.cluster))
-        local_slots = stable_slots(old.local_slots if old else (), (ids[id(ep)] for ep in sets.local))
+        cluster_ids = ids if all(sets.in_cluster) else [bid for bid, c in zip(ids, sets.in_cluster) if c]
+        local_ids = [bid for bid, loc in zip(ids, sets.in_local) if loc] if any(sets.in_local) else []
+        if old is None:  # fresh ids, ascending: already what stable_slots((), ...) makes of them
+            cluster_slots, local_slots = SlotIds.of_fresh(cluster_ids), SlotIds.of_fresh(local_ids)
+            svc_id, bank = next(self._next_svc), 0
+        else:
+            cluster_slots = stable_slots(old.cluster_slots, cluster_ids)
+            local_slots = stable_slots(old.local_slots, local_ids)
+            svc_id, bank = old.svc_id, next_bank(old, cluster_slots, local_slots)
         return ServiceEntries(
-            svc_id=old.svc_id if old else next(self._next_svc),
+            svc_id=svc_id,
             frontends=frontends,
             affinity_timeout=svc.affinity_timeout_seconds,
             backends=backends,
             cluster_slots=cluster_slots,
             local_slots=local_slots,
             source_ranges=_normalized(ranges, family) if svc.load_balancer_ips else _NO_RANGES,
-            bank=next_bank(old, cluster_slots, local_slots),
+            bank=bank,
         )
 
     def serves(self, svc: ServicePort) -> bool:
         """Whether `svc` is programmed here: a clusterIP of this family, a protocol the programs
         translate."""
-        return svc.cluster_ip is not None and svc.protocol in SUPPORTED and \
-            ipaddress.ip_address(svc.cluster_ip).version == self.family
+        return svc.cluster_ip is not None and svc.protocol in SUPPORTED and ip_family(svc.cluster_ip) == self.family
 
     def apply(self, name: ServicePortName, new: ServiceEntries | None) -> int:
         """Move the maps from what `name` had to `new` (None: delete). Returns the map writes made."""
         old = self.current.get(name)
-        if old == new:
+        if old is new or (old is not None and old == new):
             return 0
         writes = self._write(old, new)
         self._count(old, new)
@@ -396,11 +451,12 @@ class ServicePrograms:
         writes in the same order every time. Returns the map writes made, and the service ports a
         full map refused (the others are still written: a deletion later may free room).
         `progress` hears the fraction done every `every` service ports."""
-        ordered = sorted(names)
+        ordered = sorted_names(names)
         writes, did_not_fit = 0, {}
+        services, endpoints, topology = state.services, state.endpoints, state.topology
         for done, name in enumerate(ordered):
-            svc = state.services.get(name)
-            entries = self.entries(svc, state.endpoints_of(name), state.topology) if svc else None
+            svc = services.get(name)
+            entries = self.entries(svc, endpoints.get(name, ()), topology) if svc else None
             try:
                 writes += self.apply(name, entries)
             except MapFull as exc:
@@ -437,16 +493,26 @@ class ServicePrograms:
                 backends = [(bid, be) for bid, be in new.backends.items() if old_backends.get(bid) != be]
                 m.set_backends(backends)
             same_bank = old is not None and not swapped
-            slot_writes = []
-            for scope, slots, before in (
-                (s.LB4_SCOPE_CLUSTER, new.cluster_slots, old.cluster_slots if same_bank else ()),
-                (s.LB4_SCOPE_LOCAL, new.local_slots, old.local_slots if same_bank else ()),
-            ):
-                for slot, bid in enumerate(slots):
-                    if slot >= len(before) or before[slot] != bid:
-                        slot_writes.append((svc_id, scope, slot, bid, new.bank))
-            m.set_slot_entries(slot_writes)
-            writes += len(backends) + len(slot_writes)
+            cluster, local = new.cluster_slots, new.local_slots
+            if not same_bank and (type(cluster) is SlotIds or not cluster) and (type(local) is SlotIds or not local):
+                # a whole slot array in a bank of its own (a new service, a bank swap): every slot
+                # written, in the order below, straight from the packed ids
+                m.set_slot_arrays(svc_id, new.bank, [
+                    (scope, slots._packed if type(slots) is SlotIds else b"")  # type: ignore[union-attr]
+                    for scope, slots in ((s.LB4_SCOPE_CLUSTER, cluster), (s.LB4_SCOPE_LOCAL, local))])
+                writes += len(cluster) + len(local)
+            else:
+                slot_writes = []
+                for scope, slots, before in (
+                    (s.LB4_SCOPE_CLUSTER, new.cluster_slots, old.cluster_slots if same_bank else ()),
+                    (s.LB4_SCOPE_LOCAL, new.local_slots, old.local_slots if same_bank else ()),
+                ):
+                    for slot, bid in enumerate(slots):
+                        if slot >= len(before) or before[slot] != bid:
+                            slot_writes.append((svc_id, scope, slot, bid, new.bank))
+                m.set_slot_entries(slot_writes)
+                writes += len(slot_writes)
+            writes += len(backends)
             for cidr in new.source_ranges - (old.source_ranges if old else frozenset()):
                 m.add_source_range(svc_id, cidr)
                 writes += 1
@@ -457,9 +523,11 @@ class ServicePrograms:
             m.set_services(frontends)
             writes += len(frontends)
 
+        if old is None:  # nothing to remove
+            return writes
         # removals, after nothing new points at what they remove; a frontend another service
         # port took over in this sync (a nodePort moving between services) is no longer ours
-        for fe in (old.frontends if old else {}):
+        for fe in old.frontends:
             if not new or fe not in new.frontends:
                 held = m.service(fe)
                 if held is not None and held.id == svc_id:
@@ -467,13 +535,13 @@ class ServicePrograms:
                     writes += 1
         kept = new is not None and not swapped  # the old bank stays: only its tail goes
         for scope, before, now in (
-            (s.LB4_SCOPE_CLUSTER, old.cluster_slots if old else (), new.cluster_slots if kept else ()),
-            (s.LB4_SCOPE_LOCAL, old.local_slots if old else (), new.local_slots if kept else ()),
+            (s.LB4_SCOPE_CLUSTER, old.cluster_slots, new.cluster_slots if kept else ()),
+            (s.LB4_SCOPE_LOCAL, old.local_slots, new.local_slots if kept else ()),
         ):
             for slot in range(len(now), len(before)):
-                m.delete_slot(svc_id, scope, slot, bank=old.bank)  # type: ignore[union-attr]
+                m.delete_slot(svc_id, scope, slot, bank=old.bank)
                 writes += 1
-        for cidr in (old.source_ranges if old else frozenset()) - (new.source_ranges if new else frozenset()):
+        for cidr in old.source_ranges - (new.source_ranges if new else frozenset()):
             m.delete_source_range(svc_id, cidr)
             writes += 1
         new_ids = set(new.backends) if new else set()
