@@ -180,7 +180,7 @@ static __always_inline int sock6_decide(struct bpf_sock_addr *ctx, const struct 
 					const struct epx_in6 *daddr, __be16 dport, const struct epx_in6 *bound,
 					int remember, struct epx_trace_rec *tr, struct lb6_backend *out)
 {
-	struct lb6_config *cfg6 = ct6_config();
+	const struct lb6_config *cfg6 = pkt6_config();
 	__u8 proto = ctx->protocol;
 	struct lb4_service *svc;
 	struct lb4_choice c = {};
@@ -189,7 +189,7 @@ static __always_inline int sock6_decide(struct bpf_sock_addr *ctx, const struct 
 	__u32 backend_id, reason;
 	int settled;
 
-	if (!cfg6 || !(cfg6->flags & CFG6_F_ON)) { /* ip6tables serves IPv6 (or nothing does) */
+	if (!pkt6_served(cfg6)) { /* ip6tables serves IPv6 (or nothing does) */
 		if (tr)
 			tr->reason = EPX_PASS_IPV6_OFF;
 		return SOCK_PASS;
@@ -205,7 +205,7 @@ static __always_inline int sock6_decide(struct bpf_sock_addr *ctx, const struct 
 	}
 	trace_service(tr, svc);
 	src = in6_is_zero(bound) ? cfg6->snat_addr : *bound;
-	reason = lb6_policy(svc, &src, EPX_ORIGIN_NODE, lb6_flags(cfg), &c);
+	reason = lb6_policy(svc, &src, EPX_ORIGIN_NODE, lb6_flags(cfg, cfg6), &c);
 	trace_policy(tr, EPX_ORIGIN_NODE, c.scope, c.masq);
 	if (!reason)
 		reason = lb6_select_backend(svc, c.scope, &src, bpf_ktime_get_ns(), &backend_id, &be, tr);

@@ -70,7 +70,7 @@ static __always_inline int xdp6_run(struct xdp_md *ctx, struct epx_trace_rec *tr
 	if (!svc || !cfg)
 		return xdp_done(EPX_CONTINUE, 0, tr);
 	trace_service(tr, svc);
-	flags = lb6_flags(cfg);
+	flags = lb6_flags(cfg, p.cfg6);
 	origin = lb6_origin(&p.saddr, ctx->ingress_ifindex, flags);
 	reason = lb6_policy(svc, &p.saddr, origin, flags, &c);
 	trace_policy(tr, origin, c.scope, c.masq);

@@ -24,13 +24,6 @@ static __always_inline struct ct6_key ct6_key_make(const struct epx_in6 *saddr, 
 	return key;
 }
 
-static __always_inline struct lb6_config *ct6_config(void)
-{
-	__u32 zero = 0;
-
-	return epx_lookup(epx_config6, &zero);
-}
-
 /* Account one packet of the connection (ct4_touch's IPv6 twin). */
 static __always_inline void ct6_touch(struct ct6_entry *e, const struct lb4_config *cfg, const struct pkt6 *p,
 				      int reply, __u64 now)
@@ -195,7 +188,7 @@ claimed:
 static __always_inline __u32 ct6_create(struct scratch6 *s, const struct pkt6 *p, const struct lb4_config *cfg,
 					__u64 now, __u32 backend_id, const struct epx_in6 *be_addr, __be16 be_port, int masq)
 {
-	struct lb6_config *cfg6 = ct6_config();
+	const struct lb6_config *cfg6 = p->cfg6;
 	__be16 snat_port = 0;
 	__u32 reason;
 	long err;

@@ -162,7 +162,7 @@ static __always_inline __u32 icmp6_err_ingress(struct __sk_buff *skb, struct scr
 	if (reason)
 		return reason;
 	s->key.kind = CT4_REV_SNAT;
-	if (nat6_is_masq_dest(cfg, ct6_config(), &s->key.daddr, s->key.dport) && (half = epx_lookup(epx_ct6, &s->key))) {
+	if (nat6_is_masq_dest(cfg, p->cfg6, &s->key.daddr, s->key.dport) && (half = epx_lookup(epx_ct6, &s->key))) {
 		owner = ct6_owner(s, &half->nat_addr, half->nat_port, half, s->key.proto, now, 1);
 		if (nat6_rev_snat_owns(owner, &s->key))
 			return icmp6_err_rewrite(skb, p, &e, &s->key, NAT4_DST, &half->nat_addr, half->nat_port);

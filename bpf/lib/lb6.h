@@ -47,11 +47,9 @@ static __always_inline int lb6_in_pod_cidr(const struct epx_in6 *saddr)
 /* epx_config's flags as IPv6 sees them: the detector kinds are shared (an interface detector
  * serves both families), but whether the CIDR detector is kube-proxy's no-op one is per family
  * (a dual-stack node's --cluster-cidr may name one family only): CFG_F_DETECT_NONE is IPv4's,
- * CFG6_F_DETECT_NONE IPv6's. */
-static __always_inline __u32 lb6_flags(const struct lb4_config *cfg)
+ * CFG6_F_DETECT_NONE IPv6's. `cfg6` is the caller's epx_config6 (pkt6_config: one lookup a packet). */
+static __always_inline __u32 lb6_flags(const struct lb4_config *cfg, const struct lb6_config *cfg6)
 {
-	__u32 zero = 0;
-	struct lb6_config *cfg6 = epx_lookup(epx_config6, &zero);
 	__u32 flags = cfg->flags & ~CFG_F_DETECT_NONE;
 
 	return cfg6 && (cfg6->flags & CFG6_F_DETECT_NONE) ? flags | CFG_F_DETECT_NONE : flags;
@@ -198,7 +196,7 @@ static __always_inline __u32 lb6_forward(struct __sk_buff *skb, struct scratch6 
 	if (!svc)
 		return EPX_PASS_NO_SERVICE;
 	trace_service(tr, svc);
-	flags = lb6_flags(cfg);
+	flags = lb6_flags(cfg, p->cfg6);
 	origin = lb6_origin(&p->saddr, skb->ifindex, flags);
 	reason = lb6_policy(svc, &p->saddr, origin, flags, &c);
 	trace_policy(tr, origin, c.scope, c.masq);
@@ -213,7 +211,7 @@ static __always_inline __u32 lb6_forward(struct __sk_buff *skb, struct scratch6 
 		if (hairpin)
 			tr->masq |= EPX_TRACE_MASQ_HAIRPIN;
 		/* the dry run allocates no port: only the static masquerade failures show */
-		reason = (c.masq || hairpin) ? ct6_snat_check(cfg, ct6_config()) : 0;
+		reason = (c.masq || hairpin) ? ct6_snat_check(cfg, p->cfg6) : 0;
 	} else {
 		reason = ct6_create(s, p, cfg, now, backend_id, &be.addr, be.port, c.masq || hairpin);
 	}

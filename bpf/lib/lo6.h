@@ -56,13 +56,17 @@ static __always_inline __u32 lo6_decide(struct __sk_buff *skb)
 	struct lb4_choice c = {};
 	struct lb4_service *svc;
 	struct lb4_config *cfg;
+	const struct lb6_config *cfg6;
 	struct ipv6hdr *ip6;
 	struct epx_in6 saddr;
 	void *data, *data_end;
 	__u8 *l4;
 	__u32 zero = 0, pull;
 
-	if (skb->protocol != epx_htons(ETH_P_IPV6) || !pkt6_served())
+	if (skb->protocol != epx_htons(ETH_P_IPV6))
+		return EPX_CONTINUE;
+	cfg6 = pkt6_config();
+	if (!pkt6_served(cfg6))
 		return EPX_CONTINUE;
 	pull = skb->len < EPX_LO6_PULL_LEN ? skb->len : EPX_LO6_PULL_LEN;
 	if ((void *)(long)skb->data + pull > (void *)(long)skb->data_end)
@@ -91,7 +95,7 @@ static __always_inline __u32 lo6_decide(struct __sk_buff *skb)
 	cfg = epx_lookup(epx_config, &zero);
 	if (!svc || !cfg)
 		return EPX_CONTINUE;
-	if (lb6_policy(svc, &saddr, EPX_ORIGIN_EXTERNAL, lb6_flags(cfg), &c) != EPX_DROP_NO_LOCAL_EXTERNAL)
+	if (lb6_policy(svc, &saddr, EPX_ORIGIN_EXTERNAL, lb6_flags(cfg, cfg6), &c) != EPX_DROP_NO_LOCAL_EXTERNAL)
 		return EPX_CONTINUE;
 	return EPX_DROP_LOCALHOST6_NO_LOCAL;
 }

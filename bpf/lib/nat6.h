@@ -151,7 +151,7 @@ static __always_inline __u32 nat6_rev_snat(struct __sk_buff *skb, struct scratch
 	__be16 port;
 	__u32 reason;
 
-	if (!nat6_is_masq_dest(cfg, ct6_config(), &p->daddr, p->dport))
+	if (!nat6_is_masq_dest(cfg, p->cfg6, &p->daddr, p->dport))
 		return 0;
 	s->key = ct6_key_make(&p->saddr, &p->daddr, p->sport, p->dport, p->proto, CT4_REV_SNAT);
 	half = epx_lookup(epx_ct6, &s->key);

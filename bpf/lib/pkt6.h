@@ -47,6 +47,9 @@ struct pkt6 {
 	__u16 l4_off; /* offset of the L4 header from the start of the frame */
 	__u8 proto;
 	__u8 tcp_flags;
+	/* epx_config6, looked up once by pkt6_parse (non-NULL when it returns 0): every later reader
+	 * of the same packet (lb6_flags, ct6_create, nat6_rev_snat, icmp6_err) takes it from here */
+	const struct lb6_config *cfg6;
 };
 
 static __always_inline int in6_eq(const struct epx_in6 *a, const struct epx_in6 *b)
@@ -71,19 +74,25 @@ static __always_inline __u32 pkt6_exthdr_len(__u8 nh, __u8 hdrlen)
 	return nh == EPX_NEXTHDR_AUTH ? ((__u32)hdrlen + 2) * 4 : ((__u32)hdrlen + 1) * 8;
 }
 
-/* Fill `p` from a frame; `wire_len` is the whole frame's length (linear or not). Returns 0 for a
- * TCP/UDP packet, else the epx_reason to count (see the header comment). */
+/* The node's IPv6 configuration (epx_config6): looked up once per packet or call, and passed
+ * down from there (struct pkt6's cfg6, lb6_flags' argument). */
+static __always_inline const struct lb6_config *pkt6_config(void)
+{
+	__u32 zero = 0;
+
+	return epx_lookup(epx_config6, &zero);
+}
+
 /* Does the eBPF datapath serve IPv6 on this node (CFG6_F_ON)? Until the agent says so, every
  * entry (TC, XDP) leaves IPv6 untouched, as before the programs knew IPv6: nothing parsed,
  * dropped or counted but EPX_PASS_IPV6_OFF. */
-static __always_inline int pkt6_served(void)
+static __always_inline int pkt6_served(const struct lb6_config *cfg6)
 {
-	__u32 zero = 0;
-	struct lb6_config *cfg6 = epx_lookup(epx_config6, &zero);
-
 	return cfg6 && (cfg6->flags & CFG6_F_ON);
 }
 
+/* Fill `p` from a frame; `wire_len` is the whole frame's length (linear or not). Returns 0 for a
+ * TCP/UDP packet, else the epx_reason to count (see the header comment). */
 static __always_inline __u32 pkt6_parse(void *data, void *data_end, __u32 wire_len, struct pkt6 *p)
 {
 	struct ethhdr *eth = data;
@@ -93,7 +102,8 @@ static __always_inline __u32 pkt6_parse(void *data, void *data_end, __u32 wire_l
 
 	if ((void *)(eth + 1) > data_end || eth->h_proto != epx_htons(ETH_P_IPV6))
 		return EPX_PASS_NOT_IPV4;
-	if (!pkt6_served())
+	p->cfg6 = pkt6_config();
+	if (!pkt6_served(p->cfg6))
 		return EPX_PASS_IPV6_OFF;
 	ip6 = (void *)(eth + 1);
 	if ((void *)(ip6 + 1) > data_end || wire_len < ETH_HLEN + EPX_IPV6_HLEN)

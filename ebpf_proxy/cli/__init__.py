@@ -5,7 +5,7 @@ into the agent, the lab or the bench.
 """
 
 import importlib
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Mapping
 
 import click
 
@@ -39,49 +39,32 @@ COMMAND_MODULES = {
 }
 
 
-class _LazyCommands(MutableMapping):
-    """click.Group.commands that imports a command's module on first lookup: knowing the names
-    (listing, `in`) imports nothing. click's Group reads commands only through this mapping
-    (get_command, list_commands, add_command), so its behaviour is otherwise unchanged."""
+class _LazyGroup(click.Group):
+    """A click.Group that imports a command's module (COMMAND_MODULES) on its first lookup:
+    listing the names imports nothing; --help, which shows each command's short help, imports all.
+    Commands looked up (or added with add_command) are kept in `commands` as click keeps them."""
 
-    def __init__(self, package: str, modules: Mapping[str, str]) -> None:
-        self._package, self._modules, self._loaded = package, dict(modules), {}
+    def __init__(self, *args, command_modules: Mapping[str, str], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.command_modules = dict(command_modules)
 
-    def __getitem__(self, name: str) -> click.Command:
-        if name not in self._loaded:
-            if name not in self._modules:
-                raise KeyError(name)
-            module = importlib.import_module(f"{self._package}.{self._modules[name]}")
-            for command in getattr(module, "COMMANDS", ()):
-                self._loaded.setdefault(command.name, command)
-            if name not in self._loaded:
-                raise LookupError(f"COMMAND_MODULES names {self._package}.{self._modules[name]} for command "
-                                  f"{name!r}, whose COMMANDS has no such command")
-        return self._loaded[name]
+    def list_commands(self, ctx: click.Context | None) -> list[str]:
+        return sorted({*self.command_modules, *self.commands})
 
-    def __setitem__(self, name: str, command: click.Command) -> None:
-        self._loaded[name] = command
-
-    def __delitem__(self, name: str) -> None:
-        if name not in self:
-            raise KeyError(name)
-        self._modules.pop(name, None)
-        self._loaded.pop(name, None)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(sorted({*self._modules, *self._loaded}))
-
-    def __len__(self) -> int:
-        return len({*self._modules, *self._loaded})
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._modules or name in self._loaded
+    def get_command(self, ctx: click.Context | None, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands and cmd_name in self.command_modules:
+            module_name = f"{__name__}.{self.command_modules[cmd_name]}"
+            for command in getattr(importlib.import_module(module_name), "COMMANDS", ()):
+                self.commands.setdefault(command.name, command)
+            if cmd_name not in self.commands:
+                raise LookupError(f"COMMAND_MODULES names {module_name} for command {cmd_name!r}, "
+                                  "whose COMMANDS has no such command")
+        return self.commands.get(cmd_name)
 
 
-@click.group(epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_LazyGroup, command_modules=COMMAND_MODULES, epilog=EPILOG,
+             context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ebpf-proxy")
 def main() -> None:
     """A Kubernetes service proxy that replaces kube-proxy (eBPF datapath, iptables fallback)."""
 
-
-main.commands = _LazyCommands(__name__, COMMAND_MODULES)

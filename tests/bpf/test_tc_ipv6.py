@@ -1,7 +1,8 @@
 """IPv6 in tc_ingress / tc_egress (issue 10): kube-proxy's decisions over the IPv6 maps, every
 translated packet compared byte for byte with what scapy builds (checksums recomputed from
-scratch), the REJECT's ICMPv6 error, extension headers, and the counted verdicts of what the
-parser does not take. Rule numbers refer to the shared SEMANTICS.md."""
+scratch), extension headers, and the counted verdicts of what the parser does not take (the
+REJECT's ICMPv6 error: test_tc_reject.py, with IPv4's). Rule numbers refer to the shared
+SEMANTICS.md."""
 
 from __future__ import annotations
 
@@ -9,11 +10,9 @@ import socket
 from dataclasses import dataclass, replace
 
 import pytest
-from scapy.layers.inet import IP, TCP, UDP
+from scapy.layers.inet import IP, TCP
 from scapy.layers.inet6 import (
-    ICMPv6DestUnreach,
     ICMPv6ND_NS,
-    IPerror6,
     IPv6,
     IPv6ExtHdrDestOpt,
     IPv6ExtHdrFragment,
@@ -23,7 +22,6 @@ from scapy.layers.inet6 import (
 )
 from scapy.layers.l2 import Ether
 from scapy.packet import Packet
-from scapy.utils import checksum
 
 from ebpf_proxy.datapath.ebpf import structs as s
 from ebpf_proxy.datapath.ebpf import testrun
@@ -249,73 +247,6 @@ def test_ipv4_and_ipv6_services_keep_their_own_ids(datapath, maps6):
     assert counted(maps6) == {R.FWD_NEW: 1}
     assert (v4.pkt[IP].dst, v4.pkt[TCP].dport) == w.REMOTE_EP
     assert len(maps6.connections()) == 2 and len(maps6.connections6()) == 2
-
-
-# ---- REJECT: ICMPv6 port unreachable ----
-
-EMPTY = dict(flags=0, cluster=(), local=())
-REJECTS = {  # name: (service, packet, from a pod: the CHECKSUM_PARTIAL-safe layout)
-    "TCP SYN from a pod to the clusterIP": (w6.web6(**EMPTY), tcp6(POD6, 40000, VIP6, 80), True),
-    "TCP with payload from outside to the nodePort": (
-        w6.web6(**EMPTY), tcp6(OUTSIDE6, 40000, NODE6, NODE_PORT, flags="PA", payload=b"x" * 300), False),
-    "UDP from a pod": (w6.web6(proto=w6.UDP_P, **EMPTY), udp6(POD6, 5353, VIP6, 80), True),
-    "UDP from outside": (w6.web6(proto=w6.UDP_P, **EMPTY), udp6(OUTSIDE6, 5353, w6.LB_IP6, 80, payload=b""), False),
-    "TCP from a pod behind hop-by-hop and destination options": (
-        w6.web6(**EMPTY), tcp6(POD6, 40000, VIP6, 80, payload=b"y" * 40, ext=(IPv6ExtHdrHopByHop(), IPv6ExtHdrDestOpt())),
-        True),
-    "UDP from a pod behind 256 bytes of options": (
-        w6.web6(proto=w6.UDP_P, **EMPTY),
-        udp6(POD6, 5353, VIP6, 80, ext=(IPv6ExtHdrDestOpt(options=[PadN(optdata=b"\0" * 124)]),
-                                        IPv6ExtHdrDestOpt(options=[PadN(optdata=b"\0" * 124)]))), True),
-    "TCP from outside behind options": (
-        w6.web6(**EMPTY), tcp6(OUTSIDE6, 40000, NODE6, NODE_PORT, ext=(IPv6ExtHdrDestOpt(),)), False),
-}
-
-
-def complete_partial_checksum(frame: bytes, csum_start: int, csum_offset: int) -> bytes:
-    """What the kernel does to a CHECKSUM_PARTIAL skb leaving a device without TX offload."""
-    data = bytearray(frame)
-    value = checksum(bytes(data[csum_start:]))
-    data[csum_start + csum_offset:csum_start + csum_offset + 2] = value.to_bytes(2, "big")
-    return bytes(data)
-
-
-@pytest.mark.parametrize("name", REJECTS)
-def test_reject_builds_icmpv6_port_unreachable(datapath, maps6, name):
-    svc, pkt, from_pod = REJECTS[name]
-    w6.install6(maps6, svc)
-    out = run(datapath, "tc_ingress", pkt)
-
-    assert out.verdict == TC_ACT_REDIRECT  # bounced out of the device it came in on
-    assert counted(maps6) == {R.REJECT: 1}
-    reply = out.pkt
-    assert (reply.src, reply.dst) == (MAC_NODE, MAC_PEER)
-    ip6 = reply[IPv6]
-    assert (ip6.src, ip6.dst, ip6.hlim, ip6.version) == (pkt[IPv6].dst, pkt[IPv6].src, 64, 6)
-    icmp = reply[ICMPv6DestUnreach]
-    assert (icmp.type, icmp.code) == (1, 4)
-    w6.assert_l4_checksum_valid(reply)
-    l4_off = len(pkt) - len(pkt[TCP] if TCP in pkt else pkt[UDP])
-    quoted_len = l4_off - 14 + 8
-    opts_len = l4_off - 14 - 40 + 24 if from_pod else 0
-    if from_pod:  # the padded layout: a destination-options header the receiver skips
-        assert ip6.nh == 60 and IPv6ExtHdrDestOpt in reply and reply[IPv6ExtHdrDestOpt].nh == 58
-        assert len(reply[IPv6ExtHdrDestOpt]) - len(reply[IPv6ExtHdrDestOpt].payload) == opts_len
-        assert all(o.otype in (0x1E, 1) for o in reply[IPv6ExtHdrDestOpt].options), "only skippable options"
-    else:
-        assert ip6.nh == 58
-    assert ip6.plen == opts_len + 8 + quoted_len and len(out.raw) == 14 + 40 + opts_len + 8 + quoted_len
-    # (raw bytes: scapy reads a quote past 128 bytes as RFC 4884 extensions)
-    assert out.raw[14 + 40 + opts_len + 8:] == bytes(pkt[IPv6])[:quoted_len], \
-        "the IPv6 header, its extension headers and 8 L4 bytes"
-    inner = reply[IPerror6]
-    assert (inner.src, inner.dst) == (pkt[IPv6].src, pkt[IPv6].dst)
-    assert not maps6.connections6()
-    if from_pod:
-        # the pod's packet may have been CHECKSUM_PARTIAL: the kernel's pending completion at the
-        # original L4 checksum position must leave the reply exactly as it is
-        csum_offset = 16 if TCP in pkt else 6
-        assert complete_partial_checksum(out.raw, l4_off, csum_offset) == out.raw
 
 
 # ---- extension headers and what the parser does not take ----

@@ -1,9 +1,9 @@
 """Trace mode (bpf/lib/common.h): a dry run of the real programs decides exactly as a live packet
 would, writes nothing (connections, affinity, counters), and live packets never write the record.
 
-The decision table is test_tc_ingress's and test_xdp's own: every case is run twice, first as a
-trace (which must leave the maps as they were), then live, and the two must agree on the verdict,
-the reason and the set of backends chosen among.
+The decision table is test_tc_ingress's and test_xdp's own (xdp: both families', family.py): every
+case is run twice, first as a trace (which must leave the maps as they were), then live, and the
+two must agree on the verdict, the reason and the set of backends chosen among.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from ebpf_proxy.datapath.ebpf.maps import Backend, Frontend, Service, ip_str, po
 from tests.bpf import test_tc_ingress as tci
 from tests.bpf import test_xdp as txdp
 from tests.bpf import world as w
+from tests.bpf.family import FAMILIES, IPV4, Family, cases
 from tests.bpf.packets import TC_ACT_OK, XDP_DROP, XDP_PASS, counted, endpoints, run, tcp
 
 pytestmark = [pytest.mark.bpf, pytest.mark.root]
@@ -71,10 +72,10 @@ def slot_backends(maps, rec: s.EpxTraceRec) -> set[tuple[str, int]]:
     return out
 
 
-def state(maps) -> tuple:
-    """Everything a dry run must leave alone."""
-    return (sorted(map(repr, maps.connections())), sorted(map(repr, maps.affinity_ids())), counted(maps),
-            maps.count("epx_frag4"), maps.count("epx_sock_rev"))
+def state(maps, fam: Family = IPV4) -> tuple:
+    """Everything a dry run must leave alone, of the family's maps."""
+    return (sorted(map(repr, fam.connections(maps))), sorted(map(repr, fam.affinity_ids(maps))), counted(maps),
+            *(maps.count(name) for name in fam.untouched))
 
 
 def zero_trace_map(maps) -> None:
@@ -121,15 +122,16 @@ def test_dry_run_decides_as_the_live_run(datapath, maps, case):
     assert bool(live_conn.flags & s.CT4_F_MASQ) == bool(rec.masq)
 
 
-@pytest.mark.parametrize("name", list(txdp.DROPS) + list(txdp.PASSES))
-def test_xdp_dry_run_decides_as_the_live_run(datapath, maps, name):
-    svc, pkt, *reason = txdp.DROPS.get(name) or txdp.PASSES[name]
-    w.install(maps, svc)
-    before = state(maps)
+@pytest.mark.parametrize("fam,name", cases({fam: [*txdp.DROPS[fam], *txdp.PASSES[fam]] for fam in FAMILIES}))
+def test_xdp_dry_run_decides_as_the_live_run(datapath, maps, fam, name):
+    svc, pkt, *reason = txdp.case(fam, name)
+    fam.node(maps)
+    fam.install(maps, svc)
+    before = state(maps, fam)
     traced = trace_xdp(datapath, pkt)
     rec = maps.trace_record(last_nonce())
     assert rec is not None and rec.hook == s.HOOK_XDP
-    assert state(maps) == before
+    assert state(maps, fam) == before
     live = run(datapath, "xdp_lb", pkt)
     assert traced.retval == live.verdict == (XDP_DROP if reason else XDP_PASS)
     assert R(rec.reason) == (reason[0] if reason else R.CONTINUE)

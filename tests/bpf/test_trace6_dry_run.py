@@ -2,9 +2,9 @@
 an IPv6 packet exactly as a live one, records it (the addresses in backend_addr6 / snat_addr6,
 TRACE_F_IPV6), and writes nothing: no connection, affinity entry or counter.
 
-The decision tables are test_tc_ipv6's and test_xdp_ipv6's own: every case runs as a trace (which
-must leave the maps as they were), then live, and the two must agree. The frames `trace` builds
-itself (ebpf_trace.build_frame) are run through the programs too.
+The decision table is test_tc_ipv6's own: every case runs as a trace (which must leave the maps as
+they were), then live, and the two must agree (xdp_lb's table: test_trace.py, for both families).
+The frames `trace` builds itself (ebpf_trace.build_frame) are run through the programs too.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from ebpf_proxy.explain.ebpf_trace import build_frame
 from ebpf_proxy.explain.packet import FlowSpec
 from ebpf_proxy.model import Protocol
 from tests.bpf import test_tc_ipv6 as tc6
-from tests.bpf import test_xdp_ipv6 as xdp6
 from tests.bpf import world6 as w6
-from tests.bpf.packets import TC_ACT_OK, TC_ACT_REDIRECT, XDP_DROP, XDP_PASS, counted, run
+from tests.bpf.family import IPV6
+from tests.bpf.packets import TC_ACT_OK, TC_ACT_REDIRECT, counted, run
 from tests.bpf.test_tc_ipv6 import maps6  # noqa: F401 (the fixture)
-from tests.bpf.test_trace import last_nonce, trace_tc, trace_xdp
+from tests.bpf.test_trace import last_nonce, state, trace_tc
 from tests.bpf.world6 import NODE6, NODE_PORT, OUTSIDE6, POD6, VIP6, assert_l4_checksum_valid, endpoints6, rewritten
 
 pytestmark = [pytest.mark.bpf, pytest.mark.root]
@@ -34,8 +34,7 @@ R = s.Reason
 
 def state6(maps) -> tuple:
     """Everything a dry run must leave alone (the IPv6 maps' share of test_trace.state)."""
-    return (sorted(map(repr, maps.connections6())), sorted(map(repr, Maps6(maps).affinity_ids())),
-            counted(maps), maps.count("epx_sock_rev6"))
+    return state(maps, IPV6)
 
 
 def rec_addr(rec: s.EpxTraceRec, which: str) -> str:
@@ -79,19 +78,6 @@ def test_dry_run_decides_as_the_live_run(datapath, maps6, case):
     assert bool(rec.masq) == case.masq
     live_conn = next(c for c in maps6.connections6() if c.kind == s.CT4_SVC)
     assert bool(live_conn.flags & s.CT4_F_MASQ) == bool(rec.masq)
-
-
-@pytest.mark.parametrize("name", list(xdp6.DROPS) + list(xdp6.PASSES))
-def test_xdp_dry_run_decides_as_the_live_run(datapath, maps6, name):
-    svc, pkt, *reason = xdp6.DROPS.get(name) or xdp6.PASSES[name]
-    w6.install6(maps6, svc)
-    before = state6(maps6)
-    traced = trace_xdp(datapath, pkt)
-    rec = traced_record(maps6, s.HOOK_XDP)
-    assert state6(maps6) == before
-    live = run(datapath, "xdp_lb", pkt)
-    assert traced.retval == live.verdict == (XDP_DROP if reason else XDP_PASS)
-    assert R(rec.reason) == (reason[0] if reason else R.CONTINUE)
 
 
 def test_established_connection_is_reported_and_not_touched(datapath, maps6):
