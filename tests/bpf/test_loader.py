@@ -39,24 +39,38 @@ def test_build_id_follows_what_programs_depend_on():
     assert loader.build_id(("tc_ingress",), SMALL_MAPS) != base
 
 
-def test_pinned_programs_are_reused_only_with_their_maps(bpffs):
-    first = loader.load(bpffs, SOME, SMALL_MAPS, reuse=True)
-    first_ids = {name: loader.libbpf.prog_info(fd)[0].id for name, fd in first.prog_fds.items()}
+def _prog_ids(loaded: loader.Loaded) -> dict[str, int]:
+    return {name: loader.libbpf.prog_info(fd)[0].id for name, fd in loaded.prog_fds.items()}
+
+
+def test_pinned_programs_are_reused_only_with_their_maps(bpffs, tmp_path):
+    # One compile: it also fills a program cache, so that the load which must not reuse the pins
+    # gets fresh programs from there (no second compile) and still says where they came from.
+    cache = tmp_path / "cache"
+    first = loader.load(bpffs, SOME, SMALL_MAPS, reuse=True, cache_dir=cache)
+    first_ids = _prog_ids(first)
     first.close()
     assert first.compiled and (bpffs / loader.PROGS_SUBDIR / loader.build_id(SOME, SMALL_MAPS)).is_dir()
 
-    again = loader.load(bpffs, SOME, SMALL_MAPS, reuse=True)
+    again = loader.load(bpffs, SOME, SMALL_MAPS, reuse=True, cache_dir=cache)
     try:
-        assert not again.compiled and not again.tables
-        assert {name: loader.libbpf.prog_info(fd)[0].id for name, fd in again.prog_fds.items()} == first_ids
+        assert again.source == "pins" and not again.tables
+        assert _prog_ids(again) == first_ids
         assert set(again.map_fds) == set(loader.structs.MAPS)
     finally:
         again.close()
 
     (bpffs / "epx_ct4").unlink()  # a map the programs use is gone: they must not be reused
-    third = loader.load(bpffs, SOME, SMALL_MAPS, reuse=True)
+    third = loader.load(bpffs, SOME, SMALL_MAPS, reuse=True, cache_dir=cache)
     try:
-        assert third.compiled
+        assert third.source == "cache", "the pinned programs were reused without their map"
+        assert not set(_prog_ids(third).values()) & set(first_ids.values()), "new programs, for the new map"
+        ct4 = loader.libbpf.obj_get(str(bpffs / "epx_ct4"))  # pinned again, and the programs use it
+        try:
+            ct4_id = loader.libbpf.map_info(ct4).id
+        finally:
+            os.close(ct4)
+        assert all(ct4_id in loader.libbpf.prog_info(fd)[1] for fd in third.prog_fds.values())
         assert [p.name for p in (bpffs / loader.PROGS_SUBDIR).iterdir()] == [loader.build_id(SOME, SMALL_MAPS)]
     finally:
         third.close()

@@ -185,14 +185,19 @@ def test_kill_during_a_full_sync_leaves_nothing_half_programmed_and_the_restart_
     targets = [("client-1", f"{cluster_ip}:80"), ("outside", f"{victim_ip}:{WEB_NODE_PORT}")]
 
     with Prober(lab, targets) as prober:
-        lab.stop_agent(VICTIM)  # SIGTERM: the datapath stays; the next start is a full sync of everything
+        # Both agents follow the creation as it happens (as worker2 always did), so the victim's
+        # kernel holds every Service's old endpoints without a full sync of its own for that: the
+        # full sync that matters is the one of the start below, the one the kill interrupts.
         took_create = create_services(lab, SERVICES)
-        lab.start_agent(VICTIM, wait=False)
-        lab.wait_agent_ready(VICTIM, timeout=READY_TIMEOUT)
-        lab.stop_agent(VICTIM)
+        created = time.monotonic()
+        lab.wait_converged(timeout=READY_TIMEOUT)  # both agents have programmed them all: the "old" state
+        took_programmed = time.monotonic() - created
+        lab.stop_agent(VICTIM)  # SIGTERM: the datapath stays; the next start is a full sync of everything
         changed = range(0, SERVICES, CHANGED_EVERY)
         took_change = change_services(lab, changed)
+        change_written = time.monotonic()
         lab.wait_converged(timeout=READY_TIMEOUT)  # worker2 (the reference) has them all
+        took_reference = time.monotonic() - change_written
         lab.start_agent(VICTIM, wait=False)
         killed = agent_fault.kill(lab, VICTIM, during="full-sync", at=0.5, timeout=READY_TIMEOUT)
 
@@ -226,7 +231,9 @@ def test_kill_during_a_full_sync_leaves_nothing_half_programmed_and_the_restart_
     victim, reference = kernel_size(lab, VICTIM), kernel_size(lab, OTHER)
     audit = lab_audit.run(lab, [VICTIM])[VICTIM]
     changes = f"{len(changed)} changed in {took_change:.1f}s ({changed_new} already new, the rest old, 0 mixed, at the kill)"
-    print(f"\n[{lab.mode}] {SERVICES} Services created in {took_create:.1f}s, {changes}; {VICTIM}'s agent killed "
+    print(f"\n[{lab.mode}] {SERVICES} Services created in {took_create:.1f}s, both agents converged on them "
+          f"{took_programmed:.1f}s later, {OTHER} converged on the changes {took_reference:.1f}s after them, "
+          f"{changes}; {VICTIM}'s agent killed "
           f"{killed.progress.fraction:.0%} into its full sync ({killed.waited:.1f}s after start), leaving {left}; "
           f"0 broken chains; restarted: healthy after {healthy:.1f}s, converged after {converged:.1f}s; "
           f"kernel {victim} (reference {OTHER}: {reference}); stable Service: {prober.ok} connections ok, "
