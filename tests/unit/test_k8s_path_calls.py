@@ -113,7 +113,7 @@ def test_the_agents_collections_are_path_calls():
 AGENT_RUN = textwrap.dedent("""
     import sys, threading, time
     from ebpf_proxy.cli import main
-    main.commands["run"]
+    main.get_command(None, "run")
     from ebpf_proxy.cli.run import _leave_out_unused_client_extras
     _leave_out_unused_client_extras()
     import ebpf_proxy.datapath.ebpf.datapath, ebpf_proxy.datapath.iptables.datapath
