@@ -371,7 +371,7 @@ class Agent:
         datapath = proxier.datapath = self._datapath_factory(
             proxier.mode, node_config, **where, bpf_cache_dir=self.config.bpf_cache_dir or None,
             max_entries=dict(self.config.bpf_map_sizes) or None, xdp_mode=self.config.bpf_xdp_mode,
-            host_routing=self.config.bpf_host_routing,
+            host_routing=self.config.bpf_host_routing, ct_gc_period=self.config.bpf_conntrack_gc_period,
             backend=self.config.iptables_backend or None)
         # a kernel datapath: is the other mode's still here? Asked once, of the handover family's
         if datapath.mode in handover.OTHER_MODE and proxier is self._handover_proxier():

@@ -89,6 +89,10 @@ class AgentConfig:
     # (bpf_fib_lookup, bpf_redirect_peer/_neigh), skipping the node's routing and netfilter stack;
     # auto: on where the kernel has the helpers
     bpf_host_routing: str = "auto"
+    # seconds between two passes of the eBPF connection table's garbage collector (a thread: the
+    # table does not evict, expired connections stay until a pass removes them); the kernel's own
+    # nf_conntrack GC has no such knob, so kube-proxy has none either. The datapath's CT_GC_PERIOD.
+    bpf_conntrack_gc_period: float = 10.0
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)  # attr → flag/field name
 
     @property
@@ -269,6 +273,14 @@ def _map_sizes(value: Any, where: str) -> tuple[tuple[str, int], ...]:
     return tuple(sorted(sizes.items()))
 
 
+def _period(value: Any, where: str) -> float:
+    """A period of something repeated: a duration greater than 0."""
+    seconds = parse_duration(value, where)
+    if seconds <= 0:
+        raise ConfigError(f"{where}: must be greater than 0, got {value!r}")
+    return seconds
+
+
 def _timeout(value: Any, where: str) -> float:
     """A conntrack timeout: a duration of at least 0 (0: the kernel's default)."""
     seconds = parse_duration(value, where)
@@ -325,6 +337,7 @@ _FIELDS: dict[str, _Field] = {
     "bpf_map_sizes": _Field("--bpf-map-sizes", (), _map_sizes),
     "bpf_xdp_mode": _Field("--bpf-xdp-mode", (), _choice(XDP_MODES)),
     "bpf_host_routing": _Field("--bpf-host-routing", (), _choice(HOST_ROUTING_MODES)),
+    "bpf_conntrack_gc_period": _Field("--bpf-conntrack-gc-period", (), _period),
 }
 _KNOWN_PATHS = {path for f in _FIELDS.values() for path in f.file_paths}
 

@@ -21,8 +21,10 @@ Per mode, on a lab built from the bench topology (ebpf_proxy/bench/topology.yaml
    connections to the stable Services (ClusterIP from a pod, NodePort eTP=Cluster and Local from
    outside), and a sampler reads the datapath objects every `sample_period` for their peak;
 4. the churned objects are deleted, the agents converge (they have programmed the API server's
-   resourceVersion), the probes stop, and the connection table is given time to drain (closed
-   TCP connections live 10 s, then the agent's GC collects them every 10 s);
+   resourceVersion), the probes stop, and the connection table is given time to drain: closed
+   TCP connections live 10 s (nf_conntrack's tcp_timeout_close, fixed in the datapath), then the
+   agent's GC collects them in two passes (a connection, then its halves), one every
+   `ct_gc_period` (the agents' --bpf-conntrack-gc-period, 10 s unless the soak sets it);
 5. after: RSS and datapath objects again. The peak RSS is the kernel's high-water mark (VmHWM,
    reset at the baseline), so no sample can miss it.
 
@@ -82,6 +84,9 @@ class SoakConfig:
     probe_timeout: float = 3.0
     converge_timeout: float = 120.0
     drain_timeout: float = 90.0
+    # the ebpf agents' --bpf-conntrack-gc-period, seconds (None: the agent's default, 10 s): how
+    # soon the collector passes that bring the connection table back to its baseline come
+    ct_gc_period: float | None = None
     lab_name: str | None = None  # default: sk<random>, built and removed here
 
     def parameters(self) -> dict[str, Any]:
@@ -299,6 +304,14 @@ def stable_targets(services: BenchServices, lab: Lab) -> list[tuple[str, str]]:
             (traffic.OUTSIDE, targets["nodeport-local"])]
 
 
+def agent_args(mode: str, config: SoakConfig) -> list[str]:
+    """The agents' options for `mode`: the ebpf agents' GC period when the soak sets one, else none
+    (every agent setting at its default, as deployed)."""
+    if mode == "ebpf" and config.ct_gc_period is not None:
+        return ["--bpf-conntrack-gc-period", f"{config.ct_gc_period:g}s"]
+    return []
+
+
 def _agent_pids(lab: Lab) -> dict[str, int]:
     return {node: entry["pid"] for node, entry in lab.data["agents"].items() if entry.get("pid")}
 
@@ -311,7 +324,7 @@ def run_mode(lab: Lab, services: BenchServices, mode: str, config: SoakConfig,
     result = ModeResult(mode)
     say(f"[{mode}] starting agents")
     services.point_at_mode(mode)
-    start_agents(lab, mode, config.converge_timeout)
+    start_agents(lab, mode, config.converge_timeout, agent_args(mode, config))
     lab.wait_converged(timeout=config.converge_timeout)
     # the baseline before any traffic: the connection table holds none of the probes' connections
     pids = _agent_pids(lab)

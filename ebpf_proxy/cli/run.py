@@ -101,6 +101,10 @@ def _bool_flag(*names: str, help: str):  # noqa: A002 (click's name)
                    "node's routing, neighbour and netfilter stack (auto, default: on where the kernel has "
                    "the helpers). Netfilter's FORWARD/POSTROUTING rules of other components do not see "
                    "those packets: turn it off where they must.")
+@click.option("--bpf-conntrack-gc-period", default=None, metavar="DURATION",
+              help="eBPF mode: time between two passes of the connection table's garbage collector, which "
+                   "removes expired connections (default 10s; a closed connection's reply half goes one "
+                   "pass after it). Shorter frees entries sooner at the cost of more table walks.")
 @click.option("--iptables-backend", default=None, metavar="auto|legacy|nft",
               help="iptables mode: which backend (auto: the one already holding rules, else legacy).")
 @click.option("--audit-period", default=None, metavar="DURATION",

@@ -127,6 +127,7 @@ def metric(agent: Agent, name: str, **labels) -> float | None:
     ("bpf_map_sizes", "epx_svc=262144,epx_backend=1048576", "max_entries", {"epx_svc": 262144, "epx_backend": 1048576}),
     ("bpf_xdp_mode", "native", "xdp_mode", "native"),
     ("bpf_host_routing", "off", "host_routing", "off"),
+    ("bpf_conntrack_gc_period", "1s", "ct_gc_period", 1.0),
 ])
 def test_bpf_options_reach_the_datapath(agent_parts, field, value, option, want):
     make, _, _ = agent_parts
@@ -134,6 +135,17 @@ def test_bpf_options_reach_the_datapath(agent_parts, field, value, option, want)
     agent.resolve_mode()
     listed(agent, nodes=[node(NODE)])
     assert agent.prepare_datapath().opts[option] == want
+
+
+def test_the_ebpf_datapath_takes_the_gc_period():
+    """What the agent passes as ct_gc_period is the period the connection table's GC thread runs at
+    (create_datapath would drop, with a debug log, an option the class did not take)."""
+    datapath = create_datapath("ebpf", NodeConfig(node_name=NODE), bpffs="/nonexistent",
+                               ct_gc_period=load_config({"bpf_conntrack_gc_period": "1s"}).bpf_conntrack_gc_period)
+    try:
+        assert datapath._shared.options.ct_gc_period == 1.0
+    finally:
+        datapath.close()
 
 
 def test_first_sync_programs_the_listed_state(agent_parts):
@@ -145,7 +157,7 @@ def test_first_sync_programs_the_listed_state(agent_parts):
     dp = agent.prepare_datapath()
     assert dp.opts == {"mode": "iptables", "cgroup_path": None, "bpffs": "/sys/fs/bpf",
                        "bpf_cache_dir": "/var/cache/ebpf-proxy/bpf", "backend": "auto", "max_entries": None,
-                       "xdp_mode": "generic", "host_routing": "auto"}
+                       "xdp_mode": "generic", "host_routing": "auto", "ct_gc_period": 10.0}
     assert agent.node_config == NodeConfig(node_name=NODE, node_ips=("192.168.1.10", "10.244.1.1"),
                                            cluster_cidrs=("10.244.0.0/16",),
                                            local_detector=LocalDetector(LocalMode.CLUSTER_CIDR, ("10.244.0.0/16",)))

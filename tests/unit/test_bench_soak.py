@@ -108,3 +108,15 @@ def test_max_rate_caps_the_writes():
     api = Api()
     churn = run_churn(api, seconds=0.5, writers=2, max_rate=40)
     assert churn.changes <= 0.5 * 40 + 3
+
+
+def test_the_gc_period_goes_to_the_ebpf_agents_only():
+    """The short soak shortens the drain through a setting an operator has too; the agent takes it."""
+    from ebpf_proxy.agent.config import load_config
+    from ebpf_proxy.bench.soak import agent_args
+
+    short = SoakConfig(modes=["iptables", "ebpf"], duration=1, ct_gc_period=1.0)
+    assert agent_args("ebpf", short) == ["--bpf-conntrack-gc-period", "1s"]
+    assert load_config({"bpf_conntrack_gc_period": agent_args("ebpf", short)[1]}).bpf_conntrack_gc_period == 1.0
+    assert agent_args("iptables", short) == []
+    assert agent_args("ebpf", SoakConfig(modes=["ebpf"], duration=1)) == []  # `make soak`: the default

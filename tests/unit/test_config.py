@@ -441,13 +441,29 @@ def test_bpf_map_sizes_flag():
     assert load_config({}).bpf_map_sizes == ()
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("epx_svc", "'epx_svc' is not MAP=ENTRIES"),
-    ("epx_svc=lots", "'epx_svc=lots' is not MAP=ENTRIES"),
-    ("epx_nope=10", "'epx_nope' is not a map whose size can be set"),
-    ("epx_ct4=10", "epx_ct4 is sized by --conntrack-max-per-core"),
-    ("epx_svc=0", "epx_svc must have 1 to 2147483647 entries, got 0"),
+@pytest.mark.parametrize(("attr", "flag", "text", "message"), [
+    ("bpf_map_sizes", "--bpf-map-sizes", "epx_svc", "'epx_svc' is not MAP=ENTRIES"),
+    ("bpf_map_sizes", "--bpf-map-sizes", "epx_svc=lots", "'epx_svc=lots' is not MAP=ENTRIES"),
+    ("bpf_map_sizes", "--bpf-map-sizes", "epx_nope=10", "'epx_nope' is not a map whose size can be set"),
+    ("bpf_map_sizes", "--bpf-map-sizes", "epx_ct4=10", "epx_ct4 is sized by --conntrack-max-per-core"),
+    ("bpf_map_sizes", "--bpf-map-sizes", "epx_svc=0", "epx_svc must have 1 to 2147483647 entries, got 0"),
+    ("bpf_conntrack_gc_period", "--bpf-conntrack-gc-period", "0", "must be greater than 0, got '0'"),
+    ("bpf_conntrack_gc_period", "--bpf-conntrack-gc-period", "0s", "must be greater than 0, got '0s'"),
+    ("bpf_conntrack_gc_period", "--bpf-conntrack-gc-period", "-1s", "must be greater than 0, got '-1s'"),
+    ("bpf_conntrack_gc_period", "--bpf-conntrack-gc-period", "often", "'often' is not a duration"),
 ])
-def test_bad_bpf_map_sizes_name_the_flag_and_the_map(text, message):
-    with pytest.raises(ConfigError, match="^--bpf-map-sizes: " + re.escape(message)):
-        load_config({"bpf_map_sizes": text})
+def test_bad_bpf_settings_name_the_flag_and_the_value(attr, flag, text, message):
+    with pytest.raises(ConfigError, match=f"^{flag}: " + re.escape(message)):
+        load_config({attr: text})
+
+
+def test_bpf_conntrack_gc_period_flag(captured):
+    """The eBPF connection table's GC period: ours (nf_conntrack's GC is the kernel's), flag only."""
+    from ebpf_proxy.datapath.ebpf.datapath import CT_GC_PERIOD
+
+    assert load_config({}).bpf_conntrack_gc_period == CT_GC_PERIOD == 10.0  # the datapath's default
+    assert load_config({"bpf_conntrack_gc_period": "1s"}).bpf_conntrack_gc_period == 1.0
+    assert load_config({"bpf_conntrack_gc_period": "250ms"}).bpf_conntrack_gc_period == 0.25
+    result = CliRunner().invoke(main, ["run", "--bpf-conntrack-gc-period", "1m30s"])
+    assert result.exit_code == 0, result.output
+    assert captured[-1].bpf_conntrack_gc_period == 90.0
