@@ -22,12 +22,13 @@ from collections.abc import Iterator
 
 
 def settle() -> tuple[float, int]:
-    """Collect everything once, then exempt the survivors from automatic collections. Returns
-    (seconds it took, objects frozen)."""
+    """Collect everything once, then exempt the survivors from automatic collections, and give
+    what was freed back to the system (trim). Returns (seconds it took, objects frozen)."""
     started = time.monotonic()
     gc.unfreeze()
     gc.collect()
     gc.freeze()
+    trim()
     return time.monotonic() - started, gc.get_freeze_count()
 
 
@@ -59,6 +60,22 @@ def paused() -> Iterator[None]:
             _pausers -= 1
             if _pausers == 0 and _was_enabled:
                 gc.enable()
+
+
+def trim() -> bool:
+    """Give the free pages inside glibc's heaps back to the system (malloc_trim(0)); True if any
+    went back (False too where it is not glibc: nothing changes).
+
+    glibc returns memory by itself only from the top of a heap, above its last block in use. A
+    start (imports, loading the programs, the first list) frees much below long-lived blocks,
+    which stays resident: ~1.3 MiB of a 1-Service agent's ~62.5 MiB (issue 12), given back here,
+    after each full sync (settle)."""
+    try:
+        malloc_trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return bool(malloc_trim(0))
 
 
 M_MMAP_THRESHOLD = -3  # glibc malloc.h: mallopt's parameter number

@@ -35,6 +35,38 @@ from ebpf_proxy.model import ProxyState
 log = logging.getLogger(__name__)
 
 _U32_ARRAY = "I"  # array typecode of a backend id, epx_backend's u32 key (as maps.Backends packs them)
+# sorted_pairs' groups: keys that agree above these bits are sorted together. Service and backend
+# ids are handed out densely from 1, so a group is up to 4,096 service ids' slots (~60,000 at 10
+# endpoints each, cluster and local) or 65,536 backends
+_SLOT_GROUP_SHIFT = 32 + 12
+_BACKEND_GROUP_SHIFT = 16
+
+
+def sorted_pairs(rows: Iterable[tuple[int, int]], key_type: str, group_shift: int) -> tuple[array, array]:
+    """(key, u32 value) rows, each key once, in any order (a hash map's), as two arrays sorted
+    by key: keys of `key_type`, values "I".
+
+    Sorting them all at once (sorted() of key << 32 | value) held one Python int an entry,
+    ~45 bytes: at 100,000 Services x 10 endpoints ~100 MiB for epx_slot's 1.5 million entries
+    and ~70 MiB for epx_backend's million, at the peak of every restart and drift audit (a lab
+    agent restarted there: 350 MiB synced, 445 MiB at each audit). Here the rows are first split, packed
+    (12 bytes an entry), into groups by their key's bits above `group_shift`, and the groups are
+    sorted one at a time in key order: only one group's ints exist at once."""
+    groups: dict[int, tuple[array, array]] = {}
+    for key, value in rows:
+        group = groups.get(key >> group_shift)
+        if group is None:
+            group = groups[key >> group_shift] = (array(key_type), array("I"))
+        group[0].append(key)
+        group[1].append(value)
+    keys, values = array(key_type), array("I")
+    for top in sorted(groups):
+        group_keys, group_values = groups.pop(top)
+        merged = sorted(k << 32 | v for k, v in zip(group_keys, group_values))
+        del group_keys, group_values
+        keys.extend(m >> 32 for m in merged)
+        values.extend(m & 0xFFFFFFFF for m in merged)
+    return keys, values
 
 
 class _Packed(Mapping):
@@ -114,9 +146,7 @@ class SlotTable(_Packed):
 
     def __init__(self, rows: Iterable[tuple[int, int]] = ()) -> None:
         """`rows`: (packed key, backend id) pairs, in any order, each key once."""
-        merged = sorted(key << 32 | value for key, value in rows)
-        self._keys = array("Q", (m >> 32 for m in merged))
-        self._values = array("I", (m & 0xFFFFFFFF for m in merged))
+        self._keys, self._values = sorted_pairs(rows, "Q", _SLOT_GROUP_SHIFT)
 
     @classmethod
     def of(cls, slots: Iterable[tuple[int, int, int, int, int]]) -> "SlotTable":
@@ -163,15 +193,15 @@ class BackendTable(_Packed):
         """`ids` and `raw`: the backend ids, each once, in any order, and their values back to back
         in the same order."""
         size, view = family.size, memoryview(raw)
-        order = sorted(bid << 32 | i for i, bid in enumerate(ids))  # one int an entry, not a tuple
+        keys, order = sorted_pairs(((bid, i) for i, bid in enumerate(ids)), _U32_ARRAY, _BACKEND_GROUP_SHIFT)
         if len(view) != len(order) * size:
             raise ValueError(f"epx_backend: {len(view)} bytes of values for {len(order)} ids, "
                              f"not {size} bytes each ({family.name})")
         out = bytearray(len(view))
-        for j, m in enumerate(order):
-            i = m & 0xFFFFFFFF
+        for j, i in enumerate(order):
             out[j * size:(j + 1) * size] = view[i * size:(i + 1) * size]
-        self._keys = array(_U32_ARRAY, (m >> 32 for m in order))
+        del order
+        self._keys = keys
         self._raw, self._family = bytes(out), family
 
     @classmethod
@@ -226,26 +256,63 @@ class BackendTable(_Packed):
         return (bid for bid, hit in zip(self._keys, seen) if not hit)
 
 
+class _Frontends(Mapping):
+    """Snapshot.frontends: service id -> {frontend: its flags, the slot bank left out (that is
+    ServiceEntries.bank)}, each made on access from the records."""
+
+    __slots__ = ("_snap",)
+
+    def __init__(self, snap: "Snapshot") -> None:
+        self._snap = snap
+
+    def __getitem__(self, svc_id: int) -> dict[Frontend, int]:
+        records = self._snap.records
+        return {fe: records[fe].flags & ~s.LB4_F_SLOT_BANK for fe in self._snap.by_id[svc_id]}
+
+    def __contains__(self, svc_id: object) -> bool:
+        return svc_id in self._snap.by_id
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._snap.by_id)
+
+    def __len__(self) -> int:
+        return len(self._snap.by_id)
+
+
 @dataclass
 class Snapshot:
-    """The service maps as read back: by service id."""
+    """The service maps as read back: by service id.
 
-    frontends: dict[int, dict[Frontend, int]] = field(default_factory=lambda: defaultdict(dict))  # id -> fe -> flags
+    Each frontend's record is held once (`records`); which frontends a service id has is a tuple
+    (most have one), and the flags by frontend (`frontends`) and a frontend's service id
+    (`owner_of`) are read from the records: with a dict of flags and an owner entry each, this
+    took ~59 MiB at 100,000 Services (now ~37), at every restart and drift audit."""
+
+    records: dict[Frontend, Service] = field(default_factory=dict)  # frontend -> its epx_svc entry
+    by_id: dict[int, tuple[Frontend, ...]] = field(default_factory=dict)  # service id -> its frontends
     slots: SlotTable = field(default_factory=SlotTable)  # (id, bank, scope, slot) -> backend id
     backends: BackendTable = field(default_factory=BackendTable)
     ranges: dict[int, set[str]] = field(default_factory=lambda: defaultdict(set))
-    owner: dict[Frontend, int] = field(default_factory=dict)  # frontend -> service id
-    records: dict[Frontend, Service] = field(default_factory=dict)  # frontend -> its epx_svc entry
     max_svc_id: int = 0
     max_backend_id: int = 0
+
+    @property
+    def frontends(self) -> Mapping[int, dict[Frontend, int]]:
+        """service id -> {frontend: flags without the slot bank}."""
+        return _Frontends(self)
+
+    def owner_of(self, fe: Frontend) -> int | None:
+        """The service id frontend `fe` leads to, None if the maps do not hold it."""
+        record = self.records.get(fe)
+        return None if record is None else record.id
 
 
 def read(maps: Maps) -> Snapshot:
     snap = Snapshot()
+    by_id = snap.by_id
     for fe, svc in maps.services():
-        snap.frontends[svc.id][fe] = svc.flags & ~s.LB4_F_SLOT_BANK  # the bank is ServiceEntries.bank
-        snap.owner[fe] = svc.id
         snap.records[fe] = svc
+        by_id[svc.id] = by_id.get(svc.id, ()) + (fe,)
     snap.slots = SlotTable.of(maps.slots())
     snap.backends = BackendTable.of(maps.backend_rows(), maps.BACKEND_VALUES)
     for svc_id, cidr in maps.source_ranges():
@@ -325,7 +392,7 @@ def adopt(programs: ServicePrograms, state: ProxyState) -> int:
     for name, svc in sorted(state.services.items()):
         if not programs.serves(svc):  # not in this family's maps (programs.maps: Maps or Maps6)
             continue
-        svc_id = snap.owner.get(Frontend(svc.cluster_ip, svc.port, IPPROTO[svc.protocol.value]))
+        svc_id = snap.owner_of(Frontend(svc.cluster_ip, svc.port, IPPROTO[svc.protocol.value]))
         if svc_id is None or svc_id in claimed:
             continue
         claimed[svc_id] = entries_of(snap, svc_id)
