@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 
 from ebpf_proxy.datapath.ebpf import structs as s
 from ebpf_proxy.datapath.ebpf.maps import BACKEND4, IPPROTO, Backend, BackendValues, Frontend, Maps, Service, slot_bank
-from ebpf_proxy.datapath.ebpf.services import ServiceEntries, ServicePrograms
+from ebpf_proxy.datapath.ebpf.services import ServiceEntries, ServicePrograms, sorted_names
 from ebpf_proxy.model import ProxyState
 
 log = logging.getLogger(__name__)
@@ -389,7 +389,9 @@ def adopt(programs: ServicePrograms, state: ProxyState) -> int:
     programs.reserve_ids(snap.max_svc_id, snap.max_backend_id)
     claimed: dict[int, ServiceEntries] = {}
     writes = unsettled = 0
-    for name, svc in sorted(state.services.items()):
+    services = state.services
+    for name in sorted_names(services):  # the names' order (dataclass __lt__), sorted as strings
+        svc = services[name]
         if not programs.serves(svc):  # not in this family's maps (programs.maps: Maps or Maps6)
             continue
         svc_id = snap.owner_of(Frontend(svc.cluster_ip, svc.port, IPPROTO[svc.protocol.value]))
