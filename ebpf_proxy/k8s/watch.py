@@ -342,6 +342,9 @@ class Reflector:
         stream = getattr(self.lw, "stream", None)
         if stream is not None and not self.cache and not self.synced.is_set():
             items = stream()
+            # the pages are fetched inside the bulk too (the stream requests each one as it is
+            # walked): a slow API server keeps the collector paused for as long as this list
+            # lasts, which only delays collecting garbage (heap.paused); nothing is lost
             with self._bulk():
                 self._deliver(items, {})
             return items.resource_version

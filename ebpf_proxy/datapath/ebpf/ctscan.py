@@ -92,7 +92,10 @@ def raw(items: object, n: int, size: int) -> bytes:
 class LiveHalves:
     """A set of half identities as 64-bit hashes in sorted arrays: 8 bytes an identity where a set
     of bytes would take ~100. Add every identity, seal, then ask. Two identities with the same hash
-    (about 1 in 10^9 passes over a full table) only keep an orphaned half until the next pass."""
+    (about 1 in 10^8 passes over a full table) keep an orphaned half for as long as the live
+    connection it collides with exists, or until the agent restarts (hash() of bytes is fixed for
+    a process's life, so every pass repeats the collision): a few dozen bytes of table, never a
+    live half deleted."""
 
     def __init__(self) -> None:
         self._buckets = [array("q") for _ in range(_BUCKETS)]
