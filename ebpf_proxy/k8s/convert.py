@@ -44,6 +44,7 @@ from ebpf_proxy.model import (
     networks_of_family,
     of_family,
 )
+from ebpf_proxy.model.types import is_dotted_quad
 
 log = logging.getLogger(__name__)
 
@@ -336,7 +337,7 @@ def _plain_service_ports(svc: dict, ref: ObjectRef, families: tuple[int, ...]) -
         return None
     ips, status = spec.get("clusterIPs"), svc.get("status")
     if spec.get("type") not in _PLAIN_SERVICE_TYPES or type(ips) is not list or len(ips) != 1 \
-            or type(ips[0]) is not str or not _is_dotted_quad(ips[0]) \
+            or type(ips[0]) is not str or not is_dotted_quad(ips[0]) \
             or spec.get("externalIPs") not in (None, []) or spec.get("loadBalancerSourceRanges") not in (None, []) \
             or spec.get("externalTrafficPolicy") not in _PLAIN_POLICIES \
             or spec.get("internalTrafficPolicy") not in _PLAIN_POLICIES \
@@ -391,16 +392,6 @@ def _plain_ports(ports: Any, node_ports: bool) -> list[tuple[str, Protocol, int,
         seen.add((name, protocol))
         result.append((name, protocol, number, node_port))
     return result
-
-
-def _is_dotted_quad(text: str) -> bool:
-    """Whether `text` is an IPv4 address as inet_pton reads it: a canonical dotted quad (no leading
-    zeros, nothing around it), which str(ipaddress) gives back as it is."""
-    try:
-        socket.inet_pton(socket.AF_INET, text)
-        return True
-    except (OSError, ValueError):  # ValueError: a NUL or a lone surrogate in the text
-        return False
 
 
 def _service_port_numbers(ports: list, ref: ObjectRef) -> list[tuple[ServicePortName, int, int]]:
@@ -684,7 +675,7 @@ def _plain_ipv4_endpoint(ep: Any, node_name: str) -> tuple | None:
             or (conditions is not None and type(conditions) is not dict) or (node is not None and type(node) is not str):
         return None
     ip = addresses[0]
-    try:  # _is_dotted_quad, inline: a million calls
+    try:  # is_dotted_quad (model.types), inline: a million calls
         socket.inet_pton(socket.AF_INET, ip)  # canonical: as str(ipaddress) gives it back (_endpoint_ip)
     except (OSError, ValueError):
         return None
@@ -707,7 +698,7 @@ def _endpoint_ip(value: Any, path: str, family: int) -> str:
     """An endpoint's address of `family`, canonical. A dotted quad inet_pton takes (no leading
     zeros, nothing around it: nearly every IPv4 endpoint) is its own canonical form, which is
     what str(ipaddress) would give for it; everything else is parsed as every IP (_ip)."""
-    if family == 4 and type(value) is str and _is_dotted_quad(value):
+    if family == 4 and type(value) is str and is_dotted_quad(value):
         return value
     ip = _ip(value, path)
     if ip.version != family:

@@ -30,18 +30,24 @@ class Protocol(str, enum.Enum):
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
+def is_dotted_quad(text: object) -> bool:
+    """Whether `text` is an IPv4 address in its one canonical form, as inet_pton reads it: four
+    decimal parts without leading zeros, nothing around it (what inet_ntoa and str(ipaddress)
+    give back for its bytes). Cheap (~0.2 µs): k8s/convert.py's fast readings and ip_family ask
+    it of every cluster IP and endpoint address."""
+    try:
+        socket.inet_pton(socket.AF_INET, text)  # type: ignore[arg-type]
+        return True
+    except (OSError, TypeError, ValueError):  # ValueError: a NUL or a lone surrogate in the text
+        return False
+
+
 def ip_family(ip: str) -> int:
     """The IP family (4 or 6) of address `ip`, as ipaddress.ip_address(ip).version, which raises
-    ValueError for anything else. A dotted quad in its one canonical form (what inet_ntoa gives
-    back for its bytes) is IPv4 without the parse (~1.3 µs; a full sync asks for every service
-    port's clusterIP, ~3% of it at 100,000 Services); anything else is parsed, and rejected, as
-    before."""
-    try:
-        if socket.inet_ntoa(socket.inet_aton(ip)) == ip:
-            return 4
-    except (OSError, TypeError, ValueError):
-        pass
-    return ipaddress.ip_address(ip).version
+    ValueError for anything else. A canonical dotted quad (is_dotted_quad) is IPv4 without the
+    parse (~1.3 µs; a full sync asks for every service port's clusterIP, ~3% of it at 100,000
+    Services); anything else is parsed, and rejected, as before."""
+    return 4 if is_dotted_quad(ip) else ipaddress.ip_address(ip).version
 
 
 def of_family(ips: Iterable[str], family: int) -> tuple[str, ...]:
