@@ -160,5 +160,20 @@ class NetLab:
                 path.rmdir()
         with contextlib.suppress(OSError):
             CGROUP_ROOT.rmdir()  # only when no other test run uses it
+        self._unplug_node()
         for ns in self.ns.values():
             del_netns(ns)
+
+    def _unplug_node(self) -> None:
+        """Take the session's programs off the node before its namespaces go.
+
+        The tests attach the session-wide programs (conftest's `datapath`) here, and they count
+        into the session-wide maps. A deleted namespace is torn down later, by the kernel's
+        workqueue; until then its veths still carry those programs, and a packet the kernel sends
+        by itself (an IPv6 router solicitation, an MLD report) is counted in whatever test runs
+        next (seen: PASS_IPV6_OFF in an IPv4 test_xdp case). Deleting the veths (both ends go at
+        once) and lo's clsact here, synchronously, leaves nothing of ours to count."""
+        node = self.ns["node"]
+        sh("tc", "qdisc", "del", "dev", "lo", "clsact", ns=node, check=False)
+        for dev, *_ in LINKS.values():
+            sh("ip", "link", "del", dev, ns=node, check=False)
