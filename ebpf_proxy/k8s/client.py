@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import random
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Generator, Iterator
 
 # Submodules by name: `kubernetes.client` is a lazy package whose attributes import the generated
 # API classes and models on first use.
@@ -226,12 +226,14 @@ class ListPages:
         yields nothing."""
         pages, self._pages, self._count = self._pages, [], 0
         pages.reverse()
-        while pages:
-            data = pages.pop()
-            items = loads(data).get("items") or ()
-            del data
-            yield from items
-            del items
+        yield from _walk_pages(_decode_popping(pages))
+
+
+def _decode_popping(pages: list[bytes]) -> Iterator[tuple[Any, dict]]:
+    """Each page of `pages` from its end, as (its items, no metadata): the text is out of the list
+    and released as soon as it is decoded."""
+    while pages:
+        yield loads(pages.pop()).get("items") or (), {}
 
 
 class ListStream:
@@ -242,17 +244,25 @@ class ListStream:
     (HTTP errors, a page that is not a list) at the page where it happens, after the items of
     the pages before it; `resource_version` is the list's once every page has been walked."""
 
-    def __init__(self, pages: Iterator[tuple[bytes, list, dict]]) -> None:
+    def __init__(self, pages: Iterator[tuple[list, dict]]) -> None:
         self._pages = pages
         self.resource_version: str | None = None  # None until the last page was walked
 
     def __iter__(self) -> Iterator[Any]:
-        meta: dict = {}
-        for data, items, meta in self._pages:
-            del data
-            yield from items
-            del items  # not held while the next page is fetched and decoded
+        meta = yield from _walk_pages(self._pages)
         self.resource_version = _list_rv(meta)
+
+
+def _walk_pages(pages: Iterator[tuple[Any, dict]]) -> Generator[Any, None, dict]:
+    """The items of (items, metadata) pages in turn, each page's items dropped once walked so that
+    they are not held while the next page is fetched or decoded: the one walk of a streamed first
+    list (ListStream) and of a held relist's last pass (ListPages.drain). Returns the metadata of
+    the last page ({} without pages); an error getting a page propagates after the items before it."""
+    meta: dict = {}
+    for items, meta in pages:
+        yield from items
+        del items
+    return meta
 
 
 def _list_rv(meta: dict) -> str:
@@ -280,8 +290,7 @@ class KubeListWatch:
         """Every page, each checked, held as its text (ListPages) until the last one is in."""
         items = ListPages()
         meta: dict = {}
-        for data, page, meta in self._pages():
-            items.add(data, len(page))
+        for page, meta in self._pages(keep=items.add):
             del page
         return items, _list_rv(meta)
 
@@ -289,9 +298,10 @@ class KubeListWatch:
         """The LIST's items as its pages arrive (watch.Reflector's first list)."""
         return ListStream(self._pages())
 
-    def _pages(self) -> Iterator[tuple[bytes, list, dict]]:
-        """Each page of the LIST as it arrives: (its text, its items, its metadata), decoded and
-        checked once; the next page is requested when this one has been walked."""
+    def _pages(self, keep: Callable[[bytes, int], None] | None = None) -> Iterator[tuple[list, dict]]:
+        """Each page of the LIST as it arrives: (its items, its metadata), decoded and checked once;
+        the next page is requested when this one has been walked. `keep` is given each page's
+        text and item count first (ListPages.add: a held relist)."""
         token: str | None = None
         while True:
             kwargs: dict[str, Any] = dict(self._selectors, limit=self._page_size, _preload_content=False,
@@ -313,10 +323,11 @@ class KubeListWatch:
             del body
             meta = meta or {}
             token = meta.get("continue")
-            data = response.data
+            if keep is not None:
+                keep(response.data, len(page or ()))
             del response
-            yield data, page or [], meta
-            del data, page
+            yield page or [], meta
+            del page
             if not token:
                 return
 
