@@ -39,7 +39,7 @@ def local_ipv4_addresses() -> list[str]:
 def local_addresses() -> list[str]:
     """Every IPv4 and IPv6 address on this network namespace's interfaces, IPv6 link-local ones
     left out (no NodePort is reached through them); raises OSError without netlink."""
-    from pyroute2 import IPRoute  # imported here: only the real agent needs netlink
+    from pyroute2.iproute import IPRoute  # imported here: only the real agent needs netlink
 
     with IPRoute() as ipr:
         addrs = [msg.get("IFA_LOCAL") or msg.get("IFA_ADDRESS") for msg in ipr.get_addr()]

@@ -7,6 +7,7 @@ import sys
 import click
 
 from ebpf_proxy.agent.agent import Agent
+from ebpf_proxy.agent.bareimport import register_bare_packages
 from ebpf_proxy.agent.config import DETECT_LOCAL_MODES, LOG_FORMATS, LOG_LEVELS, MODES, ConfigError, load_config
 from ebpf_proxy.agent.logs import setup_logging
 
@@ -41,6 +42,14 @@ def _leave_out_unused_client_extras() -> None:
     if "kubernetes" not in sys.modules:
         for name in UNUSED_CLIENT_EXTRAS:
             sys.modules.setdefault(name, None)
+
+
+def slim_imports() -> None:
+    """What the agent's process leaves out before it imports the client or netlink: the client's
+    unused extras, and the `__init__` of the packages it only needs some submodules of
+    (agent/bareimport.py)."""
+    _leave_out_unused_client_extras()
+    register_bare_packages()
 
 
 def _bool_flag(*names: str, help: str):  # noqa: A002 (click's name)
@@ -138,7 +147,7 @@ def run(config_file: str | None, **flags: str | None) -> None:
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     setup_logging(config.log_format, config.log_level)
-    _leave_out_unused_client_extras()
+    slim_imports()
     agent = Agent(config, settle_heap=True)
     agent.install_signal_handlers()
     sys.exit(agent.run())

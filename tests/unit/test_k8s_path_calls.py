@@ -107,15 +107,15 @@ def test_the_agents_collections_are_path_calls():
         "Node": "/api/v1/nodes"}
 
 
-# The agent as `ebpf-proxy run` starts it (the CLI's run command, the client extras left out, both
+# The agent as `ebpf-proxy run` starts it (the CLI's run command, its slim_imports, both
 # datapaths' modules), against the embedded API server with a fake datapath, until its first sync
 # and a watched change: then no generated API class or model module may have been imported.
 AGENT_RUN = textwrap.dedent("""
     import sys, threading, time
     from ebpf_proxy.cli import main
     main.get_command(None, "run")
-    from ebpf_proxy.cli.run import _leave_out_unused_client_extras
-    _leave_out_unused_client_extras()
+    from ebpf_proxy.cli.run import slim_imports
+    slim_imports()
     import ebpf_proxy.datapath.ebpf.datapath, ebpf_proxy.datapath.iptables.datapath
     from ebpf_proxy.agent.agent import Agent
     from ebpf_proxy.agent.config import load_config

@@ -278,7 +278,7 @@ class Devices:
         A device that cannot be attached is logged and retried on the next reconcile; with
         `required`, the first failure raises AttachError instead (the first sync must not report
         success with the datapath half attached)."""
-        from pyroute2 import IPRoute  # noqa: PLC0415 (netlink only where devices are touched)
+        from pyroute2.iproute import IPRoute  # noqa: PLC0415 (netlink only where devices are touched)
 
         with self._lock, IPRoute() as ipr:
             want, _routes, flags = self.desired(ipr)
@@ -328,7 +328,7 @@ class Devices:
     def lost(self) -> dict[int, list[str]]:
         """ifindex -> what of ours is no longer on an attached device (TC filter names, the XDP
         program), for the drift audit. An XDP program that never attached (see `errors`) is not lost."""
-        from pyroute2 import IPRoute  # noqa: PLC0415
+        from pyroute2.iproute import IPRoute  # noqa: PLC0415
 
         out: dict[int, list[str]] = {}
         with self._lock, IPRoute() as ipr:
@@ -353,14 +353,14 @@ class Devices:
 
     def iface_flags(self) -> dict[int, int]:
         """What epx_iface should hold now."""
-        from pyroute2 import IPRoute  # noqa: PLC0415
+        from pyroute2.iproute import IPRoute  # noqa: PLC0415
 
         with self._lock, IPRoute() as ipr:
             return self.desired(ipr)[2]
 
     def primary_address(self, family: int = 4) -> str | None:
         """primary_address() of this node (IPv6: toward its first IPv6 cluster CIDR, where backends are)."""
-        from pyroute2 import IPRoute  # noqa: PLC0415
+        from pyroute2.iproute import IPRoute  # noqa: PLC0415
 
         nets = [ipaddress.ip_network(c, strict=False) for c in self.cluster_cidrs]
         toward = next((str(n.network_address) for n in nets if n.version == family), None) if family == 6 else None
@@ -374,7 +374,7 @@ def detach_all(xdp_mode: str = "generic") -> dict[str, int]:
 
     Needs no memory of what was attached (a fresh `ebpf-proxy cleanup` process): our filters are
     known by their names, our XDP program by its program name. Returns counts."""
-    from pyroute2 import IPRoute  # noqa: PLC0415
+    from pyroute2.iproute import IPRoute  # noqa: PLC0415
 
     counts = {"tc_filters": 0, "xdp": 0}
     with IPRoute() as ipr:

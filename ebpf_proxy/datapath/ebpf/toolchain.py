@@ -214,7 +214,7 @@ def _attach_in_throwaway_netns(tc_fd: int, xdp_fd: int) -> dict[str, str]:
             libc = ctypes.CDLL(None, use_errno=True)
             if libc.unshare(_CLONE_NEWNET) != 0:
                 raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNET)")
-            from pyroute2 import IPRoute  # noqa: PLC0415 (only the child needs netlink)
+            from pyroute2.iproute import IPRoute  # noqa: PLC0415 (only the child needs netlink)
 
             with IPRoute() as ipr:
                 try:
