@@ -12,9 +12,10 @@ import os
 import pytest
 
 from ebpf_proxy.bench.cpscale import private_maps
-from ebpf_proxy.datapath.ebpf import libbpf
+from ebpf_proxy.datapath.ebpf import libbpf, services
 from ebpf_proxy.datapath.ebpf.maps import Backend, MapFull, Maps
 from ebpf_proxy.datapath.ebpf.services import ServicePrograms
+from ebpf_proxy.model import ProxyState
 from ebpf_proxy.model.types import Endpoint, NodeTopology, Protocol, ServicePort, ServicePortName
 
 pytestmark = [pytest.mark.bpf, pytest.mark.root]
@@ -104,3 +105,33 @@ def test_a_batch_error_says_how_many_entries_went_in():
         assert caught.value.errno == errno.E2BIG and caught.value.done == 4
     finally:
         maps.close()
+
+
+@pytest.mark.parametrize("full", [{"epx_backend": 40}, {"epx_slot": 40}, {"epx_svc": 30}])
+def test_a_full_map_refuses_the_same_ports_whether_new_ports_are_written_in_groups_or_one_by_one(full, monkeypatch):
+    """services.NewPorts writes many new ports' entries in one batch per map; when a map fills
+    up, the ports it refuses (and what is left in the maps) are those apply() one port at a
+    time refuses and leaves."""
+    if os.geteuid() != 0:
+        pytest.skip("BPF maps need root")
+    monkeypatch.setattr(services, "GROUP", 6)
+    grouped, single = private_maps(64, 8, sizes=full), private_maps(64, 8, sizes=full)
+    try:
+        desired = state_one()
+        wanted = {svc.name: (svc, eps) for svc, eps in desired.items()}
+        a, b = ServicePrograms(grouped), ServicePrograms(single)
+        state = ProxyState(services={n: svc for n, (svc, _) in wanted.items()},
+                           endpoints={n: eps for n, (_, eps) in wanted.items()})
+        _writes, refused = a.sync_names(state, set(wanted))
+        refused_single = {}
+        for name in services.sorted_names(wanted):
+            try:
+                b.apply(name, b.entries(*wanted[name]))
+            except MapFull as exc:
+                refused_single[name] = exc
+        assert refused and set(refused) == set(refused_single)
+        assert {exc.name for exc in refused.values()} == set(full)
+        assert dump(grouped) == dump(single) and a.current == b.current
+    finally:
+        grouped.close()
+        single.close()

@@ -24,7 +24,7 @@ from collections import Counter
 
 import pytest
 
-from ebpf_proxy.datapath.ebpf import libbpf
+from ebpf_proxy.datapath.ebpf import libbpf, services
 from ebpf_proxy.datapath.ebpf import structs as s
 from ebpf_proxy.datapath.ebpf.adopt import adopt
 from ebpf_proxy.datapath.ebpf.maps import Frontend, Maps, ip_str, port_int, slot_bank
@@ -258,3 +258,52 @@ def test_a_kill_at_any_write_of_a_full_sync_leaves_no_partial_service_and_the_re
           f"{min(restart_writes)}-{max(restart_writes)} writes (a clean sync: {total}), 0 writes to the "
           f"{len(UNTOUCHED)} untouched services")
     assert max(spread) <= 2 * total
+
+
+def fresh(maps: Maps) -> ServicePrograms:
+    """Empty service maps on the test's node, and the ServicePrograms of an agent's first start."""
+    maps.reset()
+    w.install_node(maps)
+    program_node(maps, NODE, node_settings(NODE))
+    return ServicePrograms(maps)
+
+
+def test_a_kill_at_any_write_of_a_first_sync_in_groups_leaves_no_partial_service_and_the_restart_converges(
+        maps, monkeypatch):
+    """An agent's first sync (EbpfDatapath.sync: ServicePrograms.sync_names) writes its new service
+    ports in groups (services.NewPorts: every map's entries of several ports in one batch),
+    small ones here: killed after each of its writes, every frontend in the maps shows its whole
+    new backend set, and a restart (adopt, then sync_names) converges exactly."""
+    desired = state(2)
+    names = set(desired.services)
+    monkeypatch.setattr(services, "GROUP", 4)
+    flushed: list[int] = []
+    flush = services.NewPorts.flush
+    monkeypatch.setattr(services.NewPorts, "flush", lambda group, out: flushed.append(len(group)) or flush(group, out))
+    reference = fresh(maps)
+    total, did_not_fit = reference.sync_names(desired, names)
+    after = views_of(reference)
+    assert not did_not_fit and held_views(maps) == after and len(after) > 20
+    assert sum(flushed) == len(desired.services) and max(flushed) == 4, "every port new, written in groups of 4"
+    monkeypatch.undo()
+    for kill_at in range(total):
+        monkeypatch.setattr(services, "GROUP", 4)
+        programs = fresh(maps)
+        log = WriteLog(monkeypatch, maps, limit=kill_at)
+        with pytest.raises(Killed):
+            programs.sync_names(desired, names)
+        log.limit = None
+        for fe, view in held_views(maps).items():
+            assert view == after.get(fe), f"killed after {kill_at} writes: {fe} shows {view}, wants {after.get(fe)}"
+
+        restarted = ServicePrograms(maps)
+        adopt(restarted, desired)
+        for fe, view in held_views(maps).items():
+            assert view == after.get(fe), f"after adoption (kill at {kill_at}): {fe} shows {view}"
+        restarted.sync_names(desired, names | set(restarted.current))
+        assert held_views(maps) == after, f"killed after {kill_at} writes: the restart did not converge"
+        assert restarted.sync_names(desired, names)[0] == 0
+        wanted_slots = sum(len(e.cluster_slots) + len(e.local_slots) for e in restarted.current.values())
+        assert maps.count("epx_slot") == wanted_slots, f"stray slots after a kill at {kill_at}"
+        assert set(maps.backends()) == {b for e in restarted.current.values() for b in e.backends}
+        monkeypatch.undo()

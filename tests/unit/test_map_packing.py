@@ -63,3 +63,61 @@ def test_backends_hand_their_bytes_over_as_the_batch_of_epx_backend_entries():
     assert dict(packed.items()) == backends and list(packed) == [7, 3] and 3 in packed and 4 not in packed
     assert Backends.of([(7, "10.0.0.1", 8080, True, False), (3, "10.0.0.2", 53, False, True)]) == packed
     assert type(Backends.of([(1, "10.1", 80, True, False)])) is dict, "not canonical: kept as records"
+
+
+@pytest.mark.parametrize("n", [0, 1, 10, 64, 65, 300])
+def test_a_slot_array_s_keys_are_the_lb4_slot_keys_back_to_back(n):
+    from ebpf_proxy.datapath.ebpf.maps import slot_array_keys
+
+    for scope in (s.LB4_SCOPE_CLUSTER, s.LB4_SCOPE_LOCAL):
+        for bank in (0, 1):
+            for svc_id in (1, 70000, (1 << 32) - 1):
+                want = b"".join(bytes(s.LB4SlotKey(svc_id=svc_id, slot=slot, scope=scope, bank=bank))
+                                for slot in range(n))
+                assert slot_array_keys(svc_id, scope, bank, n) == want
+                assert slot_array_keys(svc_id, scope, bank, n) == b"".join(
+                    pack_slot_key(svc_id, scope, slot, bank) for slot in range(n))
+
+
+def test_a_service_packed_from_its_fields_is_the_lb4_service():
+    from ebpf_proxy.datapath.ebpf.maps import pack_service_fields
+
+    mirror = s.LB4Service(id=(1 << 32) - 2, count=65535, local_count=3, affinity_timeout=10800,
+                          flags=s.LB4_F_HAS_ENDPOINTS | s.LB4_F_SLOT_BANK)
+    flags = s.LB4_F_HAS_ENDPOINTS | s.LB4_F_SLOT_BANK
+    assert pack_service_fields((1 << 32) - 2, 65535, 3, 10800, flags) == bytes(mirror)
+
+
+@pytest.mark.parametrize("fe", [Frontend("10.96.0.10", 80), Frontend(None, 30080, socket.IPPROTO_UDP)])
+def test_the_family_s_frontend_key_and_backend_entry_are_their_mirrors_ipv4(fe):
+    from ebpf_proxy.datapath.ebpf.maps import Maps
+
+    assert Maps.frontend_key(fe) == bytes(_frontend_key(fe))
+    be = Backend("100.64.1.2", 8080, in_cluster=False, in_local=True)
+    assert Maps.backend_entry(70000, be) == (bytes(s.u32(70000)), bytes(s.LB4Backend(
+        addr=be32(be.addr), port=be16(be.port), flags=s.LB4_BE_IN_LOCAL)))
+
+
+@pytest.mark.parametrize("fe", [Frontend("fd00:96::a", 80), Frontend(None, 30080, socket.IPPROTO_UDP),
+                                Frontend("2001:db8::ffff:1", 65535, 132)])
+@pytest.mark.parametrize("in_cluster, in_local", [(True, False), (False, True), (True, True)])
+def test_the_family_s_frontend_key_and_backend_entry_are_their_mirrors_ipv6(fe, in_cluster, in_local):
+    from ebpf_proxy.datapath.ebpf.maps import Maps6, _frontend_key6, in6
+
+    assert Maps6.frontend_key(fe) == bytes(_frontend_key6(fe))
+    be = Backend("fd00:64::1:2", 8080, in_cluster=in_cluster, in_local=in_local)
+    flags = (s.LB4_BE_IN_CLUSTER if in_cluster else 0) | (s.LB4_BE_IN_LOCAL if in_local else 0)
+    assert Maps6.backend_entry(9, be) == (bytes(s.u32(9)), bytes(s.LB6Backend(
+        addr=in6(be.addr), port=be16(be.port), flags=flags)))
+
+
+def test_backends_packed_from_address_bytes_are_the_lb4_backends():
+    from ebpf_proxy.datapath.ebpf.maps import Backends
+
+    addrs, ports = ["100.64.1.2", "10.0.0.255", "255.255.255.255"], [8080, 1, 65535]
+    for in_cluster, in_local in (([True] * 3, [False] * 3), ([True, False, True], [False, True, True])):
+        packed = Backends.of_v4([7, 1 << 31, 3], b"".join(map(socket.inet_aton, addrs)), ports, in_cluster, in_local)
+        mirrors = [s.LB4Backend(addr=be32(a), port=be16(p), flags=(s.LB4_BE_IN_CLUSTER if c else 0)
+                                | (s.LB4_BE_IN_LOCAL if loc else 0))
+                   for a, p, c, loc in zip(addrs, ports, in_cluster, in_local)]
+        assert packed._packed == b"".join(bytes(s.u32(i)) for i in (7, 1 << 31, 3)) + b"".join(map(bytes, mirrors))

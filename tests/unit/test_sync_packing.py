@@ -10,7 +10,7 @@ import socket
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ebpf_proxy.datapath.ebpf.maps import Backends, _addresses
+from ebpf_proxy.datapath.ebpf.maps import Backends
 from ebpf_proxy.datapath.ebpf.services import SlotIds, sorted_names, stable_slots
 from ebpf_proxy.model import Protocol, ServicePortName
 
@@ -31,12 +31,6 @@ def test_backends_packed_from_address_bytes_are_what_of_packs(rows, ids):
     assert type(got) is type(want) and got == want
     if isinstance(want, Backends):
         assert got._packed == want._packed, "byte for byte what epx_backend is written"
-
-
-def test_the_address_splitter_gives_each_address_its_bytes():
-    raw = socket.inet_aton("10.0.0.1") + socket.inet_aton("255.0.0.7")
-    assert _addresses(2).unpack(raw) == (socket.inet_aton("10.0.0.1"), socket.inet_aton("255.0.0.7"))
-    assert _addresses(0).unpack(b"") == ()
 
 
 TEXT = st.sampled_from(["", "a", "ab", "a b", "a\0", "a\0b", "b", "A", "é", "default", "kube-system", "x-1", "x-10"])

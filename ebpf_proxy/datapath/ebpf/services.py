@@ -27,7 +27,8 @@ backend replaced while others change) writes the service's whole new slot array 
 bank (epx_slot keys carry a bank, 0 or 1), then switches each frontend to that bank with one
 atomic epx_svc write (LB4_F_SLOT_BANK), then deletes the old bank. Backends are written before
 the slots that name them and deleted after the last frontend stopped reaching them; a new
-service's frontends are written last, a deleted service's first. tests/bpf/test_kill_mid_sync.py
+service's frontends are written last, a deleted service's first (new services in groups, each
+map's entries of many in one batch, every one's order kept: NewPorts). tests/bpf/test_kill_mid_sync.py
 stops the writer after every possible number of writes of a full sync and checks exactly this.
 """
 
@@ -55,6 +56,8 @@ from ebpf_proxy.datapath.ebpf.maps import (
     Maps,
     NodeSettings,
     Service,
+    pack_service_fields,
+    slot_array_keys,
 )
 from ebpf_proxy.model import NodeConfig, ProxyState
 from ebpf_proxy.model.categorize import reachable
@@ -224,16 +227,16 @@ def sorted_names(names: Iterable[ServicePortName]) -> list[ServicePortName]:
     tuple does (NUL is below every other character, so a field that is a prefix of another still
     sorts first), as long as no field holds a NUL itself (else, or for fields that are not text,
     the tuples). Sorting 100,000 names through the Python-level __lt__ was ~3% of a full sync;
-    strings sort in C."""
+    strings sort in C. (With exactly three NULs in each, two names have the same string only
+    when they are equal: the positions sorted by string are the names' order.)"""
     names = list(names)
     try:
         keys = list(map("\0".join, map(_NAME_FIELDS, names)))
     except TypeError:
         return sorted(names)
-    if sum(map(str.count, keys, itertools.repeat("\0"))) != 3 * len(keys) or len(set(keys)) != len(keys):
+    if sum(map(str.count, keys, itertools.repeat("\0"))) != 3 * len(keys):
         return sorted(names)
-    by_key = dict(zip(keys, names))
-    return [by_key[key] for key in sorted(keys)]
+    return [names[i] for i in sorted(range(len(keys)), key=keys.__getitem__)]
 
 
 LOCALHOST = "127.0.0.1"
@@ -320,6 +323,108 @@ def _normalized(cidrs: Iterable[str], family: int = 4) -> frozenset[str]:
     return frozenset(str(n) for n in nets if n.version == family)
 
 
+GROUP = 4096  # new service ports whose writes sync_names sends out together (NewPorts)
+
+
+class NewPorts:
+    """New service ports' writes (none of their entries in the maps yet), gathered over up to
+    GROUP of them and written as one batch per map: their backends, then their slots, then their
+    frontends. Written one service port at a time, a full sync at 100,000 Services x 10
+    endpoints made three syscalls per port (~300,000, and the Python around each): sync_names
+    took 4.0 s of CPU there, 2.9 s in groups (1.0 s of it the kernel's 2.1 million updates;
+    bench/cpscale.py, 2026-11-26).
+
+    Each map gets the same entries in the same order as apply() one port at a time would write
+    them; only the interleaving of the maps changes, and not within a port: every port's backends
+    still go before its slots, its slots before its frontends (the module docstring's order), so
+    a writer stopped anywhere leaves each of them in a state its own single writes pass through
+    (tests/bpf/test_kill_mid_sync.py kills this path at every write too). A port is remembered
+    (`current`) only once its frontends are in. A full map (MapFull), or any other error, in a
+    group's batch: the group is written again one port at a time by apply() (what went in is
+    rewritten with the same bytes), so which ports did not fit, or which one raises, is decided
+    exactly as single writes decide it. (An error that stays raises at the first port: what
+    the batch wrote of the ports after it stays in the maps unclaimed until a restart's adopt
+    removes it, as a port's own half-written entries would.)"""
+
+    def __init__(self, programs: "ServicePrograms") -> None:
+        self._programs = programs
+        self._reset()
+
+    def _reset(self) -> None:
+        self._ports: list[tuple[ServicePortName, ServiceEntries]] = []
+        self._writes = 0
+        self._backend_keys: list[bytes] = []
+        self._backend_values: list[bytes] = []
+        self._slot_keys: list[bytes] = []
+        self._slot_values: list[bytes] = []
+        self._frontend_keys: list[bytes] = []
+        self._frontend_values: list[bytes] = []
+        self._frontend_count = self._backend_count = 0
+
+    def __len__(self) -> int:
+        return len(self._ports)
+
+    def take(self, name: ServicePortName, new: ServiceEntries) -> bool:
+        """Gather the writes of `new`, a service port the maps do not hold; False (nothing taken)
+        when its entries are not in the packed forms this writes (apply() writes those)."""
+        backends, cluster, local = new.backends, new.cluster_slots, new.local_slots
+        if new.source_ranges or not (type(cluster) is SlotIds or not cluster) or \
+                not (type(local) is SlotIds or not local):
+            return False
+        if type(backends) is Backends:  # packed as epx_backend holds them
+            packed = backends.map_entries()
+            keys, values = packed.keys, packed.values
+        else:  # IPv6 (Backends packs IPv4 only), or an address Backends cannot hold exactly
+            entry = self._programs.maps.backend_entry
+            pairs = [entry(bid, be) for bid, be in backends.items()]
+            keys, values = b"".join([k for k, _ in pairs]), b"".join([v for _, v in pairs])
+        self._backend_keys.append(keys)
+        self._backend_values.append(values)
+        svc_id, bank = new.svc_id, new.bank
+        n_cluster, n_local, n_frontends, n_backends = len(cluster), len(local), len(new.frontends), len(backends)
+        if n_cluster:
+            self._slot_keys.append(slot_array_keys(svc_id, s.LB4_SCOPE_CLUSTER, bank, n_cluster))
+            self._slot_values.append(cluster._packed)  # type: ignore[union-attr]
+        if n_local:
+            self._slot_keys.append(slot_array_keys(svc_id, s.LB4_SCOPE_LOCAL, bank, n_local))
+            self._slot_values.append(local._packed)  # type: ignore[union-attr]
+        key, bank_flag = self._programs.maps.frontend_key, s.LB4_F_SLOT_BANK if bank else 0
+        for fe, flags in new.frontends.items():  # new.service(flags), packed without the record
+            self._frontend_keys.append(key(fe))
+            self._frontend_values.append(pack_service_fields(
+                svc_id, n_cluster, n_local, new.affinity_timeout, (flags & ~s.LB4_F_SLOT_BANK) | bank_flag))
+        self._writes += n_backends + n_cluster + n_local + n_frontends
+        self._frontend_count += n_frontends
+        self._backend_count += n_backends
+        self._ports.append((name, new))
+        return True
+
+    def flush(self, did_not_fit: dict[ServicePortName, MapFull]) -> int:
+        """Write what was gathered; returns the map writes made. A port a full map refused goes
+        into `did_not_fit`, as in sync_names."""
+        ports, writes, counts = self._ports, self._writes, (self._frontend_count, self._backend_count)
+        if not ports:
+            return 0
+        batches = (("epx_backend", self._backend_keys, self._backend_values),
+                   ("epx_slot", self._slot_keys, self._slot_values),
+                   ("epx_svc", self._frontend_keys, self._frontend_values))
+        self._reset()  # empty again, whatever happens below
+        programs, m = self._programs, self._programs.maps
+        try:
+            for role, keys, values in batches:
+                m.put_entries(role, b"".join(keys), b"".join(values))
+        except OSError:  # MapFull among them: one port at a time decides which ports failed, and how
+            writes = 0
+            for name, new in ports:
+                try:
+                    writes += programs.apply(name, new)
+                except MapFull as exc:
+                    did_not_fit[name] = exc
+            return writes
+        programs.remember_new(ports, *counts)
+        return writes
+
+
 class ServicePrograms:
     """Keeps the maps equal to the desired service ports, one service port at a time."""
 
@@ -357,10 +462,14 @@ class ServicePrograms:
                 topology: NodeTopology = NodeTopology()) -> ServiceEntries | None:
         """The map entries for `svc` seen from this node (`topology`: its name and zone, for the
         endpoints' hints), or None when it is not programmed (headless, another family)."""
+        return self._entries(svc, endpoints, topology, self.current.get(svc.name))
+
+    def _entries(self, svc: ServicePort, endpoints: Sequence[Endpoint], topology: NodeTopology,
+                 old: ServiceEntries | None) -> ServiceEntries | None:
+        """entries(), given what `svc` has now (sync_names looks it up once for both its uses)."""
         if not self.serves(svc):
             return None
         family = self.family
-        old = self.current.get(svc.name)
         # categorize's sets as columns over all_reachable: the model's choice, read from the
         # packed endpoints without an Endpoint value each in the common case (building them,
         # categorizing them and packing them again as backends were ~30% of a 100,000-Service
@@ -384,7 +493,7 @@ class ServicePrograms:
         base |= s.LB4_F_ITP_LOCAL if svc.internal_policy_local else 0
         proto = IPPROTO[svc.protocol]  # a str enum: its own text as the key (.value is a Python property)
         clusterip = Frontend(svc.cluster_ip, svc.port, proto)
-        ranges = frozenset(svc.load_balancer_source_ranges)
+        ranges = frozenset(svc.load_balancer_source_ranges) if svc.load_balancer_source_ranges else _NO_RANGES
         if ranges and svc.lb_ips_admitted_as_source(self.node_ips):
             ranges |= {f"{ip}/{32 if ip_family(ip) == 4 else 128}" for ip in svc.load_balancer_ips}
         frontends: Mapping[Frontend, int]
@@ -434,15 +543,20 @@ class ServicePrograms:
         if old is new or (old is not None and old == new):
             return 0
         writes = self._write(old, new)
+        self.remember(name, old, new)
+        return writes
+
+    def remember(self, name: ServicePortName, old: ServiceEntries | None, new: ServiceEntries | None) -> None:
+        """`name` went from `old` to `new` in the maps: what `current` and the counts say."""
         self._count(old, new)
         if new:
             self.current[name] = new
-            self._deleted_udp.pop(name, None)
+            if self._deleted_udp:
+                self._deleted_udp.pop(name, None)
         else:
             del self.current[name]
             if name.protocol is Protocol.UDP:
                 self._deleted_udp[name] = tuple(old.frontends)  # type: ignore[union-attr]
-        return writes
 
     def sync_names(self, state: ProxyState, names: Iterable[ServicePortName],
                    progress: Callable[[float], None] | None = None,
@@ -450,20 +564,42 @@ class ServicePrograms:
         """Bring each of `names` to what `state` wants (absent: deleted), in name order, so a sync
         writes in the same order every time. Returns the map writes made, and the service ports a
         full map refused (the others are still written: a deletion later may free room).
-        `progress` hears the fraction done every `every` service ports."""
+        `progress` hears the fraction done every `every` service ports. New service ports' writes
+        go out GROUP at a time (NewPorts); a service port the maps hold already is written after
+        the new ones before it, so every map still sees its writes in name order."""
         ordered = sorted_names(names)
         writes, did_not_fit = 0, {}
-        services, endpoints, topology = state.services, state.endpoints, state.topology
-        for done, name in enumerate(ordered):
-            svc = services.get(name)
-            entries = self.entries(svc, endpoints.get(name, ()), topology) if svc else None
-            try:
-                writes += self.apply(name, entries)
-            except MapFull as exc:
-                did_not_fit[name] = exc
-            if progress is not None and done % every == 0:
-                progress(done / len(ordered))
+        services, endpoints, topology, current = state.services, state.endpoints, state.topology, self.current
+        group = NewPorts(self)
+        try:
+            for done, name in enumerate(ordered):
+                svc, old = services.get(name), current.get(name)
+                entries = self._entries(svc, endpoints.get(name, ()), topology, old) if svc else None
+                if entries is not None and old is None and group.take(name, entries):
+                    if len(group) >= GROUP:
+                        writes += group.flush(did_not_fit)
+                else:
+                    writes += group.flush(did_not_fit)
+                    try:
+                        writes += self.apply(name, entries)
+                    except MapFull as exc:
+                        did_not_fit[name] = exc
+                if progress is not None and done % every == 0:
+                    progress(done / len(ordered))
+            writes += group.flush(did_not_fit)
+        finally:  # an error on the way: what was gathered before it is written, as one by one
+            group.flush(did_not_fit)
         return writes, did_not_fit
+
+    def remember_new(self, ports: list[tuple[ServicePortName, ServiceEntries]], frontends: int, backends: int) -> None:
+        """remember(name, None, new) of each (name, new) of service ports that were not in
+        `current`, whose frontends and backends number `frontends` and `backends` in all."""
+        self.current.update(ports)
+        self.frontend_count += frontends
+        self.backend_count += backends
+        if self._deleted_udp:
+            for name, _ in ports:
+                self._deleted_udp.pop(name, None)
 
     def _count(self, old: ServiceEntries | None, new: ServiceEntries | None) -> None:
         for entries, sign in ((old, -1), (new, 1)):
