@@ -3,9 +3,10 @@
 Lifecycle (`run()`):
 1. resolve the mode (auto → ebpf or iptables, one log line why), open /metrics and /healthz;
 2. list+watch Services, EndpointSlices and this Node (one Reflector thread each);
-3. wait until each collection has been listed once, as kube-proxy waits for its informers: a
+3. once this Node is listed, build the NodeConfig (local interface addresses, see nodeconfig.py)
+   and create the datapath (load its programs) while Services and EndpointSlices still list;
+4. wait until each collection has been listed once, as kube-proxy waits for its informers: a
    first sync from half the state would delete rules for services we have not seen yet;
-4. build the NodeConfig (local interface addresses, see nodeconfig.py), create the datapath;
 5. sync through the BoundedFrequencyRunner until stopped, and audit the kernel against the last
    sync every --audit-period (audit.py);
 6. SIGTERM/SIGINT: stop watching, `close()` the datapath *without* removing it (traffic keeps
@@ -304,8 +305,8 @@ class Agent:
             self.reflectors.append(reflector)
             reflector.start()
 
-    def wait_until_listed(self, poll: float = 0.2) -> bool:
-        """Block until every collection was listed once; False if stopped first.
+    def wait_until_listed(self, poll: float = 0.2, kinds: Collection[str] | None = None) -> bool:
+        """Block until every collection (of `kinds`, if given) was listed once; False if stopped first.
 
         Listed means a LIST that succeeded to its last page (Reflector.synced). A first list is
         handed to the trackers page by page as it arrives (k8s/watch.py); one that fails half
@@ -314,11 +315,12 @@ class Agent:
         has."""
         waiting_since = time.monotonic()
         logged = False
+        reflectors = [r for r in self.reflectors if kinds is None or r.kind in kinds]
         while not self._stop.is_set():
-            if all(r.synced.is_set() for r in self.reflectors):
+            if all(r.synced.is_set() for r in reflectors):
                 return True
             if not logged and time.monotonic() - waiting_since > 5:
-                pending = [r.kind for r in self.reflectors if not r.synced.is_set()]
+                pending = [r.kind for r in reflectors if not r.synced.is_set()]
                 log.info("waiting for the first list of %s", ", ".join(pending), extra={"pending": ",".join(pending)})
                 logged = True
             self._stop.wait(poll)
@@ -532,10 +534,15 @@ class Agent:
             self.resolve_mode()
             self.start_servers()
             self.start_watches()
-            if not self.wait_until_listed():  # stopped before the API answered
+            # the datapath needs the Node alone (its families and addresses): its programs load
+            # while the Services and EndpointSlices still list (seconds at 100,000 Services)
+            if not self.wait_until_listed(kinds=("Node",)):  # stopped before the API answered
                 self.shutdown()
                 return EXIT_OK
             self.prepare_datapath()
+            if not self.wait_until_listed():
+                self.shutdown()
+                return EXIT_OK
         except Exception as exc:
             log.error("cannot start: %s", exc, extra={"mode": self.mode or self.config.mode})
             log.debug("start failure", exc_info=True)

@@ -309,7 +309,10 @@ def test_the_agent_does_not_sync_a_first_list_that_failed_half_way():
         old = ServicePortName("default", "old", "http", Protocol.TCP)
         assert old in agent.tracker.take()[0].services, "the failed attempt's objects reached the tracker"
         agent.tracker.abort()
-        assert not agent.reflectors[0].synced.is_set() and RecordingDatapath.created == [], \
+        # the datapath needs the Node alone: it is created (its programs load) while the
+        # Services still list, and syncs nothing until they have
+        wait_for(lambda: RecordingDatapath.created, "the datapath, once the Node is listed")
+        assert not agent.reflectors[0].synced.is_set() and RecordingDatapath.created[0].syncs == [], \
             "nothing is synced while the Service list has not succeeded"
         gate.set()
         wait_for(lambda: RecordingDatapath.created and RecordingDatapath.created[0].syncs, "the first sync")
