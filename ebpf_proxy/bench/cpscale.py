@@ -14,6 +14,14 @@ inside one process, phase by phase, so that each cost has a number:
 - `sync`: Agent.sync(full=True), the agent's first sync: tracker.take, the datapath, commit,
   health bookkeeping and the heap settle `ebpf-proxy run` does after a full sync.
 
+With `--restart` (ebpf mode) two more phases follow, over the maps the sync filled:
+- `restart`: the first full sync of an agent restarted over pinned maps: the datapath drops its
+  ServicePrograms (what a new process would not have) and syncs again through a fresh one, which
+  takes over what the maps hold (adopt.adopt: the read-back, every port matched, strays removed)
+  before the sync writes the differences (none);
+- `audit`: one drift audit (the agent's DriftAuditor.run_once, every --audit-period): the maps
+  read back and compared with what the last sync wrote; `drifts` must be 0.
+
 The datapath is real up to the kernel boundary. `ebpf`: ServicePrograms writes real BPF maps,
 created for this run and never pinned or attached (they vanish with their fds; nothing in the
 kernel sees a packet through them), in the order EbpfDatapath.sync writes them. `iptables`: the
@@ -228,6 +236,7 @@ class PrivateMapsDatapath(Datapath):
         self.maps = private_maps(capacity, endpoints)
         self._programs = None
         self.map_writes = 0
+        self.last_writes = 0  # of the last sync
 
     def sync(self, state: ProxyState, changes: ChangeSet) -> SyncResult:
         from ebpf_proxy.datapath.ebpf import adopt
@@ -245,6 +254,7 @@ class PrivateMapsDatapath(Datapath):
         full = len(did_not_fit)
         programs.sync_done()
         self.map_writes += writes
+        self.last_writes = writes
         if full:
             raise CpScaleError(f"{full} service port(s) did not fit the maps: capacity too small")
         return SyncResult({"map_writes": writes})
@@ -253,6 +263,28 @@ class PrivateMapsDatapath(Datapath):
         if self._programs is None:
             return {}
         return {"bpf_services": self._programs.frontend_count, "bpf_backends": self._programs.backend_count}
+
+    def forget(self) -> None:
+        """Drop what the syncs wrote (the ServicePrograms), keep the maps: the next sync is a
+        restarted agent's first, which takes over the maps (adopt) as EbpfDatapath's does."""
+        self._programs = None
+
+    def believed(self):
+        """What the maps should hold since the last sync, for the drift audit (audit_ebpf.audit),
+        as EbpfDatapath.believed says it; no devices (none attached). None before the first sync."""
+        import ipaddress
+
+        from ebpf_proxy.datapath.ebpf.datapath import Believed
+        from ebpf_proxy.datapath.ebpf.maps import Maps
+        from ebpf_proxy.datapath.ebpf.services import detector_cidrs, node_addresses, node_settings
+
+        if self._programs is None:
+            return None
+        return Believed(maps=self.maps, services=self._programs.current,
+                        config=Maps.config_of(node_settings(self.node)),
+                        node_addrs=frozenset(node_addresses(self.node)),
+                        pod_cidrs=frozenset(str(ipaddress.ip_network(c, strict=False)) for c in detector_cidrs(self.node)),
+                        devices=None)
 
     def cleanup(self) -> None:
         self.close()
@@ -388,12 +420,16 @@ def make_agent(mode: str, services: int, endpoints: int, page_size: int) -> tupl
 
 
 def run(services: int, endpoints: int = 10, mode: str = "ebpf", trace: bool = False, top: int = 10,
-        page_size: int = PAGE_SIZE, on_phase: Callable[[Phase], None] | None = None) -> Result:
-    """Build an agent, list N Services x E endpoints, sync once; figures per phase."""
+        page_size: int = PAGE_SIZE, on_phase: Callable[[Phase], None] | None = None,
+        restart: bool = False) -> Result:
+    """Build an agent, list N Services x E endpoints, sync once (with `restart`: then sync again
+    as a restarted agent and audit once); figures per phase."""
     if services < 0 or endpoints < 0:
         raise ValueError(f"services={services}, endpoints={endpoints}: must not be negative")
     if mode not in ("ebpf", "iptables", "none"):
         raise ValueError(f"mode: {mode!r} is not one of ebpf, iptables, none")
+    if restart and mode != "ebpf":
+        raise ValueError(f"restart: mode {mode!r} has no maps to take over (only ebpf)")
     if trace:
         tracemalloc.start(1)
     phases: list[Phase] = []
@@ -420,6 +456,8 @@ def run(services: int, endpoints: int = 10, mode: str = "ebpf", trace: bool = Fa
             agent.sync(full=True)
         phases.append(phase)
         _done(phase, on_phase)
+        if restart:
+            phases += restart_and_audit(agent, top, on_phase)
         counts = dict(agent.datapath.stats()) if agent.datapath is not None else {}
         counts["service_ports"] = sum(len(p.tracker.take()[0].services) for p in agent.proxiers.values())
         for p in agent.proxiers.values():
@@ -434,6 +472,23 @@ def run(services: int, endpoints: int = 10, mode: str = "ebpf", trace: bool = Fa
     return Result(services=services, endpoints=endpoints, mode=mode, phases=phases, total_seconds=total,
                   peak_rss_mib=max((p.peak_rss_mib for p in phases), default=0.0),
                   api_server_s=api_s, counts=counts)
+
+
+def restart_and_audit(agent: Any, top: int, on_phase: Callable[[Phase], None] | None) -> list[Phase]:
+    """The `restart` and `audit` phases (see the module's docstring) over `agent`'s synced maps."""
+    datapath = agent.datapath
+    assert isinstance(datapath, PrivateMapsDatapath), "restart: only the ebpf harness datapath has maps"
+    datapath.forget()
+    gc.collect()  # the old ServicePrograms is gone before the restart is measured
+    with measured(Phase("restart"), top) as restarted:
+        agent.sync(full=True)
+        restarted.extra["map_writes"] = datapath.last_writes
+    _done(restarted, on_phase)
+    with measured(Phase("audit"), top) as audited:
+        report = agent.auditor.run_once(repair=False)
+        audited.extra["drifts"] = len(report.drifts)
+    _done(audited, on_phase)
+    return [restarted, audited]
 
 
 def _done(phase: Phase, on_phase: Callable[[Phase], None] | None) -> None:
@@ -461,11 +516,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=10, help="allocation sites listed per phase (--tracemalloc)")
     parser.add_argument("--page-size", type=int, default=PAGE_SIZE)
     parser.add_argument("--json", action="store_true", help="the figures as one JSON object")
+    parser.add_argument("--restart", action="store_true",
+                        help="ebpf: then sync again as an agent restarted over the maps, and audit once")
     args = parser.parse_args(argv)
+    if args.restart and args.mode != "ebpf":
+        parser.error("--restart takes over BPF maps: only with --mode ebpf")
     if args.mode == "ebpf" and os.geteuid() != 0:
         parser.error("--mode ebpf creates BPF maps: run as root, or use --mode iptables / none")
     result = run(args.services, args.endpoints, args.mode, args.tracemalloc, args.top, args.page_size,
-                 on_phase=None if args.json else lambda p: print(format_phase(p), flush=True))
+                 on_phase=None if args.json else lambda p: print(format_phase(p), flush=True), restart=args.restart)
     if args.json:
         print(json.dumps(asdict(result), indent=1))
     else:

@@ -227,3 +227,46 @@ def test_pairs_sorted_group_by_group_are_sorted_as_a_whole():
     assert list(sorted_keys) == sorted(keys)
     assert list(zip(sorted_keys, values)) == sorted(rows)
     assert [list(a) for a in adopt.sorted_pairs(iter(()), "I", group_shift=16)] == [[], []]
+
+
+def test_the_packed_records_answer_what_the_dict_they_replace_answered():
+    rows = [(Frontend("10.96.0.1", 80), Service(7, 2, 1, 0, s.LB4_F_HAS_ENDPOINTS)),
+            (Frontend("fd00::10", 443, socket.IPPROTO_UDP), Service(3, 1)),
+            (Frontend(None, 30080), Service(7, 2, 1, 0, s.LB4_F_EXTERNAL | s.LB4_F_SLOT_BANK)),
+            (Frontend("192.168.1.5", 30080), Service(7, 2, 1, 0, s.LB4_F_EXTERNAL)),
+            (Frontend("10.96.0.2", 80, socket.IPPROTO_SCTP), Service(1 << 31, 0xFFFF, 0xFFFF, 10800, 0xFF))]
+    records = adopt.Records(random.Random(5).sample(rows, len(rows)))
+    assert dict(records) == dict(rows) and len(records) == len(rows)
+    assert Frontend("10.96.0.1", 81) not in records and Frontend("not an address", 80) not in records
+    assert records.get(Frontend("10.96.0.3", 80)) is None and 42 not in records
+    assert records.owner_of(Frontend(None, 30080)) == 7 and records.owner_of(Frontend("10.96.0.1", 80, 17)) is None
+    snap = adopt.Snapshot(records=records)
+    assert list(snap.frontends) == [3, 7, 1 << 31] and len(snap.frontends) == 3
+    assert snap.frontends[7] == {fe: svc.flags & ~s.LB4_F_SLOT_BANK for fe, svc in rows if svc.id == 7}
+    assert 4 not in snap.frontends and snap.frontends.get(4) is None and "7" not in snap.frontends
+
+
+def test_a_known_frontend_is_given_as_the_object_known():
+    fe = Frontend("10.96.0.1", 80)
+    snap = adopt.read(FakeMaps([(fe, Service(1, 2, 1, flags=s.LB4_F_HAS_ENDPOINTS))], SLOT_ROWS[:-1], BACKEND_ROWS))
+    model_fe = Frontend("".join(["10.96.", "0.1"]), 80)  # equal, another object
+    (held,) = adopt.entries_of(snap, 1, (model_fe,)).frontends
+    assert held == fe and held is model_fe
+    (held,) = adopt.entries_of(snap, 1).frontends
+    assert held == fe and held is not model_fe
+
+
+def test_sparse_backend_ids_answer_as_dense_ones():
+    """Ids far apart (a long-running node's churn) are found by sorted ids, dense ones by a
+    position each: both answer the same."""
+    far = {11: 11, 12: 1 << 20, 21: 3_000_000_000, 22: (1 << 32) - 1, 77: 77}
+    rows = [(far[bid], value) for bid, value in BACKEND_ROWS]
+    want = {far[bid]: be for bid, be in RECORDS.items()}
+    dense, sparse = adopt.BackendTable.of(shuffled(BACKEND_ROWS)), adopt.BackendTable.of(shuffled(rows))
+    for table, records in ((dense, RECORDS), (sparse, want)):
+        assert list(table) == sorted(records) and dict(table.items()) == records and len(table) == 5
+        assert list(table.values()) == [records[bid] for bid in sorted(records)]
+        assert table.max_id() == max(records) and 13 not in table and -1 not in table and "11" not in table
+    assert list(sparse.pick([(1 << 32) - 1, 11, 5])) == [(1 << 32) - 1, 11]
+    assert list(sparse.ids_except([11, 3_000_000_000])) == [77, 1 << 20, (1 << 32) - 1]
+    assert (adopt.BackendTable().max_id(), len(adopt.BackendTable()), list(adopt.BackendTable())) == (0, 0, [])

@@ -5,6 +5,7 @@ never asserted: no timing here)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -48,7 +49,22 @@ def test_tracemalloc_lists_the_top_sites():
     assert all(len(p.top) == 3 and p.traced_mib is not None for p in result.phases)
 
 
+@pytest.mark.root
+@pytest.mark.bpf
+def test_a_restart_takes_the_maps_over_without_writing_and_the_audit_finds_no_drift():
+    if os.geteuid() != 0:
+        pytest.skip("BPF maps need root")
+    result = cpscale.run(150, 3, "ebpf", page_size=50, restart=True)
+    assert [p.name for p in result.phases] == ["start", "list+convert", "prepare", "sync", "restart", "audit"]
+    restart, audit = result.phases[-2:]
+    assert restart.extra["map_writes"] == 0, "every service port adopted as the maps hold it"
+    assert audit.extra["drifts"] == 0
+    assert result.counts["bpf_services"] == 150 and result.counts["bpf_backends"] == 450
+
+
 def test_bad_arguments_name_themselves():
+    with pytest.raises(ValueError, match="restart: mode 'none'"):
+        cpscale.run(1, 1, "none", restart=True)
     with pytest.raises(ValueError, match="mode"):
         cpscale.run(1, 1, "nft")
     with pytest.raises(ValueError, match="services=-1"):

@@ -21,10 +21,12 @@ slots no frontend reads any more deleted as strays. A port the kill did not catc
 from __future__ import annotations
 
 import logging
+import socket
+import struct
 from array import array
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections import Counter, defaultdict
-from collections.abc import ItemsView, Iterable, Iterator, Mapping, ValuesView
+from collections.abc import ItemsView, Iterable, Iterator, Mapping, Sequence, ValuesView
 from dataclasses import dataclass, field, replace
 
 from ebpf_proxy.datapath.ebpf import structs as s
@@ -34,6 +36,7 @@ from ebpf_proxy.model import ProxyState
 
 log = logging.getLogger(__name__)
 
+_NOWHERE = 0xFFFFFFFF  # BackendTable._where: no backend has this id
 _U32_ARRAY = "I"  # array typecode of a backend id, epx_backend's u32 key (as maps.Backends packs them)
 # sorted_pairs' groups: keys that agree above these bits are sorted together. Service and backend
 # ids are handed out densely from 1, so a group is up to 4,096 service ids' slots (~60,000 at 10
@@ -59,6 +62,7 @@ def sorted_pairs(rows: Iterable[tuple[int, int]], key_type: str, group_shift: in
             group = groups[key >> group_shift] = (array(key_type), array("I"))
         group[0].append(key)
         group[1].append(value)
+    # the results grow as the groups are freed, one at a time: both never exist whole at once
     keys, values = array(key_type), array("I")
     for top in sorted(groups):
         group_keys, group_values = groups.pop(top)
@@ -115,8 +119,16 @@ class _Packed(Mapping):
     def __len__(self) -> int:
         return len(self._keys)
 
+    def _packed_keys(self) -> Iterable:
+        """The packed keys, in order."""
+        return self._keys
+
     def __iter__(self) -> Iterator:
-        return map(self._unpack_key, self._keys)
+        return map(self._unpack_key, self._packed_keys())
+
+    def _ordered_values(self) -> Iterator:
+        """The values, in key order."""
+        return map(self._value, range(len(self)))
 
     def items(self) -> ItemsView:
         return _Items(self)
@@ -131,22 +143,32 @@ class _Packed(Mapping):
 class _Items(ItemsView):
     def __iter__(self) -> Iterator:
         table = self._mapping
-        return zip(map(table._unpack_key, table._keys), map(table._value, range(len(table._keys))))
+        return zip(iter(table), table._ordered_values())
 
 
 class _Values(ValuesView):
     def __iter__(self) -> Iterator:
-        return map(self._mapping._value, range(len(self._mapping._keys)))
+        return self._mapping._ordered_values()
 
 
 class SlotTable(_Packed):
-    """epx_slot as read back: (service id, bank, scope, slot) -> backend id."""
+    """epx_slot as read back: (service id, bank, scope, slot) -> backend id.
 
-    __slots__ = ("_values",)
+    A service's slots are numbered 0, 1, ...: their packed keys come in runs of consecutive
+    numbers, held as the run's first key and where its backend ids start (12 bytes a run, two
+    runs a service: cluster and local), not as a key each (8 bytes a slot: ~10 MiB of the
+    read-back's peak at 100,000 Services x 10 endpoints)."""
+
+    __slots__ = ("_starts", "_offsets", "_values")
 
     def __init__(self, rows: Iterable[tuple[int, int]] = ()) -> None:
         """`rows`: (packed key, backend id) pairs, in any order, each key once."""
-        self._keys, self._values = sorted_pairs(rows, "Q", _SLOT_GROUP_SHIFT)
+        keys, self._values = sorted_pairs(rows, "Q", _SLOT_GROUP_SHIFT)
+        # a run ends where the next key is not the next slot of the same (service, bank, scope)
+        breaks = [i for i in range(1, len(keys)) if keys[i] != keys[i - 1] + 1 or not keys[i] & 0xFFFF]
+        firsts = [0, *breaks] if keys else []
+        self._starts = array("Q", [keys[i] for i in firsts])
+        self._offsets = array("I", [*firsts, len(keys)])  # run r: values[offsets[r]:offsets[r + 1]]
 
     @classmethod
     def of(cls, slots: Iterable[tuple[int, int, int, int, int]]) -> "SlotTable":
@@ -165,18 +187,40 @@ class SlotTable(_Packed):
     def _value(self, index: int) -> int:
         return self._values[index]
 
+    def _run_of(self, packed: int) -> tuple[int, int] | None:
+        """(the run holding `packed`, its place in it), None when no run does."""
+        r = bisect_right(self._starts, packed) - 1
+        if r < 0:
+            return None
+        at = packed - self._starts[r]
+        return (r, at) if at < self._offsets[r + 1] - self._offsets[r] else None
+
+    def _index(self, key: object) -> int | None:
+        try:
+            found = self._run_of(self._pack_key(key))
+        except (TypeError, ValueError):
+            return None
+        return None if found is None else self._offsets[found[0]] + found[1]
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def _packed_keys(self) -> Iterator[int]:
+        offsets = self._offsets
+        for r, start in enumerate(self._starts):
+            yield from range(start, start + offsets[r + 1] - offsets[r])
+
     def run(self, svc_id: int, bank: int, scope: int, most: int) -> tuple[int, ...]:
         """The backend ids in slots 0, 1, ... of (svc_id, bank, scope), up to the first missing
-        slot, at most `most`: one search, then the neighbours (the keys are in slot order)."""
-        first, most = self._pack_key((svc_id, bank, scope, 0)), min(most, 1 << 16)  # slot: 16 bits
-        keys, i, out = self._keys, bisect_left(self._keys, first), []
-        while len(out) < most and i < len(keys) and keys[i] == first + len(out):
-            out.append(self._values[i])
-            i += 1
-        return tuple(out)
+        slot, at most `most`: slot 0's run, which is exactly those."""
+        found = self._run_of(self._pack_key((svc_id, bank, scope, 0)))
+        if found is None or most <= 0:
+            return ()
+        first = self._offsets[found[0]]
+        return tuple(self._values[first:min(self._offsets[found[0] + 1], first + most)])
 
     def max_service_id(self) -> int:
-        return self._keys[-1] >> 32 if self._keys else 0
+        return self._starts[-1] >> 32 if self._starts else 0
 
     def max_backend_id(self) -> int:
         return max(self._values, default=0)
@@ -185,33 +229,48 @@ class SlotTable(_Packed):
 class BackendTable(_Packed):
     """epx_backend (epx_backend6 for Maps6) as read back: backend id -> Backend, made on access
     from the raw map value, kept as the map holds it (lb4_backend or lb6_backend: `family`, the
-    Maps' BACKEND_VALUES, says its size and how it reads)."""
+    Maps' BACKEND_VALUES, says its size and how it reads).
 
-    __slots__ = ("_raw", "_family")
+    The values stay in the order the map gave them (`_raw`); where each id's value is comes from
+    a position by id (`_where`, 4 bytes an id from the lowest to the highest) when the ids are
+    dense, as ServicePrograms hands them out, else from the ids sorted with their positions
+    (`_keys`, `_order`: 8 bytes an entry). Sorting them (and reordering the values to match)
+    was ~16 MiB more at the peak of every restart and drift audit at a million IPv4 backends."""
+
+    __slots__ = ("_raw", "_family", "_where", "_base", "_order", "_count")
 
     def __init__(self, family: BackendValues = BACKEND4, ids: Iterable[int] = (), raw: bytes = b"") -> None:
         """`ids` and `raw`: the backend ids, each once, in any order, and their values back to back
-        in the same order."""
-        size, view = family.size, memoryview(raw)
-        keys, order = sorted_pairs(((bid, i) for i, bid in enumerate(ids)), _U32_ARRAY, _BACKEND_GROUP_SHIFT)
-        if len(view) != len(order) * size:
-            raise ValueError(f"epx_backend: {len(view)} bytes of values for {len(order)} ids, "
+        in the same order (`raw` may still be filled while `ids` is iterated: see of()); `raw`
+        is kept, not copied."""
+        size = family.size
+        given = array(_U32_ARRAY, ids)
+        self._count = n = len(given)
+        if len(raw) != n * size:
+            raise ValueError(f"epx_backend: {len(raw)} bytes of values for {n} ids, "
                              f"not {size} bytes each ({family.name})")
-        out = bytearray(len(view))
-        for j, i in enumerate(order):
-            out[j * size:(j + 1) * size] = view[i * size:(i + 1) * size]
-        del order
-        self._keys = keys
-        self._raw, self._family = bytes(out), family
+        self._raw, self._family = raw, family
+        self._keys, self._order, self._where, self._base = array(_U32_ARRAY), array("I"), array("I"), 0
+        low, high = (min(given), max(given)) if n else (0, -1)
+        if high - low + 1 <= 2 * n + 1024:  # dense: a position by id
+            where = array("I", [_NOWHERE]) * (high - low + 1)
+            for pos, bid in enumerate(given):
+                where[bid - low] = pos
+            self._where, self._base = where, low
+        else:
+            self._keys, self._order = sorted_pairs(zip(given, range(n)), _U32_ARRAY, _BACKEND_GROUP_SHIFT)
 
     @classmethod
     def of(cls, rows: Iterable[tuple[int, bytes]], family: BackendValues = BACKEND4) -> "BackendTable":
         """From (backend id, raw value) rows (Maps.backend_rows), streamed into two flat buffers."""
-        ids, raw = array(_U32_ARRAY), bytearray()
-        for bid, value in rows:
-            ids.append(bid)
-            raw += value
-        return cls(family, ids, raw)
+        raw = bytearray()
+
+        def ids() -> Iterator[int]:
+            for bid, value in rows:
+                raw.extend(value)
+                yield bid
+
+        return cls(family, ids(), raw)  # raw is kept as it is: nobody else holds it
 
     def _pack_key(self, key: object) -> int:
         if type(key) is not int or not 0 <= key < 1 << 32:
@@ -221,75 +280,217 @@ class BackendTable(_Packed):
     def _unpack_key(self, packed: int) -> int:
         return packed
 
-    def _raw_at(self, index: int) -> bytes:
-        size = self._family.size
-        return self._raw[index * size:(index + 1) * size]
+    def _index(self, key: object) -> int | None:
+        """Where `key`'s value is in `_raw` (not its rank: see _value)."""
+        try:
+            bid = self._pack_key(key)
+        except TypeError:
+            return None
+        return self._position(bid)
 
-    def _value(self, index: int) -> Backend:
-        return self._family.record(self._raw_at(index))
+    def _position(self, bid: int) -> int | None:
+        if self._where:
+            i = bid - self._base
+            return self._where[i] if 0 <= i < len(self._where) and self._where[i] != _NOWHERE else None
+        keys = self._keys
+        i = bisect_left(keys, bid)
+        return self._order[i] if i < len(keys) and keys[i] == bid else None
+
+    def __len__(self) -> int:
+        return self._count
+
+    def _pairs(self) -> Iterator[tuple[int, int]]:
+        """(id, where its value is), in id order."""
+        if self._where:
+            base = self._base
+            return ((base + i, pos) for i, pos in enumerate(self._where) if pos != _NOWHERE)
+        return zip(self._keys, self._order)
+
+    def _packed_keys(self) -> Iterator[int]:
+        return (bid for bid, _ in self._pairs())
+
+    def _ordered_values(self) -> Iterator[Backend]:
+        return (self._value(pos) for _, pos in self._pairs())
+
+    def _raw_at(self, pos: int) -> bytes:
+        size = self._family.size
+        return self._raw[pos * size:(pos + 1) * size]
+
+    def _value(self, pos: int) -> Backend:
+        return self._family.record(self._raw_at(pos))
 
     def max_id(self) -> int:
+        if self._where:
+            return self._base + len(self._where) - 1  # the highest id given has a position
         return self._keys[-1] if self._keys else 0
 
     def _positions(self, ids: Iterable[int]) -> Iterator[tuple[int, int]]:
-        """(id, its index) of each of `ids` held (the others skipped): the lookups of a whole
-        read-back in one loop, without a Mapping call each."""
-        keys, n = self._keys, len(self._keys)
+        """(id, where its value is) of each of `ids` held (the others skipped)."""
+        position = self._position
         for bid in ids:
-            i = bisect_left(keys, bid)
-            if i < n and keys[i] == bid:
-                yield bid, i
+            pos = position(bid)
+            if pos is not None:
+                yield bid, pos
 
     def pick(self, ids: Iterable[int]) -> Mapping[int, Backend]:
         """The backends of those of `ids` held, in the order given (each id once), as
         ServiceEntries keeps them (IPv4: packed maps.Backends, no record made)."""
         hits = list(self._positions(dict.fromkeys(ids)))
         return self._family.collect(array(_U32_ARRAY, [bid for bid, _ in hits]).tobytes(),
-                                    b"".join(self._raw_at(i) for _, i in hits))
+                                    b"".join(self._raw_at(pos) for _, pos in hits))
 
     def ids_except(self, used: Iterable[int]) -> Iterator[int]:
         """The backend ids, in order, that `used` does not name: marked in a bytearray (a byte an
         entry) rather than collected in sets of a million ints."""
-        seen = bytearray(len(self._keys))
-        for _, i in self._positions(used):
-            seen[i] = 1
-        return (bid for bid, hit in zip(self._keys, seen) if not hit)
+        seen = bytearray(self._count)
+        for _, pos in self._positions(used):
+            seen[pos] = 1
+        return (bid for bid, pos in self._pairs() if not seen[pos])
+
+
+_RECORD_KEY = struct.Struct("!B16sHB")  # a frontend, sortable: address kind (0 node, 4, 6), address, port, proto
+_RECORD_FIELDS = 5  # a Service's fields, each a u32 in Records._values
+_ADDR_KIND = {4: socket.AF_INET, 16: socket.AF_INET6}
+
+
+def _record_key(fe: Frontend) -> bytes:
+    if fe.addr is None:
+        return _RECORD_KEY.pack(0, b"", fe.port, fe.proto)
+    family = socket.AF_INET6 if ":" in fe.addr else socket.AF_INET
+    addr = socket.inet_pton(family, fe.addr)
+    return _RECORD_KEY.pack(len(addr), addr, fe.port, fe.proto)
+
+
+def _record_frontend(key: bytes) -> Frontend:
+    size, addr, port, proto = _RECORD_KEY.unpack(key)
+    return Frontend(socket.inet_ntop(_ADDR_KIND[size], addr[:size]) if size else None, port, proto)
+
+
+class _KeyRows(Sequence):
+    """Records' packed keys as a sequence of bytes, for bisect."""
+
+    __slots__ = ("_blob",)
+
+    def __init__(self, blob: bytes) -> None:
+        self._blob = blob
+
+    def __len__(self) -> int:
+        return len(self._blob) // _RECORD_KEY.size
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self._blob[i * _RECORD_KEY.size:(i + 1) * _RECORD_KEY.size]
+
+    def __iter__(self) -> Iterator[bytes]:
+        size = _RECORD_KEY.size
+        return (self._blob[i:i + size] for i in range(0, len(self._blob), size))
+
+
+class Records(_Packed):
+    """epx_svc (epx_svc6) as read back: frontend -> Service, packed: the frontends as sorted
+    20-byte keys, the records as five u32s each, and (service id, index) pairs sorted by id for a
+    service id's frontends. A dict of Frontend and Service objects (with a tuple of frontends
+    by service id) took ~35 MiB at 100,000 Services, at the peak of every restart and drift
+    audit; this ~4 MiB. Frontends and Services are made on access."""
+
+    __slots__ = ("_values", "_owners", "_ids")
+
+    def __init__(self, rows: Iterable[tuple[Frontend, Service]] = ()) -> None:
+        keys: list[bytes] = []
+        values = array("I")
+        for fe, svc in rows:
+            keys.append(_record_key(fe))
+            values.extend((svc.id, svc.count, svc.local_count, svc.affinity_timeout, svc.flags))
+        order = sorted(range(len(keys)), key=keys.__getitem__)
+        self._keys = _KeyRows(b"".join(keys[i] for i in order))
+        del keys
+        f = _RECORD_FIELDS
+        self._values = array("I")
+        for i in order:
+            self._values.extend(values[i * f:(i + 1) * f])
+        del values, order
+        ids = self._values[::f]
+        self._owners = array("Q", sorted(svc_id << 32 | i for i, svc_id in enumerate(ids)))
+        self._ids = len(set(ids))  # how many service ids
+
+    def _pack_key(self, fe: object) -> bytes:
+        if not isinstance(fe, Frontend):
+            raise TypeError(fe)
+        try:
+            return _record_key(fe)
+        except (OSError, struct.error) as exc:  # not an address, a port beyond 16 bits
+            raise ValueError(fe) from exc
+
+    def _unpack_key(self, packed: bytes) -> Frontend:
+        return _record_frontend(packed)
+
+    def _value(self, i: int) -> Service:
+        f = _RECORD_FIELDS
+        return Service(*self._values[i * f:(i + 1) * f])
+
+    def owner_of(self, fe: Frontend) -> int | None:
+        i = self._index(fe)
+        return None if i is None else self._values[i * _RECORD_FIELDS]
+
+    def of_service(self, svc_id: int) -> Iterator[tuple[Frontend, Service]]:
+        """The frontends (in key order) leading to `svc_id`, with their records."""
+        owners = self._owners
+        j = bisect_left(owners, svc_id << 32)
+        while j < len(owners) and owners[j] >> 32 == svc_id:
+            i = owners[j] & 0xFFFFFFFF
+            yield _record_frontend(self._keys[i]), self._value(i)
+            j += 1
+
+    def service_ids(self) -> Iterator[int]:
+        """Every service id a frontend leads to, each once, in order."""
+        last = None
+        for packed in self._owners:
+            if packed >> 32 != last:
+                last = packed >> 32
+                yield last
+
+    def has_service(self, svc_id: int) -> bool:
+        j = bisect_left(self._owners, svc_id << 32)
+        return j < len(self._owners) and self._owners[j] >> 32 == svc_id
+
+    def service_count(self) -> int:
+        return self._ids
 
 
 class _Frontends(Mapping):
     """Snapshot.frontends: service id -> {frontend: its flags, the slot bank left out (that is
     ServiceEntries.bank)}, each made on access from the records."""
 
-    __slots__ = ("_snap",)
+    __slots__ = ("_records",)
 
-    def __init__(self, snap: "Snapshot") -> None:
-        self._snap = snap
+    def __init__(self, records: Records) -> None:
+        self._records = records
 
     def __getitem__(self, svc_id: int) -> dict[Frontend, int]:
-        records = self._snap.records
-        return {fe: records[fe].flags & ~s.LB4_F_SLOT_BANK for fe in self._snap.by_id[svc_id]}
+        found = {fe: rec.flags & ~s.LB4_F_SLOT_BANK for fe, rec in self._records.of_service(svc_id)}
+        if not found:
+            raise KeyError(svc_id)
+        return found
 
     def __contains__(self, svc_id: object) -> bool:
-        return svc_id in self._snap.by_id
+        return type(svc_id) is int and 0 <= svc_id < 1 << 32 and self._records.has_service(svc_id)
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self._snap.by_id)
+        return self._records.service_ids()
 
     def __len__(self) -> int:
-        return len(self._snap.by_id)
+        return self._records.service_count()
 
 
 @dataclass
 class Snapshot:
     """The service maps as read back: by service id.
 
-    Each frontend's record is held once (`records`); which frontends a service id has is a tuple
-    (most have one), and the flags by frontend (`frontends`) and a frontend's service id
-    (`owner_of`) are read from the records: with a dict of flags and an owner entry each, this
-    took ~59 MiB at 100,000 Services (now ~37), at every restart and drift audit."""
+    Each frontend's record is held once, packed (`records`, see Records); the flags by frontend
+    (`frontends`) and a frontend's service id (`owner_of`) are read from the records."""
 
-    records: dict[Frontend, Service] = field(default_factory=dict)  # frontend -> its epx_svc entry
-    by_id: dict[int, tuple[Frontend, ...]] = field(default_factory=dict)  # service id -> its frontends
+    records: Records = field(default_factory=Records)  # frontend -> its epx_svc entry
     slots: SlotTable = field(default_factory=SlotTable)  # (id, bank, scope, slot) -> backend id
     backends: BackendTable = field(default_factory=BackendTable)
     ranges: dict[int, set[str]] = field(default_factory=lambda: defaultdict(set))
@@ -299,20 +500,16 @@ class Snapshot:
     @property
     def frontends(self) -> Mapping[int, dict[Frontend, int]]:
         """service id -> {frontend: flags without the slot bank}."""
-        return _Frontends(self)
+        return _Frontends(self.records)
 
     def owner_of(self, fe: Frontend) -> int | None:
         """The service id frontend `fe` leads to, None if the maps do not hold it."""
-        record = self.records.get(fe)
-        return None if record is None else record.id
+        return self.records.owner_of(fe)
 
 
 def read(maps: Maps) -> Snapshot:
     snap = Snapshot()
-    by_id = snap.by_id
-    for fe, svc in maps.services():
-        snap.records[fe] = svc
-        by_id[svc.id] = by_id.get(svc.id, ()) + (fe,)
+    snap.records = Records(maps.services())
     snap.slots = SlotTable.of(maps.slots())
     snap.backends = BackendTable.of(maps.backend_rows(), maps.BACKEND_VALUES)
     for svc_id, cidr in maps.source_ranges():
@@ -323,6 +520,12 @@ def read(maps: Maps) -> Snapshot:
         max_svc_id, max_backend_id = max(max_svc_id, svc_id), max(max_backend_id, backend_id)
     snap.max_svc_id, snap.max_backend_id = max_svc_id, max_backend_id
     return snap
+
+
+# The source ranges of a service port without any, shared: a frozenset() each was ~20 MiB at
+# 100,000 Services, kept in ServicePrograms.current by a restart (Python makes a new empty one
+# each call)
+_NO_RANGES: frozenset[str] = frozenset()
 
 
 # Marks, in ServiceEntries.frontends, a frontend whose epx_svc record differs from its service's
@@ -336,7 +539,7 @@ UNSETTLED = 1 << 31
 SERVICE_WIDE = s.LB4_F_ETP_LOCAL | s.LB4_F_ITP_LOCAL | s.LB4_F_HAS_ENDPOINTS
 
 
-def entries_of(snap: Snapshot, svc_id: int) -> ServiceEntries:
+def entries_of(snap: Snapshot, svc_id: int, known: Iterable[Frontend] = ()) -> ServiceEntries:
     """What service `svc_id` holds in the maps, as ServiceEntries.
 
     Its frontends normally hold one record (bank, counts, affinity, service-wide flags). A sync
@@ -344,10 +547,16 @@ def entries_of(snap: Snapshot, svc_id: int) -> ServiceEntries:
     frontends hold (on a tie, the one with more slots) is taken as the service's, with that bank's
     slots 0..n-1 (no holes, no more than the record counts). Frontends that hold another record
     are marked UNSETTLED, with the flags they should have in the version taken (their own kind
-    bits, the service-wide bits of that version)."""
-    fronts = snap.frontends.get(svc_id) or {}
+    bits, the service-wide bits of that version).
+
+    Frontends equal to one of `known` are given as that object (the model's, whose address text
+    the model holds anyway): a restart keeps them in ServicePrograms.current, where a frontend
+    made from the maps with its own address text each was ~12 MiB at 100,000 Services."""
+    given = {fe: fe for fe in known}
+    records = {given.get(fe, fe): rec for fe, rec in snap.records.of_service(svc_id)}
+    fronts = {fe: rec.flags & ~s.LB4_F_SLOT_BANK for fe, rec in records.items()}
     versions = Counter((r.count, r.local_count, r.affinity_timeout, r.flags & (SERVICE_WIDE | s.LB4_F_SLOT_BANK))
-                       for r in (snap.records[fe] for fe in fronts))
+                       for r in records.values())
     if versions:
         count, local_count, affinity, flags = max(versions, key=lambda v: (versions[v], v))
     else:  # slots without a frontend: take them all
@@ -362,10 +571,10 @@ def entries_of(snap: Snapshot, svc_id: int) -> ServiceEntries:
         backends=snap.backends.pick((*cluster, *local)),
         cluster_slots=cluster,
         local_slots=local,
-        source_ranges=frozenset(snap.ranges.get(svc_id, ())),
+        source_ranges=frozenset(snap.ranges[svc_id]) if svc_id in snap.ranges else _NO_RANGES,
         bank=bank,
     )
-    unsettled = {fe: own | UNSETTLED for fe, own in entries.frontends.items() if snap.records[fe] != entries.service(own)}
+    unsettled = {fe: own | UNSETTLED for fe, own in entries.frontends.items() if records[fe] != entries.service(own)}
     if unsettled:  # ServiceEntries.frontends is read-only: a new one, in the same order
         entries = replace(entries, frontends={**dict(entries.frontends.items()), **unsettled})
     return entries
@@ -394,10 +603,11 @@ def adopt(programs: ServicePrograms, state: ProxyState) -> int:
         svc = services[name]
         if not programs.serves(svc):  # not in this family's maps (programs.maps: Maps or Maps6)
             continue
-        svc_id = snap.owner_of(Frontend(svc.cluster_ip, svc.port, IPPROTO[svc.protocol.value]))
+        fe = Frontend(svc.cluster_ip, svc.port, IPPROTO[svc.protocol.value])
+        svc_id = snap.owner_of(fe)
         if svc_id is None or svc_id in claimed:
             continue
-        claimed[svc_id] = entries_of(snap, svc_id)
+        claimed[svc_id] = entries_of(snap, svc_id, (fe,))
         programs.take_over(name, claimed[svc_id])
         settled = settle(programs, name, claimed[svc_id])
         if settled:
