@@ -33,7 +33,7 @@ from typing import Any
 from ebpf_proxy.k8s import invalid as inv
 from ebpf_proxy.k8s.invalid import Invalid, Reporter
 from ebpf_proxy.model import ipsloppy
-from ebpf_proxy.model.endpoints import PortlessEndpoints
+from ebpf_proxy.model.endpoints import PortlessEndpoints, extra_index
 from ebpf_proxy.model import (
     DEFAULT_AFFINITY_TIMEOUT_SECONDS,
     Endpoint,
@@ -596,18 +596,69 @@ def _plain_ipv4_slice(obj: dict, ref: ObjectRef, node_name: str) -> SliceEndpoin
     ports = _plain_ports(obj.get("ports"), node_ports=False)
     if type(service) is not str or not is_dns_label(service) or ports is None:
         return None
-    rows = []
-    for ep in endpoints or ():
-        row = _plain_ipv4_endpoint(ep, node_name)
-        if row is None or ep.get("hints") is not None:
-            return None
-        rows.append(row + _NO_HINTS)
-    packed = PortlessEndpoints(rows, plain_ipv4=True)
+    packed = _plain_ipv4_rows(endpoints or (), node_name)
+    if packed is None:
+        return None
     by_port = {ServicePortName(ref.namespace, service, name, protocol): packed.with_port(number)
                for name, protocol, number, _ in ports}
     trigger = annotations.get(TRIGGER_TIME_ANNOTATION) if annotations else None
     return SliceEndpoints(namespace=ref.namespace, name=ref.name, service=service, endpoints=by_port,  # type: ignore[arg-type]
                           trigger_time=_trigger_time(trigger, ref), family=4)
+
+
+# (this node, nodeName, ready, serving, terminating) as an endpoint gives them -> the index of
+# its fields but IP and port (model.endpoints.extra_index): a handful of nodes x conditions,
+# looked up a million times at 100,000 Services x 10 endpoints
+_plain_extras: dict[tuple, int] = {}
+
+
+def _plain_ipv4_rows(endpoints: list, node_name: str) -> PortlessEndpoints | None:
+    """The endpoints of a plain IPv4 slice packed as _plain_ipv4_endpoint reads each one (every
+    field exactly of its JSON type, the first address a canonical dotted quad, no hints), in one
+    loop without a tuple per endpoint: their fields are looked up by (nodeName, conditions) in
+    _plain_extras. None when one of them is not plain (the checked path then decides)."""
+    ips: list[str] = []
+    v4: list[bytes] = []
+    extras: list[int] = []
+    pton, af_inet, known = socket.inet_pton, socket.AF_INET, _plain_extras
+    for ep in endpoints:
+        if type(ep) is not dict:
+            return None
+        addresses, conditions, node = ep.get("addresses"), ep.get("conditions"), ep.get("nodeName")
+        if type(addresses) is not list or not addresses or ep.get("hints") is not None:
+            return None
+        ip = addresses[0]
+        if type(ip) is not str:
+            return None
+        try:  # is_dotted_quad (model.types), inline: canonical, as str(ipaddress) gives it back
+            v4.append(pton(af_inet, ip))
+        except (OSError, ValueError):
+            return None
+        if conditions is None:
+            ready = serving = terminating = None
+        elif type(conditions) is dict:
+            ready, serving, terminating = conditions.get("ready"), conditions.get("serving"), conditions.get("terminating")
+            # exactly true, false or null: 1 == True, so the key's lookup alone would not tell
+            if (ready is not None and ready is not True and ready is not False) \
+                    or (serving is not None and serving is not True and serving is not False) \
+                    or (terminating is not None and terminating is not True and terminating is not False):
+                return None
+        else:
+            return None
+        if node is not None and type(node) is not str:
+            return None
+        key = (node_name, node, ready, serving, terminating)
+        index = known.get(key)
+        if index is None:
+            row = _plain_ipv4_endpoint({"addresses": ["0.0.0.0"], "conditions": conditions, "nodeName": node}, node_name)
+            if row is None:  # pragma: no cover - the checks above are _plain_ipv4_endpoint's
+                return None
+            if len(known) > 4096:  # nodes and conditions are few; bound it anyway
+                known.clear()
+            index = known[key] = extra_index(row[1:] + _NO_HINTS)
+        ips.append(ip)
+        extras.append(index)
+    return PortlessEndpoints.packed_ipv4(ips, b"".join(v4), extras)
 
 
 def _slice_ports(ports: list, ref: ObjectRef, reporter: Reporter | None) -> list[tuple[str, Protocol, int]]:

@@ -44,10 +44,12 @@ _extras_lock = threading.Lock()
 
 
 def _extra(ep: Endpoint) -> int:
-    return _extra_index((ep.node_name, ep.ready, ep.serving, ep.terminating, ep.is_local, ep.zone_hints, ep.node_hints))
+    return extra_index((ep.node_name, ep.ready, ep.serving, ep.terminating, ep.is_local, ep.zone_hints, ep.node_hints))
 
 
-def _extra_index(key: _Extra) -> int:
+def extra_index(key: _Extra) -> int:
+    """The index of `key` (an endpoint's fields but its IP and port, as _Extra orders them) in
+    the process-wide table, added on first sight."""
     index = _extras_index.get(key)
     if index is None:
         with _extras_lock:
@@ -274,27 +276,46 @@ class PortlessEndpoints:
     change tracker's merge of a Service's lone slice takes it as it is instead of unpacking and
     sorting it again (issue 12: a first list at 100,000 Services).
 
-    `plain_ipv4=True` is the caller's word that every row fits the packed form and every IP is a
-    dotted quad inet_ntoa gives back as it is (k8s/convert.py's plain IPv4 slice, which checked
-    them): they are packed without checking them again."""
+    `packed_ipv4` builds it from rows the caller has already packed and checked (k8s/convert.py's
+    plain IPv4 slice), without a tuple per row."""
 
     __slots__ = ("_rows", "_head", "_extras", "_merged")
 
-    def __init__(self, rows: Iterable[tuple], *, plain_ipv4: bool = False) -> None:
+    def __init__(self, rows: Iterable[tuple]) -> None:
+        self._rows: tuple[tuple, ...] | None
         self._rows = rows = tuple(rows)
         self._head: bytes | None = None
         self._extras: list[int] = []
         self._merged = False
-        if rows and (plain_ipv4 or all(map(_packable_row, rows))):
-            self._extras = [_extra_index(row[1:]) for row in rows]
+        if rows and all(map(_packable_row, rows)):
+            self._extras = [extra_index(row[1:]) for row in rows]
             ips = [row[0] for row in rows]
-            self._head = b"\0" + b"".join(map(socket.inet_aton, ips)) if plain_ipv4 else _ip_head(ips)
+            self._head = _ip_head(ips)
             self._merged = all(map(str.__lt__, ips, islice(ips, 1, None)))
+
+    @classmethod
+    def packed_ipv4(cls, ips: Sequence[str], v4: bytes, extras: list[int]) -> "PortlessEndpoints":
+        """The rows already packed (k8s/convert.py's plain IPv4 slice, a million endpoints at
+        100,000 Services): `ips` canonical dotted quads, `v4` their 4 bytes each in order (as
+        inet_pton gives them), `extras` each row's index of its other fields (`extra_index`).
+        The same value as PortlessEndpoints of the rows, without building a tuple per row."""
+        self = cls.__new__(cls)
+        self._rows, self._extras, self._merged, self._head = (None if ips else ()), extras, False, None
+        if ips:
+            self._head = b"\0" + v4
+            self._merged = all(map(str.__lt__, ips, islice(ips, 1, None)))
+        return self
+
+    def _row_tuples(self) -> tuple[tuple, ...]:
+        if self._rows is None:  # packed_ipv4: the rows from the packed form
+            extras = _extras
+            self._rows = tuple((ip, *extras[i]) for ip, i in zip(v4_texts(self._head[1:]), self._extras))  # type: ignore[index]
+        return self._rows
 
     def with_port(self, port: int) -> EndpointList | tuple[Endpoint, ...]:
         if self._head is None or type(port) is not int or not 0 <= port < 1 << 16:
             return tuple(Endpoint(ip, port, node, ready, serving, terminating, is_local, zones, nodes)
-                         for ip, node, ready, serving, terminating, is_local, zones, nodes in self._rows)
+                         for ip, node, ready, serving, terminating, is_local, zones, nodes in self._row_tuples())
         packed = self._head + b"".join(map(_ROW.pack, repeat(port), self._extras))
         return MergedEndpoints(packed) if self._merged else EndpointList(packed)
 

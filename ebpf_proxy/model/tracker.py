@@ -27,8 +27,8 @@ from itertools import chain
 from types import MappingProxyType
 from typing import Any, Iterable, Mapping, Sequence
 
-from ebpf_proxy.model.compact import compact_mapping
-from ebpf_proxy.model.endpoints import merge
+from ebpf_proxy.model.compact import OneEntry, compact_mapping
+from ebpf_proxy.model.endpoints import MergedEndpoints, merge
 from ebpf_proxy.model.types import (
     ChangeSet,
     Endpoint,
@@ -351,6 +351,11 @@ def _named_as(known: Iterable[ServicePortName], by_port: Mapping[ServicePortName
     ServicePort value renamed to match), so that a Service's ports and its slices' endpoints share
     one name object, and the slice's copy of the Service's name goes (~120 bytes a Service: ~12
     MiB at 100,000, bench/cpscale.py). Equal names, equal values: nothing else changes."""
+    if type(known) is OneEntry and type(by_port) is OneEntry:  # one port each (most Services): no dicts
+        ((same, _),), ((spn, value),) = known.items(), by_port.items()
+        if same is spn or same != spn:
+            return by_port
+        return OneEntry(same, replace(value, name=same) if isinstance(value, ServicePort) else value)
     names = {spn: spn for spn in known}
     if not names or all(names.get(spn, spn) is spn for spn in by_port):
         return by_port
@@ -385,6 +390,10 @@ def _merge_endpoints(parts: Iterable[EndpointsByPort]) -> Mapping[ServicePortNam
     (model.endpoints.merge: a MergedEndpoints, a Sequence of Endpoint equal to the sorted tuple;
     the first source wins a duplicate, except that a local copy is preferred). Ports left
     without an endpoint are left out."""
+    if type(parts) is list and len(parts) == 1 and all(type(eps) is MergedEndpoints for eps in parts[0].values()):
+        # a slice's own endpoints, already merged (k8s/convert.py packs them so): merge() would
+        # give each list back as it is
+        return compact_mapping({spn: eps for spn, eps in parts[0].items() if eps})
     by_port: dict[ServicePortName, list[Sequence[Endpoint]]] = {}
     for part in parts:
         for spn, eps in part.items():

@@ -6,6 +6,7 @@ rows already in merged order are packed as the MergedEndpoints the tracker's mer
 from __future__ import annotations
 
 import copy
+import socket
 
 import pytest
 from hypothesis import given, settings
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 
 from ebpf_proxy.bench.cpscale import service_object, slice_object
 from ebpf_proxy.k8s import convert
-from ebpf_proxy.model.endpoints import EndpointList, MergedEndpoints, PortlessEndpoints, merge
+from ebpf_proxy.model.endpoints import EndpointList, MergedEndpoints, PortlessEndpoints, extra_index, merge
 from tests.unit.kobjects import endpoint, endpoint_slice, port, service
 from tests.unit.test_convert_fastpath import ENDPOINT
 
@@ -193,6 +194,7 @@ def test_rows_packed_as_merged_are_what_merge_makes_of_them(rows, port_number):
         else:  # out of order or an address twice: merging reorders or drops rows
             assert type(again) is MergedEndpoints and again._packed != packed._packed
     plain = [r for r in rows if "." in r[0] and r[0] != "10.1"]  # canonical dotted quads
-    trusted = PortlessEndpoints(plain, plain_ipv4=True).with_port(port_number)
+    trusted = PortlessEndpoints.packed_ipv4([r[0] for r in plain], b"".join(socket.inet_aton(r[0]) for r in plain),
+                                            [extra_index(r[1:]) for r in plain]).with_port(port_number)
     assert trusted == PortlessEndpoints(plain).with_port(port_number) and \
         type(trusted) is type(PortlessEndpoints(plain).with_port(port_number))

@@ -69,3 +69,18 @@ def test_trim_gives_freed_pages_below_a_live_block_back():
     assert heap.trim() is True
     assert before - _rss_kib() > 20_000, "most of the ~40 MB freed went back"
     assert pinned[0] == ord("y")
+
+
+def test_what_a_paused_body_built_is_frozen_not_left_for_the_next_collection():
+    gc.collect()
+    gc.unfreeze()
+    before = gc.get_freeze_count()
+    try:
+        with heap.paused():
+            built = [[i] for i in range(10_000)]  # tracked containers, built while paused
+        assert gc.get_freeze_count() >= before + 10_000
+        assert gc.get_count()[0] < 10_000, "the young generation does not hold them"
+        assert gc.isenabled()
+        assert len(built) == 10_000
+    finally:
+        gc.unfreeze()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ebpf_proxy.model import ChangeTracker, Endpoint, NodeState, Protocol, ServicePort, ServicePortName
+from ebpf_proxy.model import tracker as tracker_mod
 
 HTTP = ServicePortName("default", "web", "http", Protocol.TCP)
 DNS = ServicePortName("default", "web", "dns", Protocol.UDP)
@@ -342,3 +343,40 @@ def test_aborted_zone_resync_is_full_again():
     t.commit()
     _, changes = t.take()
     assert not changes.full
+
+
+def _one_port_cases():
+    name = ServicePortName("ns", "web", "http", Protocol.TCP)
+    twin = ServicePortName("ns", "web", "http", Protocol.TCP)  # equal, another object
+    other = ServicePortName("ns", "web", "dns", Protocol.UDP)
+    eps = tracker_mod.merge([(Endpoint("10.0.0.1", 80),)])
+    for key in (name, twin, other):
+        for value in (ServicePort(key, "10.96.0.1", 80, key.protocol), eps):
+            yield name, key, value
+
+
+def test_one_port_renaming_without_dicts_is_the_general_renaming():
+    """_named_as's shortcut for a one-port Service and a one-port slice (OneEntry each) gives what
+    the general path gives for the same entries in dicts: the same keys (the very objects) and values."""
+    from ebpf_proxy.model.compact import OneEntry
+
+    for known, key, value in _one_port_cases():
+        fast = tracker_mod._named_as(OneEntry(known, None), OneEntry(key, value))
+        general = tracker_mod._named_as({known: None}, {key: value})
+        assert type(fast) is OneEntry and fast == general
+        ((got_key, got_value),), ((want_key, want_value),) = fast.items(), list(general.items())
+        assert got_key is want_key and got_value == want_value
+        if hasattr(got_value, "name"):
+            assert got_value.name is want_value.name is got_key
+
+
+def test_a_lone_merged_slice_is_kept_as_the_general_merge_keeps_it():
+    from ebpf_proxy.k8s import convert
+    from ebpf_proxy.bench.cpscale import slice_object
+
+    for obj in (slice_object(3, 10, 5), slice_object(4, 0, 5), slice_object(5, 1, 5)):
+        sl = convert.endpoint_slice(obj, "worker1")
+        fast = tracker_mod._merge_endpoints([sl.endpoints])
+        general = tracker_mod._merge_endpoints(iter([sl.endpoints]))  # not a list: no shortcut
+        assert fast == general and type(fast) is type(general)
+        assert [type(v) for v in fast.values()] == [type(v) for v in general.values()]
