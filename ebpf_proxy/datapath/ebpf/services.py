@@ -578,6 +578,8 @@ class ServicePrograms:
                 if entries is not None and old is None and group.take(name, entries):
                     if len(group) >= GROUP:
                         writes += group.flush(did_not_fit)
+                elif entries is None and old is None:
+                    pass  # not programmed here (another family, headless): nothing to write, the group goes on
                 else:
                     writes += group.flush(did_not_fit)
                     try:
