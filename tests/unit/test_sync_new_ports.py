@@ -141,3 +141,21 @@ def test_a_group_whose_batch_fails_is_written_again_port_by_port_and_all_of_it_r
     _writes, did_not_fit = programs.sync_names(desired, set(desired.services))
     assert failed and not did_not_fit
     assert kernel.maps == reference_kernel.maps and programs.current == reference.current
+
+
+def test_a_name_given_twice_is_synced_once(monkeypatch):
+    """sync_names takes any iterable of names; one given twice must not put its new port into a
+    group twice (two writes of every entry, and frontend/backend counts doubled)."""
+    monkeypatch.setattr(services, "GROUP", 7)
+    once_kernel = DictKernel(monkeypatch)
+    once = ServicePrograms(Maps({name: fd for fd, name in enumerate(s.MAPS, start=100)}), NODE_IPS)
+    desired = state(4, 0)
+    names = sorted(desired.services)
+    once_writes, _ = once.sync_names(desired, names)
+    once_log = list(once_kernel.log)
+    twice_kernel = DictKernel(monkeypatch)
+    twice = ServicePrograms(Maps({name: fd for fd, name in enumerate(s.MAPS, start=100)}), NODE_IPS)
+    twice_writes, _ = twice.sync_names(desired, names + names[::3])
+    assert twice_writes == once_writes
+    assert twice_kernel.log == once_log and twice_kernel.maps == once_kernel.maps
+    assert (twice.frontend_count, twice.backend_count) == (once.frontend_count, once.backend_count)

@@ -343,8 +343,9 @@ class NewPorts:
     group's batch: the group is written again one port at a time by apply() (what went in is
     rewritten with the same bytes), so which ports did not fit, or which one raises, is decided
     exactly as single writes decide it. (An error that stays raises at the first port: what
-    the batch wrote of the ports after it stays in the maps unclaimed until a restart's adopt
-    removes it, as a port's own half-written entries would.)"""
+    the batch wrote of the ports after it stays in the maps unclaimed, complete but under ids
+    no port holds, until the next drift audit (or a restart's adopt) removes it as strays, as a
+    port's own half-written entries would be.)"""
 
     def __init__(self, programs: "ServicePrograms") -> None:
         self._programs = programs
@@ -566,8 +567,10 @@ class ServicePrograms:
         full map refused (the others are still written: a deletion later may free room).
         `progress` hears the fraction done every `every` service ports. New service ports' writes
         go out GROUP at a time (NewPorts); a service port the maps hold already is written after
-        the new ones before it, so every map still sees its writes in name order."""
-        ordered = sorted_names(names)
+        the new ones before it, so every map still sees its writes in name order. A name given
+        twice is synced once (a new port taken twice into one group would be written twice,
+        and counted twice)."""
+        ordered = sorted_names(dict.fromkeys(names))
         writes, did_not_fit = 0, {}
         services, endpoints, topology, current = state.services, state.endpoints, state.topology, self.current
         group = NewPorts(self)
