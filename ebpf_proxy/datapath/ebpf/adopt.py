@@ -45,16 +45,18 @@ _SLOT_GROUP_SHIFT = 32 + 12
 _BACKEND_GROUP_SHIFT = 16
 
 
-def sorted_pairs(rows: Iterable[tuple[int, int]], key_type: str, group_shift: int) -> tuple[array, array]:
-    """(key, u32 value) rows, each key once, in any order (a hash map's), as two arrays sorted
-    by key: keys of `key_type`, values "I".
+def sorted_groups(rows: Iterable[tuple[int, int]], key_type: str, group_shift: int) -> Iterator[tuple[array, array]]:
+    """(key, u32 value) rows, each key once, in any order (a hash map's), as groups of two
+    arrays sorted by key (keys of `key_type`, values "I"), the groups in key order: together,
+    every row sorted by key.
 
     Sorting them all at once (sorted() of key << 32 | value) held one Python int an entry,
     ~45 bytes: at 100,000 Services x 10 endpoints ~100 MiB for epx_slot's 1.5 million entries
     and ~70 MiB for epx_backend's million, at the peak of every restart and drift audit (a lab
     agent restarted there: 350 MiB synced, 445 MiB at each audit). Here the rows are first split, packed
     (12 bytes an entry), into groups by their key's bits above `group_shift`, and the groups are
-    sorted one at a time in key order: only one group's ints exist at once."""
+    sorted one at a time in key order: only one group's ints exist at once, and each group's
+    packed rows are freed as it is handed out."""
     groups: dict[int, tuple[array, array]] = {}
     for key, value in rows:
         group = groups.get(key >> group_shift)
@@ -62,14 +64,20 @@ def sorted_pairs(rows: Iterable[tuple[int, int]], key_type: str, group_shift: in
             group = groups[key >> group_shift] = (array(key_type), array("I"))
         group[0].append(key)
         group[1].append(value)
-    # the results grow as the groups are freed, one at a time: both never exist whole at once
-    keys, values = array(key_type), array("I")
     for top in sorted(groups):
         group_keys, group_values = groups.pop(top)
         merged = sorted(k << 32 | v for k, v in zip(group_keys, group_values))
         del group_keys, group_values
-        keys.extend(m >> 32 for m in merged)
-        values.extend(m & 0xFFFFFFFF for m in merged)
+        yield array(key_type, [m >> 32 for m in merged]), array("I", [m & 0xFFFFFFFF for m in merged])
+
+
+def sorted_pairs(rows: Iterable[tuple[int, int]], key_type: str, group_shift: int) -> tuple[array, array]:
+    """sorted_groups() joined: the rows as two arrays sorted by key."""
+    # the results grow as the groups are freed, one at a time: both never exist whole at once
+    keys, values = array(key_type), array("I")
+    for group_keys, group_values in sorted_groups(rows, key_type, group_shift):
+        keys.extend(group_keys)
+        values.extend(group_values)
     return keys, values
 
 
@@ -163,12 +171,23 @@ class SlotTable(_Packed):
 
     def __init__(self, rows: Iterable[tuple[int, int]] = ()) -> None:
         """`rows`: (packed key, backend id) pairs, in any order, each key once."""
-        keys, self._values = sorted_pairs(rows, "Q", _SLOT_GROUP_SHIFT)
-        # a run ends where the next key is not the next slot of the same (service, bank, scope)
-        breaks = [i for i in range(1, len(keys)) if keys[i] != keys[i - 1] + 1 or not keys[i] & 0xFFFF]
-        firsts = [0, *breaks] if keys else []
-        self._starts = array("Q", [keys[i] for i in firsts])
-        self._offsets = array("I", [*firsts, len(keys)])  # run r: values[offsets[r]:offsets[r + 1]]
+        # the runs are found group by group as the keys come sorted: the sorted keys are never
+        # held whole (12 MiB at 1.5 million slots, and as much again in a list of run starts,
+        # at the peak of every restart and drift audit at 100,000 Services x 10 endpoints)
+        starts, offsets, values = array("Q"), array("I"), array("I")
+        last = -2  # the key before: none yet (no key is last + 1)
+        for keys, group_values in sorted_groups(rows, "Q", _SLOT_GROUP_SHIFT):
+            at = len(values)
+            for i, key in enumerate(keys):
+                # a run ends where the next key is not the next slot of the same (service, bank, scope)
+                if key != last + 1 or not key & 0xFFFF:
+                    starts.append(key)
+                    offsets.append(at + i)
+                last = key
+            values.extend(group_values)
+        offsets.append(len(values))
+        self._starts, self._values = starts, values
+        self._offsets = offsets  # run r: values[offsets[r]:offsets[r + 1]]
 
     @classmethod
     def of(cls, slots: Iterable[tuple[int, int, int, int, int]]) -> "SlotTable":
