@@ -7,9 +7,21 @@ import random
 import socket
 import sys
 
+import pytest
+
 from ebpf_proxy.datapath.ebpf import adopt
 from ebpf_proxy.datapath.ebpf import structs as s
-from ebpf_proxy.datapath.ebpf.maps import BACKEND4, BACKEND6, Backend, Backends, Frontend, Maps, Maps6, Service
+from ebpf_proxy.datapath.ebpf.maps import (
+    BACKEND4,
+    BACKEND6,
+    Backend,
+    Backends,
+    Frontend,
+    Maps,
+    Maps6,
+    Service,
+    packed_slot_keys,
+)
 
 CLUSTER, LOCAL = s.LB4_SCOPE_CLUSTER, s.LB4_SCOPE_LOCAL
 
@@ -29,24 +41,69 @@ def record(addr: str, port: int, flags: int) -> Backend:
     return Backend(addr, port, in_cluster=bool(flags & s.LB4_BE_IN_CLUSTER), in_local=bool(flags & s.LB4_BE_IN_LOCAL))
 
 
+def packed_entries(name, rows):
+    """(key, value) rows of map `name` as the kernel holds them: each packed by its structs.py
+    mirror (ctypes), not by the readers under test."""
+    spec = s.MAPS[name]
+    if name in ("epx_svc", "epx_svc6"):
+        for fe, svc in rows:
+            if name == "epx_svc6":
+                addr = s.In6.from_buffer_copy(socket.inet_pton(socket.AF_INET6, fe.addr or "::"))
+            else:
+                addr = int.from_bytes(socket.inet_aton(fe.addr or "0.0.0.0"), sys.byteorder)
+            yield (spec.key(addr=addr, port=socket.htons(fe.port), proto=fe.proto),
+                   spec.leaf(id=svc.id, count=svc.count, local_count=svc.local_count,
+                             affinity_timeout=svc.affinity_timeout, flags=svc.flags))
+    elif name in ("epx_slot", "epx_slot6"):
+        for svc_id, bank, scope, slot, bid in rows:
+            yield spec.key(svc_id=svc_id, slot=slot, scope=scope, bank=bank), spec.leaf(bid)
+    else:  # epx_backend(6): the values are raw already
+        for bid, value in rows:
+            yield spec.key(bid), spec.leaf.from_buffer_copy(value)
+
+
 class FakeMaps:
-    """The readers adopt.read calls, over lists of rows."""
+    """The readers adopt.read calls, over lists of rows: the maps' raw batches (`batch` entries
+    each, as Maps.raw_entries gives them) made from the rows with structs.py's mirrors, read by
+    Maps' (Maps6's for IPv6) own readers, so a wrong conversion of the raw bytes shows."""
 
     BACKEND_VALUES = Maps.BACKEND_VALUES
 
-    def __init__(self, services, slots, backends, affinity=(), max_connection_backend_id=0, family=BACKEND4):
+    def __init__(self, services, slots, backends, affinity=(), max_connection_backend_id=0, family=BACKEND4,
+                 batch=3):
         self._services, self._slots, self._backends = services, slots, backends
         self.BACKEND_VALUES = family
-        self._affinity, self._ct_max = affinity, max_connection_backend_id
+        self._maps = Maps6 if family is BACKEND6 else Maps  # whose readers read the raw batches
+        self._affinity, self._ct_max, self._batch = affinity, max_connection_backend_id, batch
+
+    def __getattr__(self, name):  # the family's layouts (class attributes) the readers ask for
+        return getattr(self._maps, name)
+
+    def raw_entries(self, role, chunk=4096):
+        name = self._maps._NAMES.get(role, role) if self._maps is Maps6 else role
+        rows = {"epx_svc": self._services, "epx_slot": self._slots, "epx_backend": self._backends}[role]
+        entries = list(packed_entries(name, rows))
+        for i in range(0, len(entries), self._batch):
+            batch = entries[i:i + self._batch]
+            yield b"".join(bytes(k) for k, _ in batch), b"".join(bytes(v) for _, v in batch), len(batch)
+
+    def service_rows(self):
+        return self._maps.service_rows(self)
 
     def services(self):
-        return iter(self._services)
+        return self._maps.services(self)
+
+    def slot_batches(self):
+        return self._maps.slot_batches(self)
 
     def slots(self):
-        return iter(self._slots)
+        return self._maps.slots(self)
+
+    def backend_batches(self):
+        return self._maps.backend_batches(self)
 
     def backend_rows(self):
-        return iter(self._backends)
+        return self._maps.backend_rows(self)
 
     def backends(self):
         return {bid: self.BACKEND_VALUES.record(raw) for bid, raw in self._backends}
@@ -270,3 +327,74 @@ def test_sparse_backend_ids_answer_as_dense_ones():
     assert list(sparse.pick([(1 << 32) - 1, 11, 5])) == [(1 << 32) - 1, 11]
     assert list(sparse.ids_except([11, 3_000_000_000])) == [77, 1 << 20, (1 << 32) - 1]
     assert (adopt.BackendTable().max_id(), len(adopt.BackendTable()), list(adopt.BackendTable())) == (0, 0, [])
+
+
+def slot_key_bytes(keys):
+    """(service id, bank, scope, slot) keys packed back to back by structs.py's LB4SlotKey."""
+    return b"".join(bytes(s.LB4SlotKey(svc_id=svc_id, slot=slot, scope=scope, bank=bank))
+                    for svc_id, bank, scope, slot in keys)
+
+
+def test_raw_slot_keys_are_packed_as_the_slot_table_packs_them():
+    """adopt.read packs epx_slot's raw keys with two strided copies (the second u32 of a key is
+    slot | scope << 16 | bank << 24 on a little-endian host): every field must land where
+    SlotTable's own packing puts it, each field at its widest and the others zero included."""
+    rng = random.Random(3)
+    keys = [row[:4] for row in SLOT_ROWS] + [(0, 0, 0, 0), (1 << 31, 0, 0, 0), (0, 255, 0, 0), (0, 0, 255, 0),
+                                             (0, 0, 0, 0xFFFF), (0, 0x80, 0x01, 0x8001)]
+    keys += [(rng.randrange(1 << 32), rng.randrange(256), rng.randrange(256), rng.randrange(1 << 16))
+             for _ in range(2000)]
+    want = [adopt.SlotTable()._pack_key(key) for key in keys]
+    raw = slot_key_bytes(keys)
+    paths = [False] + ([True] if sys.byteorder == "little" else [])  # the strided copies need little-endian
+    for little_endian in paths:
+        packed = packed_slot_keys(raw, little_endian)
+        assert packed.typecode == "Q" and list(packed) == want, f"little_endian={little_endian}"
+    assert list(packed_slot_keys(b"")) == []
+    with pytest.raises(ValueError):
+        packed_slot_keys(raw[:-1], sys.byteorder == "little")
+
+
+SERVICES = [  # nodePorts (no address), every field at its widest
+    (Frontend("10.96.0.1", 80), Service(1, 2, 1, flags=s.LB4_F_HAS_ENDPOINTS)),
+    (Frontend(None, 30080, socket.IPPROTO_UDP), Service(2, 2, 0, 10800, s.LB4_F_EXTERNAL | s.LB4_F_SLOT_BANK)),
+    (Frontend("255.255.255.255", 65535, 132), Service((1 << 32) - 1, 0xFFFF, 0xFFFF, (1 << 32) - 1, (1 << 32) - 1)),
+    (Frontend("0.0.0.1", 0, socket.IPPROTO_TCP), Service(0, 0)),
+]
+SERVICES6 = [
+    (Frontend("fd00:96::1", 80), Service(1, 2, 1, flags=s.LB4_F_HAS_ENDPOINTS)),
+    (Frontend(None, 30080, socket.IPPROTO_UDP), Service(2, 2, 0, 10800, s.LB4_F_EXTERNAL)),
+    (Frontend("ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff", 65535, 132), Service((1 << 32) - 1, 0xFFFF, 0xFFFF)),
+    (Frontend("::1", 1), Service(7, 1)),
+]
+
+
+@pytest.mark.parametrize("family", [BACKEND4, BACKEND6])
+def test_the_raw_readers_give_back_the_rows_the_maps_hold(family):
+    """Maps' readers of raw batches (services, slots, backends; adopt.read's packed forms), over
+    batches of 3 entries packed by the ctypes mirrors: the rows written, for either family."""
+    services, backends = (SERVICES, BACKEND_ROWS) if family is BACKEND4 else (SERVICES6, BACKEND6_ROWS)
+    maps = FakeMaps(shuffled(services), shuffled(SLOT_ROWS), shuffled(backends), family=family)
+    assert sorted(maps.services(), key=repr) == sorted(services, key=repr)
+    assert sorted(maps.slots()) == sorted(SLOT_ROWS)
+    assert sorted(maps.backend_rows()) == sorted(backends)
+    keys, ids = [], []
+    for batch_keys, batch_ids in maps.slot_batches():
+        assert len(batch_keys) == len(batch_ids) <= 3
+        keys += batch_keys
+        ids += batch_ids
+    assert sorted(zip(keys, ids)) == sorted((adopt.SlotTable()._pack_key(row[:4]), row[4]) for row in SLOT_ROWS)
+    records = adopt.Records.of_rows(maps.service_rows())
+    assert dict(records) == dict(services) and list(records) == list(adopt.Records(services))
+    assert records.owner_of(Frontend(None, 30080, socket.IPPROTO_UDP)) == 2
+    assert records.owner_of(Frontend(None, 30080)) is None, "another protocol"
+
+
+def test_a_read_back_from_raw_batches_is_the_one_from_rows():
+    """adopt.read (raw batches) and the tables built from decoded rows hold the same."""
+    maps = FakeMaps(shuffled(SERVICES), shuffled(SLOT_ROWS), shuffled(BACKEND_ROWS), batch=2)
+    snap = adopt.read(maps)
+    assert list(snap.records.items()) == list(adopt.Records(SERVICES).items())
+    assert list(snap.slots.items()) == list(adopt.SlotTable.of(SLOT_ROWS).items())
+    assert list(snap.backends.items()) == list(adopt.BackendTable.of(BACKEND_ROWS).items())
+    assert snap.max_svc_id == (1 << 32) - 1 and snap.max_backend_id == (1 << 32) - 1

@@ -82,8 +82,9 @@ class Layout:
 
 
 def raw(items: object, n: int, size: int) -> bytes:
-    """The first `n` entries of a batch (a ctypes array that the next batch overwrites, or a tuple
-    of ctypes objects from a key walk) as their packed bytes, back to back."""
+    """The first `n` entries of a batch (a ctypes array that the next batch overwrites, as
+    maps._batches gives batches and a key walk's entries alike, or a tuple of ctypes objects) as
+    their packed bytes, back to back."""
     if isinstance(items, ctypes.Array):
         return bytes(memoryview(items).cast("B")[: n * size])
     return b"".join(bytes(item) for item in items[:n])  # type: ignore[index]

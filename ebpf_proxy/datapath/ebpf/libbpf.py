@@ -556,9 +556,15 @@ def map_batches(fd: int, key_type: type, value_type: type, chunk: int = 4096):
 def map_items_batched(fd: int, key_type: type, value_type: type, chunk: int = 4096):
     """Every (key, value) of a hash map, read `chunk` per syscall (see map_batches), as fresh ctypes
     objects of `key_type` and `value_type` (as a key walk gives them)."""
+    return batch_items(map_batches(fd, key_type, value_type, chunk), key_type, value_type)
+
+
+def batch_items(batches, key_type: type, value_type: type):
+    """The (key, value) entries of (keys, values, n) batches of ctypes arrays of `key_type` and
+    `value_type` (map_batches'), each copied into fresh ctypes objects that outlive the batch."""
     copy_key = key_type.from_buffer_copy if issubclass(key_type, ctypes.Structure) else key_type
     copy_value = value_type.from_buffer_copy if issubclass(value_type, ctypes.Structure) else value_type
-    for keys, values, n in map_batches(fd, key_type, value_type, chunk):
+    for keys, values, n in batches:
         for i in range(n):
             yield copy_key(keys[i]), copy_value(values[i])
 

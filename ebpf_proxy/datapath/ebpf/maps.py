@@ -454,14 +454,16 @@ def _connection(k: s.CT4Key, v: s.CT4Entry) -> Connection:
     )
 
 
-def stream_items(fd: int, name: str) -> Iterator[tuple]:
-    """Every (key, value) of map `name` behind `fd`, streamed: batched reads where the map type
-    allows (4096 entries per syscall, nothing held but the batch), else a key walk."""
-    spec = s.MAPS[name]
-    batches = libbpf.map_items_batched(fd, spec.key, spec.leaf)
+def _batches(fd: int, key_type: type, value_type: type, chunk: int = 4096) -> Iterator[tuple]:
+    """Every entry of the map behind `fd` as (keys, values, n) batches of ctypes arrays of
+    `key_type` and `value_type` that the next batch overwrites: BPF_MAP_LOOKUP_BATCH, `chunk`
+    entries per syscall, where the map type allows, else a key walk (batches of one). Each entry
+    at most once, as both give it for a map written meanwhile. Every reader of a whole map
+    (stream_items, raw_batches, the connection table's) reads through this one fallback."""
+    batches = libbpf.map_batches(fd, key_type, value_type, chunk)
     try:
         first = next(batches, None)
-    except OSError as exc:
+    except OSError as exc:  # the first read tells whether the kernel can batch this map
         if exc.errno not in _NO_BATCH:
             raise
     else:
@@ -469,10 +471,32 @@ def stream_items(fd: int, name: str) -> Iterator[tuple]:
             yield first
             yield from batches
         return
-    for key in list(_walk(fd, spec.key)):
-        value = spec.leaf()
+    for key in list(_walk(fd, key_type)):
+        value = value_type()
         if libbpf.map_lookup(fd, key, value):
-            yield key, value
+            # arrays of one, as a batch's: an entry reads the same whichever way it came
+            yield (key_type * 1)(key), (value_type * 1)(value), 1
+
+
+def stream_items(fd: int, name: str) -> Iterator[tuple]:
+    """Every (key, value) of map `name` behind `fd`, streamed: batched reads where the map type
+    allows (4096 entries per syscall, nothing held but the batch), else a key walk."""
+    spec = s.MAPS[name]
+    return libbpf.batch_items(_batches(fd, spec.key, spec.leaf), spec.key, spec.leaf)
+
+
+def raw_batches(fd: int, name: str, chunk: int = 4096) -> Iterator[tuple[bytes, bytes, int]]:
+    """Every entry of map `name` behind `fd` as (keys, values, n) batches of raw bytes: the batch's
+    n keys back to back, its n values back to back, as the kernel holds them (structs.py's
+    layouts), the caller's to keep. Reading a million entries this way costs a copy per batch
+    (`chunk` entries), where stream_items makes two ctypes objects per entry (and its readers a
+    Python object per field): adopt.read of 100,000 Services x 10 endpoints reads 2.5 million
+    entries at every restart and drift audit. Batched where the map type allows, else a key walk
+    (see _batches); only one batch is held at a time."""
+    spec = s.MAPS[name]
+    key_size, value_size = ctypes.sizeof(spec.key), ctypes.sizeof(spec.leaf)
+    for keys, values, n in _batches(fd, spec.key, spec.leaf, chunk):
+        yield ctscan.raw(keys, n, key_size), ctscan.raw(values, n, value_size), n
 
 
 def _connection6(k: s.CT6Key, v: s.CT6Entry) -> Connection:
@@ -514,7 +538,34 @@ for _packer, _mirror in ((_LB4_KEY, s.LB4Key), (_LB4_SERVICE, s.LB4Service), (_L
                           f"{ctypes.sizeof(_mirror)}")
 if _U32.size + _SLOT_TAIL.size != _LB4_SLOT_KEY.size:
     raise ImportError("maps.py: lb4_slot_key is not its svc_id followed by (slot, scope, bank)")
+# lb4_key as read back: the same layout as _LB4_KEY, the port (network order) read as its number
+_LB4_KEY_READ = struct.Struct("!4sHBx")
+if _LB4_KEY_READ.size != _LB4_KEY.size or array(_ID).itemsize != _U32.size or array("Q").itemsize != 2 * _U32.size:
+    raise ImportError("maps.py: the read-back layouts (lb4_key, u32 and u64 arrays) do not match the packers'")
 _NO_ADDR = bytes(4)
+
+
+def packed_slot_keys(raw: bytes, little_endian: bool = _LITTLE_ENDIAN) -> array:
+    """epx_slot keys (lb4_slot_key: u32 svc_id, u16 slot, u8 scope, u8 bank, host order), back to
+    back, as one u64 each: svc_id << 32 | bank << 24 | scope << 16 | slot, in an array "Q" (the
+    order of adopt.SlotTable's keys: a service's slots in a run).
+
+    On a little-endian host the 4 bytes after svc_id, read as a u32, are exactly
+    slot | scope << 16 | bank << 24: the u64s are the keys' two u32 halves swapped, done by two
+    strided copies in C, no Python object per key (adopt.read packs 1.5 million slot keys at
+    every restart and drift audit at 100,000 Services x 10 endpoints). Elsewhere each key is
+    unpacked."""
+    if not little_endian:
+        return array("Q", [svc_id << 32 | bank << 24 | scope << 16 | slot
+                           for svc_id, slot, scope, bank in _LB4_SLOT_KEY.iter_unpack(raw)])
+    if len(raw) % _LB4_SLOT_KEY.size:
+        raise ValueError(f"{len(raw)} bytes are not whole {_LB4_SLOT_KEY.size}-byte lb4_slot_keys")
+    words = memoryview(raw).cast(_ID)  # svc_id, tail, svc_id, tail, ...
+    packed = array("Q", bytes(len(raw)))
+    halves = memoryview(packed).cast("B").cast(_ID)  # each u64: its low u32, then its high u32
+    halves[0::2] = words[1::2]
+    halves[1::2] = words[0::2]
+    return packed
 
 
 @dataclass(frozen=True, slots=True)
@@ -826,11 +877,36 @@ class Maps:
         spec = s.MAPS[name]
         self._put_packed(name, MapEntries(keys, values, ctypes.sizeof(spec.key), ctypes.sizeof(spec.leaf)))
 
+    # epx_svc's key as read back (Maps6: lb6_key's), and the address of a nodePort's key
+    _FRONTEND_KEY_READ = _LB4_KEY_READ
+    _NO_FRONTEND_ADDR = _NO_ADDR
+
+    @staticmethod
+    def _addr_text(addr: bytes) -> str:
+        """A frontend key's address (network order) as text (Maps6: an IPv6 one)."""
+        return socket.inet_ntoa(addr)
+
+    def raw_entries(self, role: str, chunk: int = 4096) -> Iterator[tuple[bytes, bytes, int]]:
+        """The map that plays `role` (an IPv4 map's name: Maps6 reads its twin) as raw batches:
+        (keys, values, n), see raw_batches."""
+        name = self._name(role)
+        return raw_batches(self._fd(name), name, chunk)
+
+    def service_rows(self) -> Iterator[tuple[bytes, int, int, tuple[int, int, int, int, int]]]:
+        """Every epx_svc entry (epx_svc6 in Maps6) as (address, port, proto, (id, count,
+        local_count, affinity_timeout, flags)): the address as its bytes in network order, b""
+        for a nodePort's key (Frontend.addr None). Unpacked from the raw batches, no ctypes object
+        and no address text made: adopt.read keeps the frontends packed."""
+        key, nowhere, value = self._FRONTEND_KEY_READ, self._NO_FRONTEND_ADDR, _LB4_SERVICE
+        for keys, values, _n in self.raw_entries("epx_svc"):
+            for (addr, port, proto), record in zip(key.iter_unpack(keys), value.iter_unpack(values)):
+                yield (b"" if addr == nowhere else addr), port, proto, record
+
     def services(self) -> Iterator[tuple[Frontend, Service]]:
-        """Every frontend in epx_svc with the service it leads to."""
-        for k, v in self._items("epx_svc"):
-            fe = Frontend(ip_str(k.addr) if k.addr else None, port_int(k.port), k.proto)
-            yield fe, Service(v.id, v.count, v.local_count, v.affinity_timeout, v.flags)
+        """Every frontend in epx_svc (epx_svc6 in Maps6) with the service it leads to."""
+        text = self._addr_text
+        for addr, port, proto, record in self.service_rows():
+            yield Frontend(text(addr) if addr else None, port, proto), Service(*record)
 
     def backends(self) -> dict[int, Backend]:
         """Every epx_backend entry: backend id -> backend."""
@@ -840,16 +916,36 @@ class Maps:
             for k, v in self._items("epx_backend")
         }
 
+    def backend_batches(self) -> Iterator[tuple[bytes, bytes]]:
+        """epx_backend (epx_backend6 in Maps6) as (ids, values) batches: the ids as u32s back to
+        back (host order), their values back to back as the map holds them (BACKEND_VALUES: their
+        size and how one reads). For readers of a million entries that keep them packed
+        (adopt.read): nothing made per entry."""
+        for keys, values, _n in self.raw_entries("epx_backend"):
+            yield keys, values
+
     def backend_rows(self) -> Iterator[tuple[int, bytes]]:
-        """Every epx_backend entry (epx_backend6 in Maps6) as (backend id, raw value): for readers
-        of a million entries that keep them packed (adopt.read); BACKEND_VALUES reads a value."""
-        for k, v in self._items(self._name("epx_backend")):
-            yield k.value, bytes(v)
+        """Every epx_backend entry (epx_backend6 in Maps6) as (backend id, raw value)."""
+        size = self.BACKEND_VALUES.size
+        for ids, values in self.backend_batches():
+            for i, bid in enumerate(memoryview(ids).cast(_ID)):
+                yield bid, values[i * size:(i + 1) * size]
+
+    def slot_batches(self) -> Iterator[tuple[array, array]]:
+        """epx_slot (epx_slot6 in Maps6) as (keys, backend ids) batches, two arrays in the same
+        order: each key packed in a u64 (packed_slot_keys: svc_id << 32 | bank << 24 | scope << 16
+        | slot, an array "Q"), its backend id a u32 (an array "I"). Made without an object per
+        entry: adopt.read takes 1.5 million slots at 100,000 Services x 10 endpoints."""
+        for keys, values, _n in self.raw_entries("epx_slot"):
+            ids = array(_ID)
+            ids.frombytes(values)
+            yield packed_slot_keys(keys), ids
 
     def slots(self) -> Iterator[tuple[int, int, int, int, int]]:
         """Every epx_slot entry as (service id, bank, scope, slot, backend id)."""
-        for k, v in self._items(self._name("epx_slot")):
-            yield k.svc_id, k.bank, k.scope, k.slot, v.value
+        for keys, ids in self.slot_batches():
+            for key, bid in zip(keys, ids):
+                yield key >> 32, key >> 24 & 0xFF, key >> 16 & 0xFF, key & 0xFFFF, bid
 
     def source_ranges(self) -> Iterator[tuple[int, str]]:
         """Every epx_src_range entry as (service id, CIDR)."""
@@ -966,22 +1062,7 @@ class Maps:
         overwrites: a table of 262,144 entries is read in 64 syscalls and never decoded whole (a
         key walk where the kernel cannot batch)."""
         table = self._CT
-        fd = self._fd(table.name)
-        batches = libbpf.map_batches(fd, table.key, table.entry)
-        try:
-            first = next(batches, None)
-        except OSError as exc:  # the first read tells whether the kernel can batch this map
-            if exc.errno not in _NO_BATCH:
-                raise
-        else:
-            if first is not None:
-                yield first
-                yield from batches
-            return
-        for key in list(_walk(fd, table.key)):
-            value = table.entry()
-            if libbpf.map_lookup(fd, key, value):
-                yield (key,), (value,), 1
+        return _batches(self._fd(table.name), table.key, table.entry)
 
     def connections(self, kind: int | None = None, proto: int | None = None) -> list[Connection]:
         """The epx_ct4 entries (only those of `kind` and `proto` when given), decoded. Filtering
@@ -1281,15 +1362,20 @@ for _packer, _mirror in ((_LB6_KEY, s.LB6Key), (_LB6_BACKEND, s.LB6Backend)):
         raise ImportError(f"maps.py packs {_mirror.__name__} in {_packer.size} bytes, structs.py has "
                           f"{ctypes.sizeof(_mirror)}")
 _NO_ADDR6 = bytes(16)
+_LB6_KEY_READ = struct.Struct("!16sHBx")  # lb6_key as read back: _LB6_KEY, the port read as its number
+# the layouts Maps' raw readers (service_rows, slot_batches, backend_batches) read each map's
+# entries with, in both families: they must be the sizes structs.py gives those maps
+for _read_map, _layouts in {"epx_svc": (_LB4_KEY_READ, _LB4_SERVICE), "epx_svc6": (_LB6_KEY_READ, _LB4_SERVICE),
+                        "epx_slot": (_LB4_SLOT_KEY, _U32), "epx_slot6": (_LB4_SLOT_KEY, _U32),
+                        "epx_backend": (_U32, _LB4_BACKEND), "epx_backend6": (_U32, _LB6_BACKEND)}.items():
+    _spec = s.MAPS[_read_map]
+    if tuple(layout.size for layout in _layouts) != (ctypes.sizeof(_spec.key), ctypes.sizeof(_spec.leaf)):
+        raise ImportError(f"maps.py reads {_read_map} entries as {_layouts[0].size}/{_layouts[1].size}-byte "
+                          f"key/value, structs.py has {ctypes.sizeof(_spec.key)}/{ctypes.sizeof(_spec.leaf)}")
 
 
 def _aton6(ip: str) -> bytes:
     return socket.inet_pton(socket.AF_INET6, ip)
-
-
-def _addr6_or_none(raw: s.In6) -> str | None:
-    """A frontend key's address: the zero address is a nodePort's (Frontend.addr None)."""
-    return None if bytes(raw) == _NO_ADDR6 else ip6_str(raw)
 
 
 def _frontend_key6(fe: Frontend) -> s.LB6Key:
@@ -1323,6 +1409,8 @@ class Maps6(Maps):
 
     _CT = _CT6
     BACKEND_VALUES = BACKEND6
+    _FRONTEND_KEY_READ = _LB6_KEY_READ
+    _NO_FRONTEND_ADDR = _NO_ADDR6
     _NAMES = {"epx_svc": "epx_svc6", "epx_backend": "epx_backend6", "epx_slot": "epx_slot6",
               "epx_affinity": "epx_affinity6", "epx_src_range": "epx_src_range6",
               "epx_node_addr": "epx_node_addr6", "epx_pod_cidr": "epx_pod_cidr6"}
@@ -1333,6 +1421,10 @@ class Maps6(Maps):
 
     def _name(self, name: str) -> str:
         return self._NAMES.get(name, name)
+
+    @staticmethod
+    def _addr_text(addr: bytes) -> str:
+        return socket.inet_ntop(socket.AF_INET6, addr)
 
     # -- node (IPv6) --
 
@@ -1376,11 +1468,6 @@ class Maps6(Maps):
     @staticmethod
     def frontend_key(fe: Frontend) -> bytes:
         return _LB6_KEY.pack(_aton6(fe.addr) if fe.addr else _NO_ADDR6, socket.htons(fe.port), fe.proto)
-
-    def services(self) -> Iterator[tuple[Frontend, Service]]:
-        for k, v in self._items("epx_svc6"):
-            yield (Frontend(_addr6_or_none(k.addr), port_int(k.port), k.proto),
-                   Service(v.id, v.count, v.local_count, v.affinity_timeout, v.flags))
 
     def service(self, fe: Frontend) -> Service | None:
         v = self._get("epx_svc6", _frontend_key6(fe))
@@ -1477,12 +1564,7 @@ def programmed_backends(bpffs_dir: str | Path) -> set[tuple[str, int]]:
     the set only after no slot points at it any more. Raises PinnedMapError, or OSError."""
     fd = _open_checked(_pinned_map(bpffs_dir, "epx_backend"))
     try:
-        try:
-            return _backend_addrs_batched(fd)
-        except OSError as exc:
-            if exc.errno not in _NO_BATCH:
-                raise
-        return {(ip_str(v.addr), port_int(v.port)) for _, v in stream_items(fd, "epx_backend")}
+        return _backend_addrs(fd)
     finally:
         os.close(fd)
 
@@ -1515,16 +1597,15 @@ def frontend_backends(bpffs_dir: str | Path, addr: str | None, port: int,
 _BACKEND_ADDR = struct.Struct("!4sH2x")  # struct lb4_backend: addr, port (network order), flags, pad
 
 
-def _backend_addrs_batched(fd: int) -> set[tuple[str, int]]:
+def _backend_addrs(fd: int) -> set[tuple[str, int]]:
     """(ip, port) of every epx_backend entry, unpacked from the raw batches: the bench polls this
     while it times a change, so it must cost little (20,000 backends: ~17 ms, 27 ms decoded
     field by field)."""
     assert _BACKEND_ADDR.size == ctypes.sizeof(s.LB4Backend)
     out: set[tuple[str, int]] = set()
     ntoa = socket.inet_ntoa
-    for _, values, n in libbpf.map_batches(fd, s.u32, s.LB4Backend):
-        raw = ctypes.string_at(values, n * _BACKEND_ADDR.size)
-        out.update((ntoa(addr), port) for addr, port in _BACKEND_ADDR.iter_unpack(raw))
+    for _, values, _n in raw_batches(fd, "epx_backend"):
+        out.update((ntoa(addr), port) for addr, port in _BACKEND_ADDR.iter_unpack(values))
     return out
 
 
