@@ -25,8 +25,11 @@ With `--restart` (ebpf mode) two more phases follow, over the maps the sync fill
 The datapath is real up to the kernel boundary. `ebpf`: ServicePrograms writes real BPF maps,
 created for this run and never pinned or attached (they vanish with their fds; nothing in the
 kernel sees a packet through them), in the order EbpfDatapath.sync writes them. `iptables`: the
-ruleset is rendered (render_fragments), never applied. `none`: the datapath is skipped (the
-model's cost alone).
+ruleset is rendered (render_fragments), never applied; with `--apply`, the real IptablesDatapath
+renders it and loads it with one iptables-restore into a network namespace made for the run
+(`epx-cpscale-<pid>`, deleted afterwards with its rules): the phase's wall time is then kube-proxy's
+full sync, the restore's own CPU and memory (a child process) not counted in the agent's. `none`:
+the datapath is skipped (the model's cost alone).
 
 Every phase reports wall and CPU seconds, RSS at its end and the peak RSS during it (the kernel's
 high-water mark, reset at the start of each phase through /proc/self/clear_refs). With
@@ -393,8 +396,10 @@ class Result:
     counts: dict[str, int]
 
 
-def make_agent(mode: str, services: int, endpoints: int, page_size: int) -> tuple[Any, dict[str, SimulatedApi]]:
-    """An Agent (no HTTP servers) over simulated collections and a harness datapath for `mode`."""
+def make_agent(mode: str, services: int, endpoints: int, page_size: int,
+               netns: str | None = None) -> tuple[Any, dict[str, SimulatedApi]]:
+    """An Agent (no HTTP servers) over simulated collections and a harness datapath for `mode`
+    (iptables with `netns`: the real IptablesDatapath, applying in that named netns)."""
     from ebpf_proxy.agent.agent import Agent
     from ebpf_proxy.agent.config import load_config
 
@@ -407,6 +412,10 @@ def make_agent(mode: str, services: int, endpoints: int, page_size: int) -> tupl
     def factory(_mode: str, node: NodeConfig, **_: Any) -> Datapath:
         if mode == "ebpf" and node.family == 4:
             return PrivateMapsDatapath(node, services, endpoints)
+        if mode == "iptables" and netns is not None:
+            from ebpf_proxy.datapath.iptables.datapath import IptablesDatapath
+
+            return IptablesDatapath(node, netns=netns)
         if mode == "iptables":
             return RenderOnlyDatapath(node)
         return NoDatapath(node)
@@ -421,15 +430,38 @@ def make_agent(mode: str, services: int, endpoints: int, page_size: int) -> tupl
 
 def run(services: int, endpoints: int = 10, mode: str = "ebpf", trace: bool = False, top: int = 10,
         page_size: int = PAGE_SIZE, on_phase: Callable[[Phase], None] | None = None,
-        restart: bool = False) -> Result:
+        restart: bool = False, apply: bool = False) -> Result:
     """Build an agent, list N Services x E endpoints, sync once (with `restart`: then sync again
-    as a restarted agent and audit once); figures per phase."""
+    as a restarted agent and audit once; with `apply`, iptables: the ruleset loaded into a netns
+    made for the run); figures per phase."""
     if services < 0 or endpoints < 0:
         raise ValueError(f"services={services}, endpoints={endpoints}: must not be negative")
     if mode not in ("ebpf", "iptables", "none"):
         raise ValueError(f"mode: {mode!r} is not one of ebpf, iptables, none")
     if restart and mode != "ebpf":
         raise ValueError(f"restart: mode {mode!r} has no maps to take over (only ebpf)")
+    if apply and mode != "iptables":
+        raise ValueError(f"apply: mode {mode!r} (only iptables applies a ruleset)")
+    with _run_netns() if apply else contextlib.nullcontext() as netns:
+        return _run(services, endpoints, mode, trace, top, page_size, on_phase, restart, netns)
+
+
+@contextmanager
+def _run_netns() -> Iterator[str]:
+    """A network namespace of this run's own, deleted afterwards (its rules with it)."""
+    from ebpf_proxy.lab import naming
+    from ebpf_proxy.lab.netns import create_netns, delete_netns
+
+    name = f"{naming.PREFIX}-cpscale-{os.getpid()}"
+    create_netns(name)
+    try:
+        yield name
+    finally:
+        delete_netns(name)
+
+
+def _run(services: int, endpoints: int, mode: str, trace: bool, top: int, page_size: int,
+         on_phase: Callable[[Phase], None] | None, restart: bool, netns: str | None) -> Result:
     if trace:
         tracemalloc.start(1)
     phases: list[Phase] = []
@@ -437,7 +469,7 @@ def run(services: int, endpoints: int = 10, mode: str = "ebpf", trace: bool = Fa
     started = time.perf_counter()
     try:
         with measured(Phase("start"), top) as phase:
-            agent, apis = make_agent(mode, services, endpoints, page_size)
+            agent, apis = make_agent(mode, services, endpoints, page_size, netns)
             agent.resolve_mode()
         phases.append(phase)
         _done(phase, on_phase)
@@ -518,13 +550,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="the figures as one JSON object")
     parser.add_argument("--restart", action="store_true",
                         help="ebpf: then sync again as an agent restarted over the maps, and audit once")
+    parser.add_argument("--apply", action="store_true",
+                        help="iptables: load the ruleset (iptables-restore) into a netns made for the run")
     args = parser.parse_args(argv)
     if args.restart and args.mode != "ebpf":
         parser.error("--restart takes over BPF maps: only with --mode ebpf")
+    if args.apply and args.mode != "iptables":
+        parser.error("--apply loads an iptables ruleset: only with --mode iptables")
+    if args.apply and os.geteuid() != 0:
+        parser.error("--apply makes a network namespace: run as root")
     if args.mode == "ebpf" and os.geteuid() != 0:
         parser.error("--mode ebpf creates BPF maps: run as root, or use --mode iptables / none")
     result = run(args.services, args.endpoints, args.mode, args.tracemalloc, args.top, args.page_size,
-                 on_phase=None if args.json else lambda p: print(format_phase(p), flush=True), restart=args.restart)
+                 on_phase=None if args.json else lambda p: print(format_phase(p), flush=True), restart=args.restart,
+                 apply=args.apply)
     if args.json:
         print(json.dumps(asdict(result), indent=1))
     else:

@@ -69,3 +69,19 @@ def test_bad_arguments_name_themselves():
         cpscale.run(1, 1, "nft")
     with pytest.raises(ValueError, match="services=-1"):
         cpscale.run(-1, 1, "none")
+
+
+@pytest.mark.root
+def test_apply_loads_the_iptables_ruleset_into_a_netns_of_its_own_and_removes_it():
+    """--apply: the real IptablesDatapath's full sync (render + one iptables-restore), in a netns
+    the run makes and deletes; the rules the kernel then holds are counted."""
+    if os.geteuid() != 0:
+        pytest.skip("a network namespace needs root")
+    before = set(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else set()
+    result = cpscale.run(40, 3, "iptables", page_size=20, apply=True)
+    assert [p.name for p in result.phases] == ["start", "list+convert", "prepare", "sync"]
+    # each Service: a KUBE-SERVICES jump, its KUBE-SVC chain's rules, 3 endpoint chains (2 rules each)
+    assert result.counts["iptables_rules_nat"] > 40 * (1 + 3 + 2 * 3)
+    assert set(os.listdir("/run/netns")) == before, "the run's netns is deleted"
+    with pytest.raises(ValueError, match="apply: mode 'none'"):
+        cpscale.run(1, 1, "none", apply=True)
