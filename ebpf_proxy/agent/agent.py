@@ -301,7 +301,8 @@ class Agent:
             # and, where the heap is settled after full syncs, no collector walks while a list
             # builds the model (heap.paused: ~10 of 26 s of a first list at 100,000 Services)
             reflector = Reflector(collections[kind], handler, backoff=self._backoff(), reporter=self.report_invalid,
-                                  keep=keep_version, bulk=heap.paused if self._settle_heap else contextlib.nullcontext)
+                                  keep=keep_version, bulk=heap.paused if self._settle_heap else contextlib.nullcontext,
+                                  intern_keys=kind == "Service")  # the trackers' key too: held once
             self.reflectors.append(reflector)
             reflector.start()
 

@@ -226,11 +226,21 @@ def is_dns_label(value: str) -> bool:
 
 
 def _port_name(obj: dict, path: str) -> str:
-    """A port's name: "" or a DNS-1123 label (ValidateDNS1123Label on Service and EndpointSlice ports)."""
+    """A port's name: "" or a DNS-1123 label (ValidateDNS1123Label on Service and EndpointSlice ports),
+    interned (_shared_name)."""
     name = _get(obj, "name", path, str, "")
     if name and not is_dns_label(name):
         raise _Reject(path, inv.INVALID_VALUE, f"{_describe(name)} is not a DNS-1123 label")
-    return name
+    return _shared_name(name)
+
+
+def _shared_name(name: str) -> str:
+    """One string object per distinct port name. A cluster's ports have a handful of names ("",
+    "http", "dns", ...), but each decoded port brought its own copy, kept by its ServicePortName:
+    one per Service port and one per EndpointSlice port, ~53 bytes each: 1.0 MiB traced for 10,000
+    Services with a port "http" and their slices (10 MiB at 100,000). Interned strings leave the
+    table when nothing holds them any more, so names seen once do not pile up."""
+    return sys.intern(name)
 
 
 # ---- Services ------------------------------------------------------------------------------------
@@ -382,6 +392,8 @@ def _plain_ports(ports: Any, node_ports: bool) -> list[tuple[str, Protocol, int,
             name = ""
         elif type(name) is not str or (name and not is_dns_label(name)):
             return None
+        else:
+            name = _shared_name(name)
         protocol = Protocol.TCP if protocol is None else _PROTOCOLS.get(protocol) if type(protocol) is str else None
         if node_port is None:
             node_port = 0

@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
+import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -102,19 +103,42 @@ def keep_all(obj: dict) -> dict:
     return obj
 
 
-def keep_version(obj: dict) -> str:
+def keep_version(obj: dict) -> str | int:
     """The cache transform for handlers that need no more than a deleted object's identity: its
-    resourceVersion (the cache key is its namespace/name)."""
-    return _rv(obj) or ""
+    resourceVersion (the cache key is its namespace/name).
+
+    A decimal version (what etcd-backed API servers give: a revision number) is kept as the int
+    whose str() is that exact text, else as the text: an int of up to 9 digits is 28 bytes (a
+    32-byte block), its text 49 + its length (56-byte blocks): ~24 bytes less a Service and a
+    slice (0.5 MiB less traced after the first sync at 10,000 Services, bench/cpscale.py
+    --tracemalloc: 39.7 -> 39.2 MiB; ~5 MiB at 100,000). The version is opaque to
+    the agent; read it back with `kept_version`, which gives the exact text again, and the
+    handlers only ever see that text (on_update's `old`, a relist's on_delete)."""
+    rv = _rv(obj)
+    if rv is None:
+        return ""
+    try:
+        number = int(rv)
+    except ValueError:  # not decimal, or longer than int() reads (sys.get_int_max_str_digits)
+        return rv
+    return number if str(number) == rv else rv  # not "007", "+7", " 7", "1_0", non-ASCII digits: kept as text
+
+
+def kept_version(kept: Any) -> Any:
+    """What the cache kept, as the handlers see it: a version `keep_version` kept as an int as its
+    text again (what it was read as); anything else as it is."""
+    return str(kept) if type(kept) is int else kept
 
 
 def _kept_rv(kept: Any) -> str | None:
+    kept = kept_version(kept)
     return (kept or None) if isinstance(kept, str) else _rv(kept)
 
 
 def _deleted(key: str, kept: Any) -> dict:
     """What on_delete gets for an object a relist no longer lists: what the cache kept of it, or
     (kept as its version) its identity rebuilt from the cache key, as "namespace/name"."""
+    kept = kept_version(kept)
     if not isinstance(kept, str):
         return kept
     namespace, _, name = key.rpartition("/")
@@ -167,9 +191,15 @@ class Reflector:
     def __init__(self, lw: ListWatch, handler: Handler, *, backoff: Backoff | None = None,
                  clock: Callable[[], float] = time.monotonic, wait: Callable[[float], bool] | None = None,
                  reporter: Reporter | None = None, keep: Callable[[dict], Any] = keep_all,
-                 bulk: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> None:
+                 bulk: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
+                 intern_keys: bool = False) -> None:
         self.lw = lw
         self.keep = keep
+        # the cache keys ("namespace/name") as one string object shared with whatever else interns
+        # the same text: the agent's Services, whose key the trackers hold too (model/tracker.py
+        # _service_key): ~64 bytes a Service saved. Not for slices: their keys are held once,
+        # an intern table entry (~45 bytes) would only add to them
+        self._intern_keys = intern_keys
         # around each list's delivery (millions of objects made at once): the agent's pauses the
         # garbage collector (agent/heap.py paused())
         self._bulk = bulk
@@ -182,7 +212,7 @@ class Reflector:
         self.reporter = reporter
         self.synced = threading.Event()  # set once the first LIST has been delivered
         self.resource_version = ""
-        self.cache: dict[str, dict] = {}
+        self.cache: dict[str, Any] = {}  # what `keep` retains, by namespace/name
         self.lists = 0  # successful LISTs (1 + relists), for tests and logs
         self._stream: Any = None
         self._thread: threading.Thread | None = None
@@ -317,7 +347,7 @@ class Reflector:
                 self.resource_version = rv
             self._invalid("?", "object.metadata.name", inv.MALFORMED, f"{etype} event without a usable object")
             return None
-        key = str(ref)
+        key = sys.intern(str(ref)) if self._intern_keys else str(ref)
         old = self.cache.get(key)
         if etype == "DELETED":
             if old is not None:
@@ -328,7 +358,7 @@ class Reflector:
             if old is None:
                 self._call(self.handler.on_add, obj)
             else:
-                self._call(self.handler.on_update, old, obj)
+                self._call(self.handler.on_update, kept_version(old), obj)
         # Only after the handler: "resource_version" then means "everything up to here was handed on",
         # which the agent's synced-resourceVersion report relies on.
         if rv:
@@ -383,13 +413,13 @@ class Reflector:
             if ref is None:
                 self._invalid("?", f"items[{i}].metadata.name", inv.MALFORMED, "listed object without a usable name")
                 continue
-            key = str(ref)
+            key = sys.intern(str(ref)) if self._intern_keys else str(ref)
             kept = self.cache[key] = self.keep(item)
             before = old.get(key)
             if before is None:
                 self._call(self.handler.on_add, item)
             elif _kept_rv(before) != _rv(item) or (_rv(item) is None and before != kept):
-                self._call(self.handler.on_update, before, item)
+                self._call(self.handler.on_update, kept_version(before), item)
 
     def _call(self, fn: Callable[..., None], *args: dict) -> None:
         try:

@@ -20,7 +20,7 @@ Pure Python and thread-safe: the watch threads feed it, the runner thread takes 
 from __future__ import annotations
 
 import ipaddress
-
+import sys
 import threading
 from dataclasses import dataclass, replace
 from itertools import chain
@@ -69,6 +69,19 @@ class NodeState:
         """The IP families of the Node's addresses, the primary one first."""
         ordered = ([self.primary_ip] if self.primary_ip else []) + list(self.addresses)
         return tuple(dict.fromkeys(ipaddress.ip_address(ip).version for ip in ordered))
+
+
+def _service_key(namespace: str, name: str) -> str:
+    """A Service's key, "namespace/name", one string object however many hold it (sys.intern).
+
+    Without it each Service's key text existed three times at 100,000 Services x 10 endpoints:
+    the key of the Services watch cache (k8s/watch.py interns it too), this tracker's key (its
+    dicts, dirty set and trigger lists), and every one of its slices' `service_key`, ~64 bytes each.
+    Interned, one string is kept and the intern table's entry (~45 bytes): 1.3 MiB less traced
+    after the first sync at 10,000 Services (bench/cpscale.py --tracemalloc: 41.0 -> 39.7 MiB),
+    ~13 MiB at 100,000; the dual-stack agent's second tracker shares the string too. Slice keys
+    are not interned: each is held once, an entry would only add to it."""
+    return sys.intern(f"{namespace}/{name}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +139,7 @@ class ChangeTracker:
 
     def update_service(self, namespace: str, name: str, ports: Iterable[ServicePort]) -> bool:
         """The Service's current programmable ports ([] = not proxied). Returns whether anything changed."""
-        key = f"{namespace}/{name}"
+        key = _service_key(namespace, name)
         new = compact_mapping({p.name: p for p in ports})
         with self._lock:
             old = self._services.get(key, {})
@@ -158,7 +171,7 @@ class ChangeTracker:
                      trigger_time: float | None = None) -> bool:
         """One EndpointSlice's endpoints by service port. Returns whether the service's endpoints changed."""
         slice_key = (namespace, slice_name)
-        service_key = f"{namespace}/{service}"
+        service_key = _service_key(namespace, service)
         # kept in merged form, so that a service with one slice (most of them) shares it as is
         merged = _merge_endpoints([endpoints])
         with self._lock:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import logging
 
 import pytest
@@ -576,3 +577,19 @@ def test_huge_address_lists_convert_in_linear_time():
     assert time.process_time() - started < 5
     assert len(sp.external_ips) == len(sp.load_balancer_ips) == len(sp.load_balancer_source_ranges) == 80_000
     assert sp.external_ips[:2] == ("10.0.0.0", "10.0.0.1"), "order kept"
+
+
+@pytest.mark.parametrize("plain", [True, False], ids=["plain", "checked"])
+def test_a_port_name_is_one_string_object_however_many_ports_have_it(monkeypatch, plain):
+    # decoded as the API client decodes: every "http" its own string object
+    decoded = json.loads(json.dumps([service("a", ports=[port("http"), port("dns", 53, "UDP")]),
+                                     service("b", ports=[port("http", 8080)]),
+                                     endpoint_slice("a-1", service_name="a"), endpoint_slice("b-1", service_name="b")]))
+    if not plain:  # the checked readings
+        monkeypatch.setattr(convert, "_plain_service_ports", lambda *_: None)
+        monkeypatch.setattr(convert, "_plain_ipv4_slice", lambda *_: None)
+    names = [spn.port for obj in decoded[:2] for spn in (p.name for p in convert.service_ports(obj))]
+    names += [spn.port for obj in decoded[2:] for spn in convert.endpoint_slice(obj, "n1").endpoints]
+    assert names == ["http", "dns", "http", "http", "http"]
+    http = [name for name in names if name == "http"]
+    assert all(name is http[0] for name in http), "one object per distinct port name, not one per port"

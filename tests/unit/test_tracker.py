@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from ebpf_proxy.model import ChangeTracker, Endpoint, NodeState, Protocol, ServicePort, ServicePortName
 from ebpf_proxy.model import tracker as tracker_mod
 
@@ -380,3 +382,17 @@ def test_a_lone_merged_slice_is_kept_as_the_general_merge_keeps_it():
         general = tracker_mod._merge_endpoints(iter([sl.endpoints]))  # not a list: no shortcut
         assert fast == general and type(fast) is type(general)
         assert [type(v) for v in fast.values()] == [type(v) for v in general.values()]
+
+
+def test_a_service_key_is_one_string_object_for_the_service_and_its_slices():
+    t = ChangeTracker()
+    ns, name = "".join(["def", "ault"]), "".join(["w", "eb"])  # not the constants' objects
+    t.update_service(ns, name, [sp(HTTP)])
+    t.update_slice(ns, "web-a", "".join(["w", "eb"]), {HTTP: (ep("10.0.0.1"),)})
+    t.update_slice(ns, "web-b", "".join(["w", "eb"]), {HTTP: (ep("10.0.0.2"),)})
+    key = next(iter(t._services))
+    assert key == "default/web"
+    assert t._slices[("default", "web-a")].service_key is key and t._slices[("default", "web-b")].service_key is key
+    assert next(iter(t._endpoints)) is key and next(iter(t._slices_by_service)) is key
+    # and the Services watch cache's key (k8s/watch.py, intern_keys=True) is that object too
+    assert key is sys.intern(f"{ns}/{name}")

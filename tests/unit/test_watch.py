@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import json
+import sys
 import threading
 
 import pytest
 
 from ebpf_proxy.k8s.client import KubeListWatch, ListError
-from ebpf_proxy.k8s.watch import Backoff, Handler, Reflector, keep_version
+from ebpf_proxy.k8s.watch import Backoff, Handler, Reflector, keep_version, kept_version
 from tests.unit.kobjects import service
+
+
+def versions(cache: dict) -> dict:
+    """The cache's kept versions as the handlers read them (keep_version keeps "5" as 5)."""
+    return {key: kept_version(kept) for key, kept in cache.items()}
 
 
 class ApiError(Exception):
@@ -425,7 +431,67 @@ def test_the_cache_keeps_what_keep_retains_and_relists_still_deliver_deletes():
     assert rec.events == [("add", "a", "5"), ("add", "b", "6"), ("update", "a", "11"),
                           ("delete", "b"), ("update", "a", "5"), ("add", "c", "40")]
     assert all("spec" in obj for obj in full), "handlers get whole objects"
-    assert reflector.cache == {"default/a": "5", "default/c": "40"}, "only versions are kept"
+    assert versions(reflector.cache) == {"default/a": "5", "default/c": "40"}, "only versions are kept"
     assert deleted == [{"metadata": {"name": "b", "namespace": "default", "resourceVersion": "6"}}], \
         "a delete found by a relist names the object"
     assert first.passes == 2 and second.passes == 2, "one pass for the names, one to deliver"
+
+
+@pytest.mark.parametrize("rv", ["5", "0", "-7", "123456789", "12345678901234567890"])
+def test_a_decimal_version_is_kept_as_an_int_that_reads_back_as_the_same_text(rv):
+    kept = keep_version(service("a", rv=rv))
+    assert type(kept) is int and kept_version(kept) == rv and type(kept_version(kept)) is str
+    if len(rv) > 1:
+        assert sys.getsizeof(kept) < sys.getsizeof(rv), "what the int form is for"
+
+
+@pytest.mark.parametrize("rv", ["007", "+7", " 7", "7 ", "1_0", "\u0667", "-0", "abc", "7.0", "9" * 5000])
+def test_any_other_version_is_kept_as_its_text(rv):
+    kept = keep_version(service("a", rv=rv))
+    assert kept == rv and type(kept) is str and kept_version(kept) is kept
+
+
+def test_versions_kept_as_ints_are_text_to_the_handlers_and_to_the_relist_decisions():
+    # "6" kept as 6 is the same version at the relist (no update), "007" kept as text is not "7"
+    first = Pages([service("a", rv="5"), service("b", rv="007"), service("c", rv="8")])
+    second = Pages([service("a", rv="5"), service("b", rv="7")])
+    clock = FakeClock()
+    fake = FakeListWatch([(first, "10"), (second, "50")], [[ev("MODIFIED", "a", "6"), ev("MODIFIED", "a", "5"),
+                                                            Advance(10), gone()], [Advance(300)]], clock)
+    olds: list = []
+    deleted: list = []
+
+    class Keeper(Recorder):
+        def on_update(self, old, new):
+            olds.append(old)
+            super().on_update(old, new)
+
+        def on_delete(self, obj):
+            deleted.append(obj)
+            super().on_delete(obj)
+
+    rec = Keeper()
+    reflector = Reflector(fake, rec, backoff=Backoff(rng=lambda: 0.5), clock=clock, wait=lambda s: False,
+                          keep=keep_version)
+    fake.reflector = reflector
+    reflector.run()
+    assert rec.events == [("add", "a", "5"), ("add", "b", "007"), ("add", "c", "8"), ("update", "a", "6"),
+                          ("update", "a", "5"), ("delete", "c"), ("update", "b", "7")]
+    assert olds == ["5", "6", "007"] and all(type(old) is str for old in olds), "the kept version, as text"
+    assert deleted == [{"metadata": {"name": "c", "namespace": "default", "resourceVersion": "8"}}]
+    assert reflector.cache == {"default/a": 5, "default/b": 7}, "decimal versions kept as ints"
+
+
+@pytest.mark.parametrize("intern_keys", [True, False])
+def test_interned_cache_keys_are_the_one_string_object_of_their_text(intern_keys):
+    canonical = sys.intern("".join(["default/", "a"]))  # what the trackers hold (model/tracker.py)
+    clock = FakeClock()
+    fake = FakeListWatch([(Pages([service("a", rv="5")]), "10")], [[ev("ADDED", "b", "6"), Advance(300)]], clock)
+    reflector = Reflector(fake, Recorder(), clock=clock, wait=lambda s: False, keep=keep_version,
+                          intern_keys=intern_keys)
+    fake.reflector = reflector
+    reflector.run()
+    keys = {key: key for key in reflector.cache}
+    assert sorted(keys) == ["default/a", "default/b"]
+    assert (keys["default/a"] is canonical) is intern_keys
+    assert (keys["default/b"] is sys.intern("".join(["default/", "b"]))) is intern_keys

@@ -19,7 +19,7 @@ from ebpf_proxy.k8s.watch import Backoff, Reflector, keep_version
 from ebpf_proxy.model import Protocol, ServicePortName
 from tests.unit.kobjects import service
 from tests.unit.test_agent import RecordingDatapath, wait_for
-from tests.unit.test_watch import ApiError, FakeClock, FakeResponse, Recorder, ev, gone
+from tests.unit.test_watch import ApiError, FakeClock, FakeResponse, Recorder, ev, gone, versions
 
 
 def page(items: list, rv: str = "10", token: str | None = None) -> bytes:
@@ -100,7 +100,7 @@ def test_a_first_list_is_delivered_page_by_page_each_page_decoded_once(monkeypat
     assert asked == [1, 1, 2], "page 1's objects are delivered before page 2 is asked for"
     assert decodes.count == 2, "each page decoded once"
     assert reflector.synced.is_set() and reflector.lists == 1 and reflector.resource_version == "10"
-    assert reflector.cache == {"default/a": "5", "default/b": "6", "default/c": "7"}
+    assert versions(reflector.cache) == {"default/a": "5", "default/b": "6", "default/c": "7"}
     assert api.calls[1]["_continue"] == "t1"
 
 
@@ -115,7 +115,7 @@ def test_a_relist_is_held_until_its_last_page_and_then_diffed(monkeypatch):
     # first list: 1 decode; the watch's 410 event: 1; relist: each of its 2 pages checked on
     # arrival, walked for the names, drained
     assert decodes.count == 1 + 1 + 3 * 2
-    assert reflector.cache == {"default/a": "5", "default/c": "40"} and reflector.lists == 2
+    assert versions(reflector.cache) == {"default/a": "5", "default/c": "40"} and reflector.lists == 2
 
 
 def test_a_relist_that_fails_on_its_second_page_changes_nothing():
@@ -167,13 +167,13 @@ def test_a_first_list_failing_half_way_is_retried_as_a_relist_that_deletes_what_
     reflector, rec = reflect(api, probe, waits=waits)
     probe.reflector = reflector
     states: list[tuple] = []
-    reflector._wait = lambda s: states.append((reflector.synced.is_set(), dict(reflector.cache))) or \
+    reflector._wait = lambda s: states.append((reflector.synced.is_set(), versions(reflector.cache))) or \
         waits.append(s) or False
     reflector.run()
     assert rec.events == [("add", "a", "5"), ("add", "b", "6"), ("delete", "b"), ("update", "a", "8"),
                           ("add", "c", "9")]
     assert probe.synced_at == [False] * 5, "nothing is announced as listed before the list that succeeded"
-    assert reflector.cache == {"default/a": "8", "default/c": "9"}
+    assert versions(reflector.cache) == {"default/a": "8", "default/c": "9"}
     assert reflector.lists == 1 and reflector.synced.is_set() and reflector.resource_version == "20"
     assert waits == pytest.approx(waits_expected)
     if waits_expected:  # while backing off: not listed, the failed attempt's objects in the cache
@@ -353,4 +353,4 @@ def test_a_relist_whose_items_fail_to_read_changes_nothing_and_is_retried():
     fake.reflector = reflector
     reflector.run()
     assert rec.events == [("add", "a", "5"), ("add", "b", "6"), ("delete", "b")]
-    assert reflector.cache == {"default/a": "5"} and waits == [pytest.approx(0.8)]
+    assert versions(reflector.cache) == {"default/a": "5"} and waits == [pytest.approx(0.8)]

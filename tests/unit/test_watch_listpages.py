@@ -10,7 +10,7 @@ import json
 from ebpf_proxy.k8s.client import ListPages
 from ebpf_proxy.k8s.watch import Backoff, Reflector, keep_version
 from tests.unit.kobjects import service
-from tests.unit.test_watch import FakeClock, FakeListWatch, Recorder
+from tests.unit.test_watch import FakeClock, FakeListWatch, Recorder, versions
 
 
 class CountingPages(ListPages):
@@ -61,4 +61,4 @@ def test_a_first_list_is_decoded_once_a_relist_twice_and_deletes_still_come_firs
     assert (first.walks, first.drains) == (0, 1), "a first list: no names pass, one drain"
     assert (second.walks, second.drains) == (1, 1), "a relist: the names pass, then the drain"
     assert entered == ["in", "out", "in", "out"]
-    assert reflector.cache == {"default/a": "5", "default/d": "40"}
+    assert versions(reflector.cache) == {"default/a": "5", "default/d": "40"}
