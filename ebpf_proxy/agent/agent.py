@@ -195,13 +195,15 @@ class Agent:
         self._stop = threading.Event()
         self._runner_thread: threading.Thread | None = None
         self._sync_lock = threading.Lock()  # guards _syncing/_synced_rv against the /healthz reader
-        self._datapath_lock = threading.Lock()  # one of sync or drift audit at a time
+        self._datapath_lock = threading.Lock()  # one sync at a time (and a drift audit's checks: audit.py)
+        self._datapath_syncs = 0  # syncs begun, counted under _datapath_lock: the audit's "did one run meanwhile"
         self._handover_from: str | None = None  # the other mode, still in place until the first sync
         self._ip6tables_checked = False  # ebpf mode: ip6tables leftovers looked for (after IPv6's first sync)
         self.handover: handover.HandoverResult | None = None  # what that first sync moved over
         self.auditor = DriftAuditor(lambda: [(f, p.datapath) for f, p in self.proxiers.items()],
                                     self._datapath_lock, self.metrics,
-                                    period=config.audit_period, repair=config.audit_repair)
+                                    period=config.audit_period, repair=config.audit_repair,
+                                    syncs=lambda: self._datapath_syncs)
         self._syncing = False
         self._synced_rv = ""
         self.health.synced_resource_version = self.synced_resource_version
@@ -427,6 +429,7 @@ class Agent:
         pause = heap.paused() if any_full and self._settle_heap else contextlib.nullcontext()
         try:
             with self._datapath_lock, pause:
+                self._datapath_syncs += 1
                 for family, (state, changes) in taken.items():
                     try:
                         results[family] = self._sync_family(self.proxiers[family], state, changes)
