@@ -424,10 +424,7 @@ def test_the_cache_keeps_what_keep_retains_and_relists_still_deliver_deletes():
             super().on_delete(obj)
 
     rec = Keeper()
-    reflector = Reflector(fake, rec, backoff=Backoff(rng=lambda: 0.5), clock=clock, wait=lambda s: False,
-                          keep=keep_version)
-    fake.reflector = reflector
-    reflector.run()
+    reflector = _run_keeping_versions(fake, rec, clock)
     assert rec.events == [("add", "a", "5"), ("add", "b", "6"), ("update", "a", "11"),
                           ("delete", "b"), ("update", "a", "5"), ("add", "c", "40")]
     assert all("spec" in obj for obj in full), "handlers get whole objects"
@@ -435,6 +432,15 @@ def test_the_cache_keeps_what_keep_retains_and_relists_still_deliver_deletes():
     assert deleted == [{"metadata": {"name": "b", "namespace": "default", "resourceVersion": "6"}}], \
         "a delete found by a relist names the object"
     assert first.passes == 2 and second.passes == 2, "one pass for the names, one to deliver"
+
+
+def _run_keeping_versions(fake, rec, clock):
+    """Run a Reflector over `fake` that keeps only versions (the agent's keep_version), to the end."""
+    reflector = Reflector(fake, rec, backoff=Backoff(rng=lambda: 0.5), clock=clock, wait=lambda s: False,
+                          keep=keep_version)
+    fake.reflector = reflector
+    reflector.run()
+    return reflector
 
 
 @pytest.mark.parametrize("rv", ["5", "0", "-7", "123456789", "12345678901234567890"])
@@ -471,10 +477,7 @@ def test_versions_kept_as_ints_are_text_to_the_handlers_and_to_the_relist_decisi
             super().on_delete(obj)
 
     rec = Keeper()
-    reflector = Reflector(fake, rec, backoff=Backoff(rng=lambda: 0.5), clock=clock, wait=lambda s: False,
-                          keep=keep_version)
-    fake.reflector = reflector
-    reflector.run()
+    reflector = _run_keeping_versions(fake, rec, clock)
     assert rec.events == [("add", "a", "5"), ("add", "b", "007"), ("add", "c", "8"), ("update", "a", "6"),
                           ("update", "a", "5"), ("delete", "c"), ("update", "b", "7")]
     assert olds == ["5", "6", "007"] and all(type(old) is str for old in olds), "the kept version, as text"
