@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ebpf_proxy.datapath.ebpf.maps import Backends
-from ebpf_proxy.datapath.ebpf.services import SlotIds, sorted_names, stable_slots
+from ebpf_proxy.datapath.ebpf.services import SlotIds, in_place, sorted_names, stable_slots
 from ebpf_proxy.model import Protocol, ServicePortName
 
 V4 = st.ip_addresses(v=4).map(str)
@@ -77,3 +77,18 @@ def test_backend_ids_by_address_are_those_of_the_records(rows):
     backends = Backends.of([(100 + i, ip, port % (1 << 16), c, loc) for i, (ip, port, c, loc) in enumerate(rows)])
     if isinstance(backends, Backends):
         assert backends.ids_by_address() == {(be.addr, be.port): bid for bid, be in backends.items()}
+
+
+@given(previous=st.lists(st.integers(min_value=1, max_value=(1 << 32) - 1), min_size=1, max_size=12, unique=True),
+       seed=st.randoms(use_true_random=False))
+def test_the_same_backends_keep_their_slots_and_change_in_place(previous, seed):
+    """A restart or a resync recomputes every service's slots from the same backends: they keep
+    their order (nothing moves), and the change is in place (the bank stays), packed or not."""
+    wanted = list(previous)
+    seed.shuffle(wanted)
+    for before in (tuple(previous), SlotIds.pack(previous)):
+        assert stable_slots(before, wanted) == tuple(previous)
+        assert in_place(before, stable_slots(before, wanted))
+    # one backend fewer or one more is not "the same": the general path decides
+    assert stable_slots(tuple(previous), wanted[1:]) != tuple(previous)
+    assert stable_slots(tuple(previous), [*wanted, 0]) == (*previous, 0)
