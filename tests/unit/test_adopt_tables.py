@@ -398,3 +398,115 @@ def test_a_read_back_from_raw_batches_is_the_one_from_rows():
     assert list(snap.slots.items()) == list(adopt.SlotTable.of(SLOT_ROWS).items())
     assert list(snap.backends.items()) == list(adopt.BackendTable.of(BACKEND_ROWS).items())
     assert snap.max_svc_id == (1 << 32) - 1 and snap.max_backend_id == (1 << 32) - 1
+
+
+def random_slot_maps(rng):
+    """A random epx_svc and epx_slot: (frontend, record) rows and (svc_id, bank, scope, slot, id)
+    rows, with what a crash or a half-done sync leaves: holes, two versions (banks) of a service,
+    slots past the counts, slots of service ids without records, an id of 0xFFFFFFFF, the widest slot."""
+    services, slots = [], {}
+    ids = rng.sample(range(0, 40), 12) + [(1 << 32) - 1]
+    for n, svc_id in enumerate(ids):
+        with_records = rng.random() < 0.8
+        versions = [(rng.randrange(2), rng.randrange(0, 7), rng.randrange(0, 4))
+                    for _ in range(rng.choice((1, 1, 2)))]
+        if with_records:
+            for f in range(rng.randrange(1, 4)):
+                bank, count, local_count = rng.choice(versions)
+                flags = s.LB4_F_SLOT_BANK if bank else 0
+                record = Service(svc_id, count, local_count, flags=flags)
+                services.append((Frontend(f"10.96.{n}.{f}", 80 + f), record))
+        for bank, count, local_count in versions:
+            for scope, k in ((CLUSTER, count), (LOCAL, local_count)):
+                for slot in range(k + rng.choice((0, 0, 1, 3))):  # sometimes past the count
+                    if rng.random() > 0.15:  # holes
+                        slots[svc_id, bank, scope, slot] = rng.choice((rng.randrange(1, 500), 0, (1 << 32) - 1))
+        if rng.random() < 0.2:
+            slots[svc_id, rng.randrange(2), rng.randrange(3), (1 << 16) - 1] = rng.randrange(1, 500)
+    return services, [(*key, bid) for key, bid in slots.items()]
+
+
+def batches_of(rows, size=7):
+    rows = [((svc_id << 32 | bank << 24 | scope << 16 | slot), bid) for svc_id, bank, scope, slot, bid in rows]
+    from array import array
+    return [(array("Q", [k for k, _ in rows[i:i + size]]), array("I", [v for _, v in rows[i:i + size]]))
+            for i in range(0, len(rows), size)]
+
+
+def old_strays_slots(snap, owners):
+    """strays()' slots as it found them before the flat table: a key at a time."""
+    out = []
+    for svc_id, bank, scope, slot in snap.slots:
+        owner = owners.get(svc_id)
+        if owner is None or bank != owner.bank or \
+                slot >= len(owner.cluster_slots if scope == CLUSTER else owner.local_slots):
+            out.append((svc_id, bank, scope, slot))
+    return tuple(out)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_flat_slot_table_answers_what_the_sorted_one_answers(seed):
+    """with_spans (read()'s: the spans the records claim laid flat, the rest sorted) against
+    of_batches (everything sorted) on random maps: every query, the same answer."""
+    rng = random.Random(seed)
+    services, rows = random_slot_maps(rng)
+    rows = shuffled(rows, seed)
+    spans = list(adopt.Records(services).slot_spans())
+    assert spans == sorted(spans) and all(count > 0 for _, count in spans)
+    sorted_only = adopt.SlotTable.of_batches(batches_of(rows))
+    flat = adopt.SlotTable.with_spans(spans, batches_of(rows))
+    plain = {row[:4]: row[4] for row in rows}
+    assert dict(sorted_only) == plain
+    assert len(flat) == len(plain) and list(flat) == list(sorted_only) == sorted(plain)
+    assert list(flat.items()) == list(sorted_only.items()) and list(flat.values()) == list(sorted_only.values())
+    probes = list(plain) + [(svc_id, bank, scope, slot) for svc_id in range(42) for bank in (0, 1)
+                            for scope in (CLUSTER, LOCAL, 2) for slot in range(9)]
+    for key in probes + [(1 << 32, 0, 0, 0), (-1, 0, 0, 0), "junk", (1, 0, 0)]:
+        assert (key in flat) == (key in sorted_only) and flat.get(key) == sorted_only.get(key), key
+    for svc_id in list(range(42)) + [(1 << 32) - 1]:
+        for bank in (0, 1):
+            for scope in (CLUSTER, LOCAL, 2):
+                for most in (0, 1, 3, 8, 1 << 17):
+                    assert flat.run(svc_id, bank, scope, most) == sorted_only.run(svc_id, bank, scope, most)
+    assert flat.max_service_id() == sorted_only.max_service_id()
+    assert flat.max_backend_id() == sorted_only.max_backend_id()
+    limits = {(svc_id, bank, scope): rng.randrange(-1, 9)
+              for svc_id in range(42) for bank in (0, 1) for scope in range(3)}
+
+    def limit(svc_id, bank, scope):
+        return limits.get((svc_id, bank, scope), 0)
+
+    want = [key for key in sorted(plain) if key[3] >= limit(*key[:3])]
+    assert list(flat.slots_past(limit)) == list(sorted_only.slots_past(limit)) == want
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_flat_read_back_finds_the_entries_and_strays_the_sorted_one_found(seed):
+    rng = random.Random(100 + seed)
+    services, rows = random_slot_maps(rng)
+    snap = adopt.read(FakeMaps(shuffled(services, seed), shuffled(rows, seed), BACKEND_ROWS, batch=5))
+    assert snap.slots._placed, "the records' spans are laid flat"
+    old = adopt.read(FakeMaps(services, rows, BACKEND_ROWS))
+    old.slots = adopt.SlotTable.of(rows)
+    assert list(snap.slots.items()) == list(old.slots.items())
+    assert (snap.max_svc_id, snap.max_backend_id) == (old.max_svc_id, old.max_backend_id)
+    ids = sorted(set(snap.frontends))
+    for svc_id in ids:
+        assert adopt.entries_of(snap, svc_id) == adopt.entries_of(old, svc_id)
+    claimed = {svc_id: adopt.entries_of(snap, svc_id) for svc_id in ids if rng.random() < 0.6}
+    found, before = adopt.strays(snap, claimed), adopt.strays(old, claimed)
+    assert found == before
+    owners = {**{e.svc_id: e for e in before.services}, **claimed}
+    assert found.slots == old_strays_slots(old, owners)
+
+
+def test_slot_spans_take_the_largest_count_of_each_bank_and_scope():
+    services = [(Frontend("10.96.0.1", 80), Service(3, 2, 1)),
+                (Frontend("10.96.0.2", 80), Service(3, 4, 0)),
+                (Frontend("10.96.0.3", 80), Service(3, 1, 5, flags=s.LB4_F_SLOT_BANK)),
+                (Frontend("10.96.0.4", 80), Service(1, 0, 0))]
+    assert list(adopt.Records(services).slot_spans()) == [
+        (3 << 32 | CLUSTER << 16, 4), (3 << 32 | LOCAL << 16, 1),
+        (3 << 32 | 1 << 24 | CLUSTER << 16, 1), (3 << 32 | 1 << 24 | LOCAL << 16, 5)]
+    with pytest.raises(ValueError):
+        adopt.SlotTable.with_spans([(2 << 32, 1), (1 << 32, 1)], [])

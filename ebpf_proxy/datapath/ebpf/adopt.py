@@ -20,13 +20,14 @@ slots no frontend reads any more deleted as strays. A port the kill did not catc
 
 from __future__ import annotations
 
+import heapq
 import logging
 import socket
 import struct
 from array import array
 from bisect import bisect_left, bisect_right
 from collections import Counter, defaultdict
-from collections.abc import ItemsView, Iterable, Iterator, Mapping, Sequence, ValuesView
+from collections.abc import Callable, ItemsView, Iterable, Iterator, Mapping, Sequence, ValuesView
 from dataclasses import dataclass, field, replace
 from itertools import chain
 
@@ -37,7 +38,7 @@ from ebpf_proxy.model import ProxyState
 
 log = logging.getLogger(__name__)
 
-_NOWHERE = 0xFFFFFFFF  # BackendTable._where: no backend has this id
+_NOWHERE = 0xFFFFFFFF  # BackendTable._where: no backend has this id; SlotTable._flat: a hole
 _U32_ARRAY = "I"  # array typecode of a backend id, epx_backend's u32 key (as maps.Backends packs them)
 # sorted_pairs' groups: keys that agree above these bits are sorted together. Service and backend
 # ids are handed out densely from 1, so a group is up to 4,096 service ids' slots (~60,000 at 10
@@ -163,15 +164,32 @@ class _Values(ValuesView):
 class SlotTable(_Packed):
     """epx_slot as read back: (service id, bank, scope, slot) -> backend id.
 
-    A service's slots are numbered 0, 1, ...: their packed keys come in runs of consecutive
-    numbers, held as the run's first key and where its backend ids start (12 bytes a run, two
-    runs a service: cluster and local), not as a key each (8 bytes a slot: ~10 MiB of the
-    read-back's peak at 100,000 Services x 10 endpoints)."""
+    Two parts, disjoint, together every entry:
 
-    __slots__ = ("_starts", "_offsets", "_values")
+    - the flat part (only when made with the spans epx_svc's records claim: with_spans, as read()
+      does): for each (service id, bank, scope) a record names, slots 0..count-1 (the largest count
+      its frontends give) laid out in key order in one array of backend ids, 4 bytes a slot, a
+      hole (a slot the map does not hold, after a crash) marked _NOWHERE; the spans indexed by
+      their sorted keys and where each starts. Each entry goes straight to its place as the map's
+      batches stream in: nothing is grouped or sorted. At 1.5 million slots (100,000 Services x
+      (10 cluster + 5 local)) the table took 23.3 MiB at its peak (8.4 MiB held) as the sorted
+      part alone; this way 8.1 MiB, peak and held (see with_spans). A hole is marked in the array
+      itself (a backend id no entry has: one that has it goes to the sorted part), not in a
+      bytearray beside it (1.5 MB more).
+    - the sorted part: everything else (no record claims it, another bank, a slot past the count,
+      a backend id of _NOWHERE): strays, usually none. Its packed keys come in runs of
+      consecutive numbers, held as the run's first key and where its backend ids start (12 bytes a
+      run), not as a key each.
+    """
+
+    __slots__ = ("_starts", "_offsets", "_values", "_span_keys", "_span_at", "_flat", "_placed")
 
     def __init__(self, rows: Iterable[tuple[int, int]] = ()) -> None:
-        """`rows`: (packed key, backend id) pairs, in any order, each key once."""
+        """`rows`: (packed key, backend id) pairs, in any order, each key once: all in the sorted part."""
+        self._span_keys, self._span_at, self._flat, self._placed = array("Q"), array("I", [0]), array("I"), 0
+        self._sort_rest(rows)
+
+    def _sort_rest(self, rows: Iterable[tuple[int, int]]) -> None:
         # the runs are found group by group as the keys come sorted: the sorted keys are never
         # held whole (12 MiB at 1.5 million slots, and as much again in a list of run starts,
         # at the peak of every restart and drift audit at 100,000 Services x 10 endpoints)
@@ -201,6 +219,47 @@ class SlotTable(_Packed):
         packs them), taken a batch at a time: no tuple of fields per slot, as of() needs."""
         return cls(chain.from_iterable(zip(keys, ids) for keys, ids in batches))
 
+    @classmethod
+    def with_spans(cls, spans: Iterable[tuple[int, int]],
+                   batches: Iterable[tuple[Sequence[int], Sequence[int]]]) -> "SlotTable":
+        """From (packed keys, backend ids) batches as of_batches(), each entry inside one of
+        `spans` put in the flat part, the rest sorted.
+
+        `spans`: (span key: svc_id << 32 | bank << 24 | scope << 16, slot count) in increasing key
+        order, each key once (Records.slot_spans). At 1.5 million slots, 100,000 Services x (10
+        cluster + 5 local), shuffled, in batches of 10,000: 8.1 MiB traced at the peak (the flat
+        array 5.7 MiB, the span index 2.3 MiB), where of_batches() took 23.3 MiB, the peak of every
+        restart and drift audit; CPU 1.05 s where of_batches() took 0.82 s (a bisection of the
+        span keys an entry; no tracemalloc). A dict by span would be ~20 MiB at 200,000 spans."""
+        table = cls.__new__(cls)
+        span_keys, span_at, total, last = array("Q"), array("I", [0]), 0, -1
+        for key, count in spans:
+            if key & 0xFFFF or not 0 <= key < 1 << 64 or key <= last:
+                raise ValueError(f"slot spans: {key:#x} is not a span key above the one before")
+            count = min(count, 1 << 16)
+            if count <= 0:
+                continue
+            last = key
+            span_keys.append(key)
+            total += count
+            span_at.append(total)
+        flat = array("I", [_NOWHERE]) * total
+        rest_keys, rest_ids = array("Q"), array("I")
+        for keys, ids in batches:
+            for key, bid in zip(keys, ids):
+                r = bisect_right(span_keys, key) - 1  # the span at or below the key
+                if r >= 0 and bid != _NOWHERE:
+                    at = span_at[r] + key - span_keys[r]
+                    if at < span_at[r + 1]:
+                        flat[at] = bid
+                        continue
+                rest_keys.append(key)
+                rest_ids.append(bid)
+        table._span_keys, table._span_at, table._flat = span_keys, span_at, flat
+        table._placed = len(flat) - flat.count(_NOWHERE)
+        table._sort_rest(zip(rest_keys, rest_ids))
+        return table
+
     def _pack_key(self, key: object) -> int:
         svc_id, bank, scope, slot = key  # type: ignore[misc]
         if not (0 <= svc_id < 1 << 32 and 0 <= bank < 256 and 0 <= scope < 256 and 0 <= slot < 1 << 16):
@@ -213,8 +272,16 @@ class SlotTable(_Packed):
     def _value(self, index: int) -> int:
         return self._values[index]
 
+    def _flat_at(self, packed: int) -> int | None:
+        """Where `packed` would be in the flat part (held or a hole), None when no span has it."""
+        r = bisect_right(self._span_keys, packed) - 1
+        if r < 0:
+            return None
+        at = packed - self._span_keys[r]
+        return self._span_at[r] + at if at < self._span_at[r + 1] - self._span_at[r] else None
+
     def _run_of(self, packed: int) -> tuple[int, int] | None:
-        """(the run holding `packed`, its place in it), None when no run does."""
+        """(the sorted part's run holding `packed`, its place in it), None when no run does."""
         r = bisect_right(self._starts, packed) - 1
         if r < 0:
             return None
@@ -222,34 +289,137 @@ class SlotTable(_Packed):
         return (r, at) if at < self._offsets[r + 1] - self._offsets[r] else None
 
     def _index(self, key: object) -> int | None:
+        """`key`'s index in the sorted part's values (None if it is not there)."""
         try:
             found = self._run_of(self._pack_key(key))
         except (TypeError, ValueError):
             return None
         return None if found is None else self._offsets[found[0]] + found[1]
 
+    def _lookup(self, key: object) -> int | None:
+        try:
+            packed = self._pack_key(key)
+        except (TypeError, ValueError):
+            return None
+        at = self._flat_at(packed)
+        if at is not None and self._flat[at] != _NOWHERE:
+            return self._flat[at]
+        found = self._run_of(packed)
+        return None if found is None else self._values[self._offsets[found[0]] + found[1]]
+
+    def __getitem__(self, key: object) -> int:
+        bid = self._lookup(key)
+        if bid is None:
+            raise KeyError(key)
+        return bid
+
+    def __contains__(self, key: object) -> bool:
+        return self._lookup(key) is not None
+
     def __len__(self) -> int:
-        return len(self._values)
+        return self._placed + len(self._values)
+
+    def _flat_pairs(self) -> Iterator[tuple[int, int]]:
+        flat, span_at = self._flat, self._span_at
+        for r, span in enumerate(self._span_keys):
+            first = span_at[r]
+            for i in range(span_at[r + 1] - first):
+                bid = flat[first + i]
+                if bid != _NOWHERE:
+                    yield span + i, bid
+
+    def _rest_pairs(self) -> Iterator[tuple[int, int]]:
+        offsets, values = self._offsets, self._values
+        for r, start in enumerate(self._starts):
+            first = offsets[r]
+            for i in range(offsets[r + 1] - first):
+                yield start + i, values[first + i]
+
+    def _pairs(self) -> Iterator[tuple[int, int]]:
+        """(packed key, backend id) of every entry, in key order (the parts merged: no key is in both)."""
+        if not self._placed:
+            return self._rest_pairs()
+        if not self._values:
+            return self._flat_pairs()
+        return heapq.merge(self._flat_pairs(), self._rest_pairs())
 
     def _packed_keys(self) -> Iterator[int]:
-        offsets = self._offsets
-        for r, start in enumerate(self._starts):
-            yield from range(start, start + offsets[r + 1] - offsets[r])
+        return (key for key, _ in self._pairs())
+
+    def _ordered_values(self) -> Iterator[int]:
+        return (bid for _, bid in self._pairs())
+
+    def _piece(self, packed: int, most: int) -> array:
+        """The backend ids of `packed` and the slots after it, up to the first one missing from
+        the part holding `packed`, at most `most`."""
+        at = self._flat_at(packed)
+        if at is not None and self._flat[at] != _NOWHERE:
+            r = bisect_right(self._span_keys, packed) - 1
+            piece = self._flat[at:min(self._span_at[r + 1], at + most)]
+            try:
+                return piece[:piece.index(_NOWHERE)]
+            except ValueError:
+                return piece
+        found = self._run_of(packed)
+        if found is None:
+            return array("I")
+        first = self._offsets[found[0]] + found[1]
+        return self._values[first:min(self._offsets[found[0] + 1], first + most)]
 
     def run(self, svc_id: int, bank: int, scope: int, most: int) -> tuple[int, ...]:
         """The backend ids in slots 0, 1, ... of (svc_id, bank, scope), up to the first missing
-        slot, at most `most`: slot 0's run, which is exactly those."""
-        found = self._run_of(self._pack_key((svc_id, bank, scope, 0)))
-        if found is None or most <= 0:
-            return ()
-        first = self._offsets[found[0]]
-        return tuple(self._values[first:min(self._offsets[found[0] + 1], first + most)])
+        slot, at most `most`: the flat span's, continued from the sorted part where it stops
+        (a slot past the span, or held there)."""
+        packed = self._pack_key((svc_id, bank, scope, 0))
+        out = array("I")
+        while len(out) < most:
+            piece = self._piece(packed, most - len(out))
+            if not piece:
+                break
+            out.extend(piece)
+            packed += len(piece)
+            if not packed & 0xFFFF:  # past slot 65535
+                break
+        return tuple(out)
+
+    def slots_past(self, limit: Callable[[int, int, int], int]) -> Iterator[tuple[int, int, int, int]]:
+        """Every key (service id, bank, scope, slot), in order, whose slot is not below
+        limit(service id, bank, scope). A flat span within its limit is skipped whole, without a
+        key made for each of its slots: 0.04 s CPU at 1.5 million slots (100,000 Services x 10
+        endpoints) where a tuple a slot took 0.32 s before strays()' own test of each."""
+        def flat() -> Iterator[int]:
+            table, span_at = self._flat, self._span_at
+            for r, span in enumerate(self._span_keys):
+                first, count = span_at[r], span_at[r + 1] - span_at[r]
+                lowest = max(0, limit(span >> 32, span >> 24 & 0xFF, span >> 16 & 0xFF))
+                for i in range(lowest, count):
+                    if table[first + i] != _NOWHERE:
+                        yield span + i
+
+        def rest() -> Iterator[int]:
+            offsets = self._offsets
+            for r, start in enumerate(self._starts):
+                slot, length = start & 0xFFFF, offsets[r + 1] - offsets[r]
+                lowest = max(slot, limit(start >> 32, start >> 24 & 0xFF, start >> 16 & 0xFF))
+                yield from range(start + lowest - slot, start + length)
+
+        return map(self._unpack_key, heapq.merge(flat(), rest()))
 
     def max_service_id(self) -> int:
-        return self._starts[-1] >> 32 if self._starts else 0
+        top = self._starts[-1] >> 32 if self._starts else 0
+        flat, span_at = self._flat, self._span_at
+        for r in range(len(self._span_keys) - 1, -1, -1):  # the highest span holding a slot
+            if self._span_keys[r] >> 32 <= top:
+                break
+            if flat[span_at[r]:span_at[r + 1]].count(_NOWHERE) < span_at[r + 1] - span_at[r]:
+                return self._span_keys[r] >> 32
+        return top
 
     def max_backend_id(self) -> int:
-        return max(self._values, default=0)
+        flat = max(self._flat, default=0)
+        if flat == _NOWHERE:  # holes
+            flat = max((bid for bid in self._flat if bid != _NOWHERE), default=0)
+        return max(flat, max(self._values, default=0))
 
 
 class BackendTable(_Packed):
@@ -509,6 +679,27 @@ class Records(_Packed):
     def service_count(self) -> int:
         return self._ids
 
+    def slot_spans(self) -> Iterator[tuple[int, int]]:
+        """Where the records say each service's slots are: (svc_id << 32 | bank << 24 | scope << 16,
+        the largest count that service id's frontends give in that bank and scope), in key order,
+        counts of 0 left out (SlotTable.with_spans). A half-done sync can leave two versions of a
+        service (entries_of): both are spans."""
+        values, f = self._values, _RECORD_FIELDS
+        owners, j = self._owners, 0
+        while j < len(owners):
+            svc_id = owners[j] >> 32
+            counts: dict[int, int] = {}
+            while j < len(owners) and owners[j] >> 32 == svc_id:
+                i = (owners[j] & 0xFFFFFFFF) * f
+                bank = slot_bank(values[i + 4])
+                for scope, count in ((s.LB4_SCOPE_CLUSTER, values[i + 1]), (s.LB4_SCOPE_LOCAL, values[i + 2])):
+                    key = svc_id << 32 | bank << 24 | scope << 16
+                    counts[key] = max(counts.get(key, 0), count)
+                j += 1
+            for key in sorted(counts):
+                if counts[key]:
+                    yield key, counts[key]
+
 
 class _Frontends(Mapping):
     """Snapshot.frontends: service id -> {frontend: its flags, the slot bank left out (that is
@@ -564,7 +755,8 @@ def read(maps: Maps) -> Snapshot:
     # each map read as raw batches, one at a time, into the packed tables (no ctypes object, no
     # tuple of fields per entry: ~2.5 million entries at 100,000 Services x 10 endpoints)
     snap.records = Records.of_rows(maps.service_rows())
-    snap.slots = SlotTable.of_batches(maps.slot_batches())
+    # epx_slot straight into the spans epx_svc's records claim (SlotTable.with_spans)
+    snap.slots = SlotTable.with_spans(snap.records.slot_spans(), maps.slot_batches())
     snap.backends = BackendTable.of_batches(maps.backend_batches(), maps.BACKEND_VALUES)
     for svc_id, cidr in maps.source_ranges():
         snap.ranges[svc_id].add(cidr)
@@ -694,12 +886,16 @@ def strays(snap: Snapshot, claimed: Mapping[int, ServiceEntries]) -> Strays:
     restart (adopt: delete them) and by the drift audit (report them, then delete them)."""
     orphans = tuple(entries_of(snap, svc_id) for svc_id in sorted(set(snap.frontends) - set(claimed)))
     owners = {**{e.svc_id: e for e in orphans}, **claimed}  # an orphan's own slots go with it (remove())
-    slots = []
-    for svc_id, bank, scope, slot in snap.slots:  # in key order
+
+    def limit(svc_id: int, bank: int, scope: int) -> int:
+        """The slots of (svc_id, bank, scope) its owner accounts for: slots 0..limit-1."""
         owner = owners.get(svc_id)
-        if owner is None or bank != owner.bank or \
-                slot >= len(owner.cluster_slots if scope == s.LB4_SCOPE_CLUSTER else owner.local_slots):
-            slots.append((svc_id, bank, scope, slot))
+        if owner is None or bank != owner.bank:
+            return 0
+        return len(owner.cluster_slots if scope == s.LB4_SCOPE_CLUSTER else owner.local_slots)
+
+    # in key order; a span the records claim and its owner accounts for is skipped whole
+    slots = list(snap.slots.slots_past(limit))
     backends = tuple(snap.backends.ids_except(bid for e in (*claimed.values(), *orphans) for bid in e.backends))
     ranges = tuple((svc_id, cidr) for svc_id, cidrs in sorted(snap.ranges.items())
                    if svc_id not in snap.frontends and svc_id not in claimed for cidr in sorted(cidrs))
