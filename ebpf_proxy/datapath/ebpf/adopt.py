@@ -884,19 +884,24 @@ def strays(snap: Snapshot, claimed: Mapping[int, ServiceEntries]) -> Strays:
     services whose id nobody claims, slots past a claimed service's count (or of an id without
     frontends), backends nobody references, source ranges of ids without frontends. Used after a
     restart (adopt: delete them) and by the drift audit (report them, then delete them)."""
-    orphans = tuple(entries_of(snap, svc_id) for svc_id in sorted(set(snap.frontends) - set(claimed)))
-    owners = {**{e.svc_id: e for e in orphans}, **claimed}  # an orphan's own slots go with it (remove())
+    # the service ids the records hold come sorted, each once: no set of them (and none of
+    # `claimed`'s keys) made to subtract, ~11 MiB at 100,000 Services at the peak of every
+    # restart and drift audit; nor a copy of `claimed` to add the orphans to
+    orphans = tuple(entries_of(snap, svc_id) for svc_id in snap.records.service_ids() if svc_id not in claimed)
+    orphan_of = {e.svc_id: e for e in orphans}  # an orphan's own slots go with it (remove())
 
     def limit(svc_id: int, bank: int, scope: int) -> int:
         """The slots of (svc_id, bank, scope) its owner accounts for: slots 0..limit-1."""
-        owner = owners.get(svc_id)
+        owner = claimed.get(svc_id)
+        if owner is None:
+            owner = orphan_of.get(svc_id)
         if owner is None or bank != owner.bank:
             return 0
         return len(owner.cluster_slots if scope == s.LB4_SCOPE_CLUSTER else owner.local_slots)
 
     # in key order; a span the records claim and its owner accounts for is skipped whole
     slots = list(snap.slots.slots_past(limit))
-    backends = tuple(snap.backends.ids_except(bid for e in (*claimed.values(), *orphans) for bid in e.backends))
+    backends = tuple(snap.backends.ids_except(bid for e in chain(claimed.values(), orphans) for bid in e.backends))
     ranges = tuple((svc_id, cidr) for svc_id, cidrs in sorted(snap.ranges.items())
                    if svc_id not in snap.frontends and svc_id not in claimed for cidr in sorted(cidrs))
     return Strays(orphans, tuple(slots), backends, ranges)
