@@ -159,7 +159,7 @@ def audit(datapath: EbpfDatapath, repair: bool = False) -> AuditReport:
         if found:
             report.drifts += found
             drifted[name] = adopt.entries_of(snap, want.svc_id)
-    strays = adopt.strays(snap, {e.svc_id: e for e in believed.services.values()})
+    strays = adopt.strays(snap, adopt.ById(snap.max_svc_id, believed.services.values()))
     report.drifts += stray_drift(strays)
     devs = believed.devices  # None: the lead family's audit checks the devices (both families' programs)
     node = node_drift(believed, devs.iface_flags() if devs is not None else None)

@@ -510,3 +510,25 @@ def test_slot_spans_take_the_largest_count_of_each_bank_and_scope():
         (3 << 32 | 1 << 24 | CLUSTER << 16, 1), (3 << 32 | 1 << 24 | LOCAL << 16, 5)]
     with pytest.raises(ValueError):
         adopt.SlotTable.with_spans([(2 << 32, 1), (1 << 32, 1)], [])
+
+
+def test_by_id_is_a_mapping_of_service_ids_like_a_dict():
+    """adopt.ById holds what adopt() claimed by service id in a list (ids are dense): it must
+    answer as the dict it replaces, ids beyond the highest given and overwrites included."""
+    import random
+
+    from ebpf_proxy.datapath.ebpf.adopt import ById
+    from ebpf_proxy.datapath.ebpf.services import ServiceEntries
+
+    rng = random.Random(7)
+    entries = {i: ServiceEntries(i, {}, 0, {}, (), (), frozenset()) for i in rng.sample(range(1, 60), 25)}
+    table, plain = ById(40), {}
+    for svc_id, e in entries.items():
+        table[svc_id] = e
+        plain[svc_id] = e
+    table[next(iter(entries))] = plain[next(iter(entries))]  # an overwrite is not a new entry
+    assert len(table) == len(plain) and sorted(table) == sorted(plain)
+    assert all(table[i] is plain[i] for i in plain) and all(i in table for i in plain)
+    assert 0 not in table and 200 not in table and "x" not in table and table.get(61) is None
+    assert sorted(e.svc_id for e in table.values()) == sorted(plain)
+    assert dict(ById(0, entries.values())) == plain
