@@ -214,22 +214,17 @@ class SlotTable(_Packed):
         return cls((svc_id << 32 | bank << 24 | scope << 16 | slot, bid) for svc_id, bank, scope, slot, bid in slots)
 
     @classmethod
-    def of_batches(cls, batches: Iterable[tuple[Sequence[int], Sequence[int]]]) -> "SlotTable":
-        """From (packed keys, backend ids) batches (Maps.slot_batches: keys packed as this table
-        packs them), taken a batch at a time: no tuple of fields per slot, as of() needs."""
-        return cls(chain.from_iterable(zip(keys, ids) for keys, ids in batches))
-
-    @classmethod
     def with_spans(cls, spans: Iterable[tuple[int, int]],
                    batches: Iterable[tuple[Sequence[int], Sequence[int]]]) -> "SlotTable":
-        """From (packed keys, backend ids) batches as of_batches(), each entry inside one of
-        `spans` put in the flat part, the rest sorted.
+        """From (packed keys, backend ids) batches (Maps.slot_batches: keys packed as this table
+        packs them), each entry inside one of `spans` put in the flat part, the rest sorted (all
+        of them without spans).
 
         `spans`: (span key: svc_id << 32 | bank << 24 | scope << 16, slot count) in increasing key
         order, each key once (Records.slot_spans). At 1.5 million slots, 100,000 Services x (10
         cluster + 5 local), shuffled, in batches of 10,000: 8.1 MiB traced at the peak (the flat
-        array 5.7 MiB, the span index 2.3 MiB), where of_batches() took 23.3 MiB, the peak of every
-        restart and drift audit; CPU 1.05 s where of_batches() took 0.82 s (a bisection of the
+        array 5.7 MiB, the span index 2.3 MiB), where sorting them all took 23.3 MiB, the peak of every
+        restart and drift audit; CPU 1.05 s where sorting them all took 0.82 s (a bisection of the
         span keys an entry; no tracemalloc). A dict by span would be ~20 MiB at 200,000 spans."""
         table = cls.__new__(cls)
         span_keys, span_at, total, last = array("Q"), array("I", [0]), 0, -1
@@ -272,13 +267,14 @@ class SlotTable(_Packed):
     def _value(self, index: int) -> int:
         return self._values[index]
 
-    def _flat_at(self, packed: int) -> int | None:
-        """Where `packed` would be in the flat part (held or a hole), None when no span has it."""
+    def _span_of(self, packed: int) -> tuple[int, int] | None:
+        """(the span holding `packed`, where it would be in the flat part: held or a hole), None
+        when no span has it."""
         r = bisect_right(self._span_keys, packed) - 1
         if r < 0:
             return None
         at = packed - self._span_keys[r]
-        return self._span_at[r] + at if at < self._span_at[r + 1] - self._span_at[r] else None
+        return (r, self._span_at[r] + at) if at < self._span_at[r + 1] - self._span_at[r] else None
 
     def _run_of(self, packed: int) -> tuple[int, int] | None:
         """(the sorted part's run holding `packed`, its place in it), None when no run does."""
@@ -301,9 +297,9 @@ class SlotTable(_Packed):
             packed = self._pack_key(key)
         except (TypeError, ValueError):
             return None
-        at = self._flat_at(packed)
-        if at is not None and self._flat[at] != _NOWHERE:
-            return self._flat[at]
+        span = self._span_of(packed)
+        if span is not None and self._flat[span[1]] != _NOWHERE:
+            return self._flat[span[1]]
         found = self._run_of(packed)
         return None if found is None else self._values[self._offsets[found[0]] + found[1]]
 
@@ -352,9 +348,9 @@ class SlotTable(_Packed):
     def _piece(self, packed: int, most: int) -> array:
         """The backend ids of `packed` and the slots after it, up to the first one missing from
         the part holding `packed`, at most `most`."""
-        at = self._flat_at(packed)
-        if at is not None and self._flat[at] != _NOWHERE:
-            r = bisect_right(self._span_keys, packed) - 1
+        span = self._span_of(packed)
+        if span is not None and self._flat[span[1]] != _NOWHERE:
+            r, at = span
             piece = self._flat[at:min(self._span_at[r + 1], at + most)]
             try:
                 return piece[:piece.index(_NOWHERE)]

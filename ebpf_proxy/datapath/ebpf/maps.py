@@ -540,8 +540,8 @@ if _U32.size + _SLOT_TAIL.size != _LB4_SLOT_KEY.size:
     raise ImportError("maps.py: lb4_slot_key is not its svc_id followed by (slot, scope, bank)")
 # lb4_key as read back: the same layout as _LB4_KEY, the port (network order) read as its number
 _LB4_KEY_READ = struct.Struct("!4sHBx")
-if _LB4_KEY_READ.size != _LB4_KEY.size or array(_ID).itemsize != _U32.size or array("Q").itemsize != 2 * _U32.size:
-    raise ImportError("maps.py: the read-back layouts (lb4_key, u32 and u64 arrays) do not match the packers'")
+if array(_ID).itemsize != _U32.size or array("Q").itemsize != 2 * _U32.size:  # lb4_key's: checked below, with lb6_key's
+    raise ImportError("maps.py: the read-back arrays (u32 and u64) do not match the packers'")
 _NO_ADDR = bytes(4)
 
 
