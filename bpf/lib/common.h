@@ -101,7 +101,8 @@ enum epx_reason {
 	EPX_PASS_ICMP6_EXTHDRS = 46,     /* ICMPv6 error whose quoted packet has a longer extension header chain than the parser walks (pkt6.h): untouched, never translated */
 	EPX_PASS_ICMP6_FRAG = 47,        /* ICMPv6 error quoting a packet with a fragment header: untouched (no IPv6 fragment tracking: such a packet was never translated) */
 	EPX_DROP_LOCALHOST6_NO_LOCAL = 48, /* [::1]:<nodePort> of an externalTrafficPolicy=Local NodePort without a local endpoint, on the node's lo (kube-proxy's IPv6 rules never DNAT ::1; its INPUT rule "has no local endpoints" drops it) */
-	EPX_REASON_MAX = 49,
+	EPX_EV_CT_PORT_REMAP = 49,       /* not a verdict: a new connection's client port was taken toward its backend by another live connection (same client port, another frontend): it leaves with another source port, as netfilter's NAT remaps a clashing tuple (ct4.h: ct4_remap_alloc); counted once per connection */
+	EPX_REASON_MAX = 50,
 };
 #define EPX_DROP_FIRST EPX_DROP_MALFORMED_IP
 #define EPX_DROP_LAST EPX_DROP_REJECT_FAILED /* and EPX_DROP_CT_FULL, _HANDOVER_HELD, _MALFORMED_IPV6, _IPV6_EXTHDRS, _SCTP_FRAG, _LOCALHOST6_NO_LOCAL, appended later (epx_is_drop) */
@@ -251,6 +252,12 @@ struct ct4_entry {
 			    * the kernel's conntrack entry for it is gone or made; with both in place,
 			    * netfilter would track our translated packets as a new connection and its
 			    * NAT would give them another source port */
+#define CT4_S_REMAP 0x04   /* the client's port was taken toward this backend by another live connection
+			    * (the same client port through another frontend): like netfilter's NAT on a
+			    * clashing tuple, the connection leaves with another source port. On the
+			    * CT4_SVC entry: snat_addr = the client, snat_port = the port on the wire (never
+			    * with CT4_F_MASQ). On its CT4_REV_DNAT half, keyed by that port: snat_port =
+			    * the client's own port, which the reply's destination gets back */
 
 /* ---- connection table pressure: the connections each CPU created, oldest first ----
  * A queue (per CPU: no atomics) of CT4_SVC keys in creation order. When epx_ct4 is full,

@@ -29,6 +29,14 @@
  *     long and the port is reused only when no other is free (as conntrack lets a new SYN reopen
  *     a TIME_WAIT tuple), never dropped for it;
  *   - any other live connection keeps its port: no free one among the probes is SNAT_NO_PORT.
+ *
+ * Clashing tuples. A client may use one source port for two connections at once through two
+ * frontends (connect() reuses a port toward another destination). Should both reach the same
+ * backend, they would be one tuple there, and the second's CT4_REV_DNAT half would take the
+ * first's replies. netfilter's NAT finds such a clash when it confirms the second connection
+ * and gives it another source port; so does ct4_create: it leaves with a port from the
+ * masquerade range (clear of the clients' ephemeral ports), CT4_S_REMAP (common.h), counted
+ * under EPX_EV_CT_PORT_REMAP.
  */
 #ifndef EPX_CT4_H
 #define EPX_CT4_H
@@ -151,11 +159,12 @@ static __always_inline void ct4_forget(struct ct4_key *key, const struct ct4_ent
 	__be32 be_addr = e->nat_addr, snat_addr = e->snat_addr;
 	__be16 be_port = e->nat_port, snat_port = e->snat_port;
 	__u8 masq = e->flags & CT4_F_MASQ;
+	__be16 wire_port = (e->state & CT4_S_REMAP) ? snat_port : key->sport;
 	__u32 zero = 0;
 	struct ct4_ring *ring = epx_lookup(epx_ct4_ring, &zero); /* its `half`: tc_ingress's stack is full */
 
 	if (ring) {
-		ring->half = ct4_key_make(be_addr, key->saddr, be_port, key->sport, key->proto, CT4_REV_DNAT);
+		ring->half = ct4_key_make(be_addr, key->saddr, be_port, wire_port, key->proto, CT4_REV_DNAT);
 		ct4_forget_half(&ring->half, key);
 		if (masq) {
 			ring->half = ct4_key_make(key->saddr, be_addr, key->sport, be_port, key->proto, CT4_SNAT);
@@ -253,6 +262,41 @@ static __always_inline struct ct4_entry *ct4_owner(__be32 client, __be16 cport, 
 	return ro ? ct4_find_svc(&key, now) : ct4_lookup_svc(&key, now);
 }
 
+/* The source port connection `e` (client port `cport`) leaves with toward its backend. */
+static __always_inline __be16 ct4_wire_port(const struct ct4_entry *e, __be16 cport)
+{
+	return (e->state & CT4_S_REMAP) ? e->snat_port : cport;
+}
+
+/* The client's own port of the connection a CT4_REV_DNAT half at `key` (backend -> client) answers:
+ * the key's, or for a remapped connection (CT4_S_REMAP) the one the half keeps. */
+static __always_inline __be16 ct4_rev_dnat_cport(const struct ct4_entry *half, const struct ct4_key *key)
+{
+	return (half->state & CT4_S_REMAP) ? half->snat_port : key->dport;
+}
+
+/* Whether `owner` (client port `cport`) still owns the CT4_REV_DNAT half at `key`: the same
+ * backend, and the port it leaves with (CT4_S_REMAP: snat_port) is the key's. */
+static __always_inline int ct4_rev_dnat_owns(const struct ct4_entry *owner, const struct ct4_key *key, __be16 cport)
+{
+	return owner && owner->nat_addr == key->saddr && owner->nat_port == key->sport &&
+	       ct4_wire_port(owner, cport) == key->dport;
+}
+
+/* Whether the CT4_REV_DNAT half at `key` answers a live connection: a new connection of that
+ * client port toward that backend would clash with it. Read only: an expired owner stays for
+ * the lookups that remove it. */
+static __always_inline int ct4_rev_dnat_taken(const struct ct4_key *key, __u64 now)
+{
+	struct ct4_entry *half = epx_lookup(epx_ct4, key);
+	__be16 cport;
+
+	if (!half)
+		return 0;
+	cport = ct4_rev_dnat_cport(half, key);
+	return ct4_rev_dnat_owns(ct4_owner(key->daddr, cport, half, key->proto, now, 1), key, cport);
+}
+
 /* What the connection holding the masquerade port of REV_SNAT entry `old` (key `key`) still needs
  * it for: CT4_PORT_*. A holder that is gone, or that moved to another port or backend (its client
  * reused the tuple), left the entry behind: the port is free. */
@@ -338,6 +382,39 @@ claimed:
 	return 0;
 }
 
+/* Pick the port a connection whose client port clashes toward be_addr:be_port leaves with
+ * (CT4_S_REMAP) and insert its CT4_REV_DNAT half `rev` there: random start in the masquerade
+ * range, then linear probing, for a port no live connection of this client answers on toward
+ * that backend. Returns 0 with *port set, or a drop reason. */
+static __always_inline __u32 ct4_remap_alloc(const struct pkt4 *p, const struct lb4_config *cfg, __be32 be_addr,
+					     __be16 be_port, __u64 now, __be16 *port, struct ct4_entry *rev)
+{
+	struct ct4_key key = ct4_key_make(be_addr, p->saddr, be_port, 0, p->proto, CT4_REV_DNAT);
+	__u32 min = cfg->snat_port_min, max = cfg->snat_port_max;
+	__u32 range, start;
+
+	if (!min || max < min)
+		return EPX_DROP_SNAT_NO_PORT;
+	range = max - min + 1;
+	start = bpf_get_prandom_u32();
+#pragma unroll
+	for (int i = 0; i < CT4_SNAT_TRIES; i++) {
+		key.dport = epx_htons((__u16)(min + (start + i) % range));
+		long err = epx_insert(epx_ct4, &key, rev);
+
+		if (err == 0)
+			goto claimed;
+		if (err == -CT4_E2BIG)
+			return EPX_DROP_CT_FULL;
+		if (!ct4_rev_dnat_taken(&key, now) && ct4_snat_claim(&key, rev) == 0)
+			goto claimed;
+	}
+	return EPX_DROP_SNAT_NO_PORT;
+claimed:
+	*port = key.dport;
+	return 0;
+}
+
 /* One attempt of ct4_create. On failure nothing it wrote stays behind (the table does not evict).
  * The half entries are built in this CPU's scratch (common.h: struct ct4_ring), not on
  * tc_ingress's 512-byte stack: beside the SCTP paths it has no room left for them. */
@@ -378,25 +455,40 @@ static __always_inline __u32 ct4_create_once(const struct pkt4 *p, const struct 
 			return ct4_put_failed(err);
 		}
 	} else {
+		/* The client's port toward this backend is a live connection's already (through
+		 * another frontend): this one leaves with another port (see the header comment). */
+		key = ct4_key_make(be_addr, p->saddr, be_port, p->sport, p->proto, CT4_REV_DNAT);
+		if (ct4_rev_dnat_taken(&key, now)) {
+			s->rev_dnat.state = CT4_S_REMAP;
+			s->rev_dnat.snat_port = p->sport;
+			reason = ct4_remap_alloc(p, cfg, be_addr, be_port, now, &e.snat_port, &s->rev_dnat);
+			if (reason)
+				return reason;
+			e.snat_addr = p->saddr;
+			e.state = CT4_S_REMAP;
+		}
 		/* The client may reuse its port toward the same backend through another frontend
-		 * while the SNAT half of an earlier, masqueraded connection still lives (its owner
-		 * lingers in its closing time): egress would masquerade this one too. The new
-		 * connection owns the client -> backend tuple now. */
-		key = ct4_key_make(p->saddr, be_addr, p->sport, be_port, p->proto, CT4_SNAT);
+		 * while the SNAT half of an earlier, masqueraded connection still lingers (its owner
+		 * closed, or expired): egress would masquerade this one too. The new connection owns
+		 * the client -> backend tuple now. */
+		key = ct4_key_make(p->saddr, be_addr, ct4_wire_port(&e, p->sport), be_port, p->proto, CT4_SNAT);
 		epx_delete(epx_ct4, &key);
 	}
-	/* reply: backend -> client leaves with the frontend as source */
-	key = ct4_key_make(be_addr, p->saddr, be_port, p->sport, p->proto, CT4_REV_DNAT);
-	err = epx_update(epx_ct4, &key, &s->rev_dnat);
+	/* reply: backend -> client leaves with the frontend as source (a remapped connection's half
+	 * is in place already) */
+	key = ct4_key_make(be_addr, p->saddr, be_port, ct4_wire_port(&e, p->sport), p->proto, CT4_REV_DNAT);
+	err = (e.state & CT4_S_REMAP) ? 0 : epx_update(epx_ct4, &key, &s->rev_dnat);
 	if (!err) {
 		ct4_touch(&e, cfg, p, 0, now);
 		key = ct4_key_make(p->saddr, p->daddr, p->sport, p->dport, p->proto, CT4_SVC);
 		err = epx_update(epx_ct4, &key, &e);
 		if (!err) {
 			ct4_ring_push(&key);
+			if (e.state & CT4_S_REMAP)
+				stats_count(EPX_EV_CT_PORT_REMAP, 0);
 			return 0;
 		}
-		key = ct4_key_make(be_addr, p->saddr, be_port, p->sport, p->proto, CT4_REV_DNAT);
+		key = ct4_key_make(be_addr, p->saddr, be_port, ct4_wire_port(&e, p->sport), p->proto, CT4_REV_DNAT);
 		epx_delete(epx_ct4, &key);
 	}
 	if (masq) {

@@ -66,7 +66,8 @@ static __always_inline void ct6_forget_half(struct scratch6 *s, const struct ct6
 static __always_inline void ct6_forget(struct scratch6 *s, struct ct6_key *key, const struct ct6_entry *e)
 {
 	s->gone = *e; /* read before any deletion: `e` is the map's element, which another CPU may then reuse */
-	s->half = ct6_key_make(&s->gone.nat_addr, &key->saddr, s->gone.nat_port, key->sport, key->proto, CT4_REV_DNAT);
+	s->half = ct6_key_make(&s->gone.nat_addr, &key->saddr, s->gone.nat_port,
+			       (s->gone.state & CT4_S_REMAP) ? s->gone.snat_port : key->sport, key->proto, CT4_REV_DNAT);
 	ct6_forget_half(s, key);
 	if (s->gone.flags & CT4_F_MASQ) {
 		s->half = ct6_key_make(&key->saddr, &s->gone.nat_addr, key->sport, s->gone.nat_port, key->proto, CT4_SNAT);
@@ -108,6 +109,37 @@ static __always_inline struct ct6_entry *ct6_owner(struct scratch6 *s, const str
 {
 	s->owner = ct6_key_make(client, &half->svc_addr, cport, half->svc_port, proto, CT4_SVC);
 	return ro ? ct6_find_svc(&s->owner, now) : ct6_lookup_svc(s, &s->owner, now);
+}
+
+/* The source port connection `e` (client port `cport`) leaves with toward its backend (ct4_wire_port). */
+static __always_inline __be16 ct6_wire_port(const struct ct6_entry *e, __be16 cport)
+{
+	return (e->state & CT4_S_REMAP) ? e->snat_port : cport;
+}
+
+/* The client's own port of the connection a CT4_REV_DNAT half at `key` answers (ct4_rev_dnat_cport). */
+static __always_inline __be16 ct6_rev_dnat_cport(const struct ct6_entry *half, const struct ct6_key *key)
+{
+	return (half->state & CT4_S_REMAP) ? half->snat_port : key->dport;
+}
+
+/* Whether `owner` (client port `cport`) still owns the CT4_REV_DNAT half at `key` (ct4_rev_dnat_owns). */
+static __always_inline int ct6_rev_dnat_owns(const struct ct6_entry *owner, const struct ct6_key *key, __be16 cport)
+{
+	return owner && in6_eq(&owner->nat_addr, &key->saddr) && owner->nat_port == key->sport &&
+	       ct6_wire_port(owner, cport) == key->dport;
+}
+
+/* Whether the CT4_REV_DNAT half at s->key answers a live connection (ct4_rev_dnat_taken). Uses s->owner. */
+static __always_inline int ct6_rev_dnat_taken(struct scratch6 *s, __u64 now)
+{
+	struct ct6_entry *half = epx_lookup(epx_ct6, &s->key);
+	__be16 cport;
+
+	if (!half)
+		return 0;
+	cport = ct6_rev_dnat_cport(half, &s->key);
+	return ct6_rev_dnat_owns(ct6_owner(s, &s->key.daddr, cport, half, s->key.proto, now, 1), &s->key, cport);
 }
 
 /* What the holder of REV_SNAT entry `old` at `key` still needs its port for (CT4_PORT_*). */
@@ -182,6 +214,42 @@ claimed:
 	return 0;
 }
 
+/* The port a connection whose client port clashes toward be_addr:be_port leaves with, and its
+ * CT4_REV_DNAT half s->val inserted there (ct4_remap_alloc). Uses s->key. Returns 0 with *port
+ * set, or a drop reason. Not unrolled, as ct6_snat_alloc. */
+static __always_inline __u32 ct6_remap_alloc(struct scratch6 *s, const struct pkt6 *p, const struct lb4_config *cfg,
+					     const struct epx_in6 *be_addr, __be16 be_port, __u64 now, __be16 *port)
+{
+	__u32 min = cfg->snat_port_min, max = cfg->snat_port_max;
+	__u32 range, start;
+
+	if (!min || max < min)
+		return EPX_DROP_SNAT_NO_PORT;
+	range = max - min + 1;
+	start = bpf_get_prandom_u32();
+	s->key = ct6_key_make(be_addr, &p->saddr, be_port, 0, p->proto, CT4_REV_DNAT);
+#pragma clang loop unroll(disable)
+	for (int i = 0; i < CT4_SNAT_TRIES; i++) {
+		long err;
+
+		s->key.dport = epx_htons((__u16)(min + (start + i) % range));
+		err = epx_insert(epx_ct6, &s->key, &s->val);
+		if (err == 0)
+			goto claimed;
+		if (err == -CT4_E2BIG)
+			return EPX_DROP_CT_FULL;
+		if (!ct6_rev_dnat_taken(s, now)) {
+			epx_delete(epx_ct6, &s->key);
+			if (epx_insert(epx_ct6, &s->key, &s->val) == 0)
+				goto claimed;
+		}
+	}
+	return EPX_DROP_SNAT_NO_PORT;
+claimed:
+	*port = s->key.dport;
+	return 0;
+}
+
 /* Record a new connection of `p` (still addressed to the frontend) to backend be_addr:be_port:
  * the CT4_SVC entry and its halves (ct4_create_once), built in s->key / s->val. On failure nothing
  * written stays. Returns 0 or a drop reason (a full table: EPX_DROP_CT_FULL, no early drop). */
@@ -214,17 +282,32 @@ static __always_inline __u32 ct6_create(struct scratch6 *s, const struct pkt6 *p
 		if (err)
 			goto undo_rev_snat;
 	} else {
+		/* the client's port toward this backend is a live connection's already: this one
+		 * leaves with another (CT4_S_REMAP, see ct4_create_once); s->val is its reply half */
+		s->key = ct6_key_make(be_addr, &p->saddr, be_port, p->sport, p->proto, CT4_REV_DNAT);
+		if (ct6_rev_dnat_taken(s, now)) {
+			s->val.nat_addr = p->daddr;
+			s->val.nat_port = p->dport;
+			s->val.state = CT4_S_REMAP;
+			s->val.snat_port = p->sport;
+			reason = ct6_remap_alloc(s, p, cfg, be_addr, be_port, now, &snat_port);
+			if (reason)
+				return reason;
+		}
 		/* the new connection owns the client -> backend tuple now (see ct4_create_once) */
-		s->key = ct6_key_make(&p->saddr, be_addr, p->sport, be_port, p->proto, CT4_SNAT);
+		s->key = ct6_key_make(&p->saddr, be_addr, snat_port ? snat_port : p->sport, be_port, p->proto, CT4_SNAT);
 		epx_delete(epx_ct6, &s->key);
 	}
-	/* reply: backend -> client leaves with the frontend as source */
-	s->val.nat_addr = p->daddr;
-	s->val.nat_port = p->dport;
-	s->key = ct6_key_make(be_addr, &p->saddr, be_port, p->sport, p->proto, CT4_REV_DNAT);
-	err = epx_update(epx_ct6, &s->key, &s->val);
-	if (err)
-		goto undo_snat;
+	/* reply: backend -> client leaves with the frontend as source (a remapped connection's
+	 * half is in place: snat_port without masquerade) */
+	if (masq || !snat_port) {
+		s->val.nat_addr = p->daddr;
+		s->val.nat_port = p->dport;
+		s->key = ct6_key_make(be_addr, &p->saddr, be_port, p->sport, p->proto, CT4_REV_DNAT);
+		err = epx_update(epx_ct6, &s->key, &s->val);
+		if (err)
+			goto undo_snat;
+	}
 	/* the connection itself */
 	s->val.nat_addr = *be_addr;
 	s->val.nat_port = be_port;
@@ -233,13 +316,21 @@ static __always_inline __u32 ct6_create(struct scratch6 *s, const struct pkt6 *p
 		s->val.snat_addr = cfg6->snat_addr;
 		s->val.snat_port = snat_port;
 		s->val.flags = CT4_F_MASQ;
+	} else if (snat_port) {
+		s->val.snat_addr = p->saddr;
+		s->val.snat_port = snat_port;
+		s->val.state = CT4_S_REMAP;
 	}
 	ct6_touch(&s->val, cfg, p, 0, now);
 	s->key = ct6_key_make(&p->saddr, &p->daddr, p->sport, p->dport, p->proto, CT4_SVC);
 	err = epx_update(epx_ct6, &s->key, &s->val);
-	if (!err)
+	if (!err) {
+		if (!masq && snat_port)
+			stats_count(EPX_EV_CT_PORT_REMAP, 0);
 		return 0;
-	s->key = ct6_key_make(be_addr, &p->saddr, be_port, p->sport, p->proto, CT4_REV_DNAT);
+	}
+	s->key = ct6_key_make(be_addr, &p->saddr, be_port, (!masq && snat_port) ? snat_port : p->sport, p->proto,
+			      CT4_REV_DNAT);
 	epx_delete(epx_ct6, &s->key);
 undo_snat:
 	if (masq) {

@@ -154,6 +154,19 @@ static __always_inline __u32 icmp4_err_rewrite(struct __sk_buff *skb, const stru
 	return EPX_ICMP_RELATED;
 }
 
+/* The quoted header's `side` (NAT4_SRC/NAT4_DST) port, `old`, becomes `port` (a remapped
+ * connection's client port, CT4_S_REMAP; the other rewrites are icmp4_err_rewrite's). Returns 0
+ * or -1. */
+static __always_inline int icmp4_err_quoted_port(struct __sk_buff *skb, const struct icmp4_err *e, int side, __be16 old,
+						 __be16 port)
+{
+	__u32 off = e->in_l4_off + (side == NAT4_SRC ? offsetof(struct udphdr, source) : offsetof(struct udphdr, dest));
+
+	if (old == port)
+		return 0;
+	return csum_quoted_replace(skb, off, e->in_l4_csum, e->proto == IPPROTO_UDP, e->csum_off, old, port, sizeof(port));
+}
+
 /* Ingress: the error is about a packet toward a masquerade address (the backend's path answered
  * the masqueraded client), or about a reply the client's host refused (it names the frontend). */
 static __always_inline __u32 icmp4_err_ingress(struct __sk_buff *skb, const struct pkt4 *p, const struct lb4_config *cfg,
@@ -175,8 +188,12 @@ static __always_inline __u32 icmp4_err_ingress(struct __sk_buff *skb, const stru
 	}
 	key.kind = CT4_SVC;
 	owner = ct4_find_svc(&key, now);
-	if (owner)
+	if (owner) {
+		/* a remapped connection (CT4_S_REMAP): the quoted client is given the port the backend knows */
+		if (icmp4_err_quoted_port(skb, &e, NAT4_DST, e.dport, ct4_wire_port(owner, e.dport)))
+			return EPX_DROP_NAT_FAILED;
 		return icmp4_err_rewrite(skb, p, &e, NAT4_DST, owner->nat_addr, owner->nat_port);
+	}
 	return EPX_PASS_ICMP_NO_CT;
 }
 
@@ -202,9 +219,15 @@ static __always_inline __u32 icmp4_err_egress(struct __sk_buff *skb, const struc
 	key.kind = CT4_REV_DNAT;
 	half = epx_lookup(epx_ct4, &key);
 	if (half) {
-		owner = ct4_owner(key.daddr, key.dport, half, e.proto, now, 1);
-		if (nat4_rev_dnat_owns(owner, &key))
+		__be16 cport = ct4_rev_dnat_cport(half, &key);
+
+		owner = ct4_owner(key.daddr, cport, half, e.proto, now, 1);
+		if (ct4_rev_dnat_owns(owner, &key, cport)) {
+			/* a remapped connection (CT4_S_REMAP): the quoted client gets its own port back */
+			if (icmp4_err_quoted_port(skb, &e, NAT4_SRC, e.sport, cport))
+				return EPX_DROP_NAT_FAILED;
 			return icmp4_err_rewrite(skb, p, &e, NAT4_SRC, half->nat_addr, half->nat_port);
+		}
 	}
 	return EPX_PASS_ICMP_NO_CT;
 }

@@ -149,6 +149,18 @@ static __always_inline __u32 icmp6_err_rewrite(struct __sk_buff *skb, const stru
 	return EPX_ICMP_RELATED;
 }
 
+/* The quoted header's `side` (NAT4_SRC/NAT4_DST) port, `old`, becomes `port` (a remapped
+ * connection's client port, CT4_S_REMAP: icmp4_err_quoted_port). Returns 0 or -1. */
+static __always_inline int icmp6_err_quoted_port(struct __sk_buff *skb, const struct icmp6_err *e, __u8 proto, int side,
+						 __be16 old, __be16 port)
+{
+	__u32 off = e->in_l4_off + (side == NAT4_SRC ? offsetof(struct udphdr, source) : offsetof(struct udphdr, dest));
+
+	if (old == port)
+		return 0;
+	return csum_quoted_replace(skb, off, e->in_l4_csum, proto == IPPROTO_UDP, e->csum_off, old, port, sizeof(port));
+}
+
 /* Ingress: the error is about a packet toward a masquerade address (the backend's path answered
  * the masqueraded client), or about a reply the client's host refused (it names the frontend).
  * Uses s->key (the reversed quote) and s->owner. */
@@ -169,8 +181,12 @@ static __always_inline __u32 icmp6_err_ingress(struct __sk_buff *skb, struct scr
 	}
 	s->key.kind = CT4_SVC;
 	owner = ct6_find_svc(&s->key, now);
-	if (owner)
+	if (owner) {
+		/* a remapped connection (CT4_S_REMAP): the quoted client is given the port the backend knows */
+		if (icmp6_err_quoted_port(skb, &e, s->key.proto, NAT4_DST, s->key.sport, ct6_wire_port(owner, s->key.sport)))
+			return EPX_DROP_NAT_FAILED;
 		return icmp6_err_rewrite(skb, p, &e, &s->key, NAT4_DST, &owner->nat_addr, owner->nat_port);
+	}
 	return EPX_PASS_ICMP_NO_CT;
 }
 
@@ -197,9 +213,15 @@ static __always_inline __u32 icmp6_err_egress(struct __sk_buff *skb, struct scra
 	s->key.kind = CT4_REV_DNAT;
 	half = epx_lookup(epx_ct6, &s->key);
 	if (half) {
-		owner = ct6_owner(s, &s->key.daddr, s->key.dport, half, s->key.proto, now, 1);
-		if (nat6_rev_dnat_owns(owner, &s->key))
+		__be16 cport = ct6_rev_dnat_cport(half, &s->key);
+
+		owner = ct6_owner(s, &s->key.daddr, cport, half, s->key.proto, now, 1);
+		if (ct6_rev_dnat_owns(owner, &s->key, cport)) {
+			/* a remapped connection (CT4_S_REMAP): the quoted client gets its own port back */
+			if (icmp6_err_quoted_port(skb, &e, s->key.proto, NAT4_SRC, s->key.dport, cport))
+				return EPX_DROP_NAT_FAILED;
 			return icmp6_err_rewrite(skb, p, &e, &s->key, NAT4_SRC, &half->nat_addr, half->nat_port);
+		}
 	}
 	return EPX_PASS_ICMP_NO_CT;
 }

@@ -220,6 +220,20 @@ static __always_inline int lb4_left_to_netfilter(const struct pkt4 *p, __u32 cfg
 	return 0;
 }
 
+/* A connection's packet toward its backend: DNAT, and a remapped connection's (CT4_S_REMAP)
+ * source port. Returns `verdict` or a drop reason. */
+static __always_inline __u32 lb4_translate(struct __sk_buff *skb, struct pkt4 *p, const struct ct4_entry *e,
+					   __u32 verdict)
+{
+	__be32 be_addr = e->nat_addr;
+	__be16 be_port = e->nat_port, wire_port = ct4_wire_port(e, p->sport);
+	__u32 reason = nat4_rewrite(skb, p, NAT4_SRC, p->saddr, wire_port);
+
+	if (!reason)
+		reason = nat4_rewrite(skb, p, NAT4_DST, be_addr, be_port);
+	return reason ? reason : verdict;
+}
+
 static __always_inline __u32 lb4_forward(struct __sk_buff *skb, struct pkt4 *p, const struct lb4_config *cfg, __u64 now,
 					 struct epx_trace_rec *tr)
 {
@@ -246,8 +260,7 @@ static __always_inline __u32 lb4_forward(struct __sk_buff *skb, struct pkt4 *p, 
 			lb4_trace_established(tr, e);
 		else
 			ct4_touch(e, cfg, p, 0, now);
-		reason = nat4_rewrite(skb, p, NAT4_DST, e->nat_addr, e->nat_port);
-		return reason ? reason : EPX_FWD_ESTABLISHED;
+		return lb4_translate(skb, p, e, EPX_FWD_ESTABLISHED);
 	}
 
 	svc = lb4_lookup_packet_service(p->daddr, p->dport, p->proto);
@@ -277,6 +290,10 @@ static __always_inline __u32 lb4_forward(struct __sk_buff *skb, struct pkt4 *p, 
 		reason = ct4_create(p, cfg, now, backend_id, be.addr, be.port, (c.masq || hairpin) ? CT4_F_MASQ : 0);
 	if (reason)
 		return reason;
+	/* the connection as created: its port may have been remapped (ct4.h, CT4_S_REMAP) */
+	e = tr ? NULL : epx_lookup(epx_ct4, &key);
+	if (e)
+		return lb4_translate(skb, p, e, EPX_FWD_NEW);
 	reason = nat4_rewrite(skb, p, NAT4_DST, be.addr, be.port);
 	return reason ? reason : EPX_FWD_NEW;
 }

@@ -157,6 +157,25 @@ static __always_inline void lb6_trace_established(struct epx_trace_rec *tr, cons
 	}
 }
 
+/* A connection's packet toward its backend: DNAT, and a remapped connection's (CT4_S_REMAP)
+ * source port (lb4_translate). Returns `verdict` or a drop reason. */
+static __always_inline __u32 lb6_translate(struct __sk_buff *skb, struct pkt6 *p, const struct ct6_entry *e,
+					   __u32 verdict)
+{
+	struct epx_in6 addr = e->nat_addr;
+	__be16 port = e->nat_port, wire_port = ct6_wire_port(e, p->sport);
+	__u32 reason = 0;
+
+	if (wire_port != p->sport) {
+		struct epx_in6 client = p->saddr;
+
+		reason = nat6_rewrite(skb, p, NAT4_SRC, &client, wire_port);
+	}
+	if (!reason)
+		reason = nat6_rewrite(skb, p, NAT4_DST, &addr, port);
+	return reason ? reason : verdict;
+}
+
 /* Ingress: DNAT a packet of an established connection, or decide and record a new one (lb4_forward).
  * Returns EPX_FWD_ESTABLISHED / EPX_FWD_NEW, EPX_PASS_NO_SERVICE, EPX_REJECT or a drop. The
  * mode-switch handover (CFG_F_NETFILTER_*) is IPv4's: IPv6 connections are not moved. */
@@ -181,15 +200,11 @@ static __always_inline __u32 lb6_forward(struct __sk_buff *skb, struct scratch6 
 		e = NULL;
 	}
 	if (e) {
-		struct epx_in6 addr = e->nat_addr;
-		__be16 port = e->nat_port;
-
 		if (tr)
 			lb6_trace_established(tr, e);
 		else
 			ct6_touch(e, cfg, p, 0, now);
-		reason = nat6_rewrite(skb, p, NAT4_DST, &addr, port);
-		return reason ? reason : EPX_FWD_ESTABLISHED;
+		return lb6_translate(skb, p, e, EPX_FWD_ESTABLISHED);
 	}
 
 	svc = lb6_lookup_packet_service(&p->daddr, p->dport, p->proto);
@@ -217,6 +232,13 @@ static __always_inline __u32 lb6_forward(struct __sk_buff *skb, struct scratch6 
 	}
 	if (reason)
 		return reason;
+	/* the connection as created: its port may have been remapped (ct4.h, CT4_S_REMAP) */
+	if (!tr) {
+		s->key = ct6_key_make(&p->saddr, &p->daddr, p->sport, p->dport, p->proto, CT4_SVC);
+		e = epx_lookup(epx_ct6, &s->key);
+		if (e)
+			return lb6_translate(skb, p, e, EPX_FWD_NEW);
+	}
 	reason = nat6_rewrite(skb, p, NAT4_DST, &be.addr, be.port);
 	return reason ? reason : EPX_FWD_NEW;
 }

@@ -110,13 +110,9 @@ static __always_inline int nat4_is_masq_dest(const struct lb4_config *cfg, __be3
 /* Whether `owner` still owns the CT4_REV_SNAT half at `key` (backend -> masquerade addr:port). */
 static __always_inline int nat4_rev_snat_owns(const struct ct4_entry *owner, const struct ct4_key *key)
 {
-	return owner && owner->snat_port == key->dport && owner->nat_addr == key->saddr && owner->nat_port == key->sport;
-}
-
-/* Whether `owner` still owns the CT4_REV_DNAT half at `key` (backend -> client). */
-static __always_inline int nat4_rev_dnat_owns(const struct ct4_entry *owner, const struct ct4_key *key)
-{
-	return owner && owner->nat_addr == key->saddr && owner->nat_port == key->sport;
+	/* masqueraded: a remapped connection's (CT4_S_REMAP) snat_port is no masquerade port */
+	return owner && (owner->flags & CT4_F_MASQ) && owner->snat_port == key->dport && owner->nat_addr == key->saddr &&
+	       owner->nat_port == key->sport;
 }
 
 /* Egress toward the backend: masquerade a masqueraded connection's forward packets. */
@@ -168,18 +164,21 @@ static __always_inline __u32 nat4_rev_snat(struct __sk_buff *skb, struct pkt4 *p
 	return reason ? reason : EPX_REV_SNAT;
 }
 
-/* Egress toward the client: a reply leaves with the frontend it was sent to as its source. */
+/* Egress toward the client: a reply leaves with the frontend it was sent to as its source (and
+ * a remapped connection's, CT4_S_REMAP, with the client's own port as its destination). */
 static __always_inline __u32 nat4_rev_dnat(struct __sk_buff *skb, struct pkt4 *p, const struct lb4_config *cfg,
 					   __u64 now, struct epx_trace_rec *tr)
 {
 	struct ct4_key key = ct4_key_make(p->saddr, p->daddr, p->sport, p->dport, p->proto, CT4_REV_DNAT);
 	struct ct4_entry *half = epx_lookup(epx_ct4, &key), *owner;
+	__be16 cport;
 	__u32 reason;
 
 	if (!half)
 		return 0;
-	owner = ct4_owner(p->daddr, p->dport, half, p->proto, now, tr != NULL);
-	if (!nat4_rev_dnat_owns(owner, &key)) {
+	cport = ct4_rev_dnat_cport(half, &key);
+	owner = ct4_owner(p->daddr, cport, half, p->proto, now, tr != NULL);
+	if (!ct4_rev_dnat_owns(owner, &key, cport)) {
 		if (!tr)
 			epx_delete(epx_ct4, &key);
 		return 0;
@@ -187,6 +186,8 @@ static __always_inline __u32 nat4_rev_dnat(struct __sk_buff *skb, struct pkt4 *p
 	if (!tr)
 		ct4_touch(owner, cfg, p, 1, now);
 	reason = nat4_rewrite(skb, p, NAT4_SRC, half->nat_addr, half->nat_port);
+	if (!reason && cport != p->dport)
+		reason = nat4_rewrite(skb, p, NAT4_DST, p->daddr, cport);
 	return reason ? reason : EPX_REV_DNAT;
 }
 

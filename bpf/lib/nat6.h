@@ -96,14 +96,9 @@ static __always_inline int nat6_snat_owns(const struct ct6_entry *owner, const s
 /* Whether `owner` still owns the CT4_REV_SNAT half at `key` (backend -> masquerade addr:port). */
 static __always_inline int nat6_rev_snat_owns(const struct ct6_entry *owner, const struct ct6_key *key)
 {
-	return owner && owner->snat_port == key->dport && in6_eq(&owner->nat_addr, &key->saddr) &&
-	       owner->nat_port == key->sport;
-}
-
-/* Whether `owner` still owns the CT4_REV_DNAT half at `key` (backend -> client). */
-static __always_inline int nat6_rev_dnat_owns(const struct ct6_entry *owner, const struct ct6_key *key)
-{
-	return owner && in6_eq(&owner->nat_addr, &key->saddr) && owner->nat_port == key->sport;
+	/* masqueraded: a remapped connection's (CT4_S_REMAP) snat_port is no masquerade port */
+	return owner && (owner->flags & CT4_F_MASQ) && owner->snat_port == key->dport &&
+	       in6_eq(&owner->nat_addr, &key->saddr) && owner->nat_port == key->sport;
 }
 
 /* Egress toward the backend: masquerade a masqueraded connection's forward packets (nat4_snat). */
@@ -172,15 +167,16 @@ static __always_inline __u32 nat6_rev_dnat(struct __sk_buff *skb, struct scratch
 {
 	struct ct6_entry *half, *owner;
 	struct epx_in6 addr;
-	__be16 port;
+	__be16 port, cport;
 	__u32 reason;
 
 	s->key = ct6_key_make(&p->saddr, &p->daddr, p->sport, p->dport, p->proto, CT4_REV_DNAT);
 	half = epx_lookup(epx_ct6, &s->key);
 	if (!half)
 		return 0;
-	owner = ct6_owner(s, &p->daddr, p->dport, half, p->proto, now, tr != NULL);
-	if (!nat6_rev_dnat_owns(owner, &s->key)) {
+	cport = ct6_rev_dnat_cport(half, &s->key);
+	owner = ct6_owner(s, &p->daddr, cport, half, p->proto, now, tr != NULL);
+	if (!ct6_rev_dnat_owns(owner, &s->key, cport)) {
 		if (!tr)
 			epx_delete(epx_ct6, &s->key);
 		return 0;
@@ -190,6 +186,10 @@ static __always_inline __u32 nat6_rev_dnat(struct __sk_buff *skb, struct scratch
 	addr = half->nat_addr;
 	port = half->nat_port;
 	reason = nat6_rewrite(skb, p, NAT4_SRC, &addr, port);
+	if (!reason && cport != p->dport) {
+		addr = p->daddr; /* a remapped connection (CT4_S_REMAP): the client's own port back */
+		reason = nat6_rewrite(skb, p, NAT4_DST, &addr, cport);
+	}
 	return reason ? reason : EPX_REV_DNAT;
 }
 

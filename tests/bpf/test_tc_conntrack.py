@@ -172,21 +172,94 @@ def test_masquerade_half_of_another_connection_is_not_applied(datapath, maps):
     assert bytes(out) == bytes(direct)
 
 
+def remapped(datapath, maps, pkt):
+    """tc_ingress on a new connection whose port clashes: FWD_NEW and one EV_CT_PORT_REMAP."""
+    maps.reset_stats()
+    out = run(datapath, "tc_ingress", pkt)
+    assert out.verdict == TC_ACT_OK
+    assert counted(maps) == {R.FWD_NEW: 1, R.EV_CT_PORT_REMAP: 1}
+    assert_checksums_valid(out.pkt)
+    return out.pkt
+
+
 def test_a_new_unmasqueraded_connection_on_the_same_tuple_is_not_masqueraded(datapath, maps):
     """A pod's port reused toward the same backend through another frontend while the first,
-    masqueraded connection lingers: the new one (eTP=Local, short-circuited: no masquerade) must
-    leave with the pod's own address, as conntrack keeps the two flows apart. Seen in the e2e
-    truth table: a pod probing an eTP=Cluster then an eTP=Local NodePort of one node."""
+    masqueraded connection lives: the new one (eTP=Local, short-circuited: no masquerade) must
+    leave with the pod's own address, and the first must keep its replies. Seen in the e2e
+    truth table: a pod probing an eTP=Cluster then an eTP=Local NodePort of one node. The two
+    share the client -> backend tuple here, so the new one leaves with another port
+    (CT4_S_REMAP, see test_one_client_port_through_two_frontends_to_one_backend_...)."""
     etp_cluster = w.web(id=1, cluster=(w.LOCAL_EP,), local=(w.LOCAL_EP,))
     etp_local = w.web(id=2, frontends=((None, w.NODE_PORT + 1, w.EXT),), cluster=(w.LOCAL_EP,), local=(w.LOCAL_EP,),
                       flags=s.LB4_F_HAS_ENDPOINTS | s.LB4_F_ETP_LOCAL)
     w.install(maps, etp_cluster, etp_local)
     first = step(datapath, maps, "tc_ingress", tcp(w.POD_CLIENT, 40000, w.NODE_IP, w.NODE_PORT), R.FWD_NEW)
-    step(datapath, maps, "tc_egress", first, R.SNAT)
-    second = step(datapath, maps, "tc_ingress", tcp(w.POD_CLIENT, 40000, w.NODE_IP, w.NODE_PORT + 1), R.FWD_NEW)
-    assert endpoints(second) == ((w.POD_CLIENT, 40000), w.LOCAL_EP)
+    first = step(datapath, maps, "tc_egress", first, R.SNAT)
+    second = remapped(datapath, maps, tcp(w.POD_CLIENT, 40000, w.NODE_IP, w.NODE_PORT + 1))
+    (client, port), backend = endpoints(second)
+    assert (client, backend) == (w.POD_CLIENT, w.LOCAL_EP) and w.SNAT_MIN <= port <= w.SNAT_MAX
     out = step(datapath, maps, "tc_egress", second, R.PASS_NO_SERVICE)
-    assert endpoints(out) == ((w.POD_CLIENT, 40000), w.LOCAL_EP)
+    assert endpoints(out) == ((w.POD_CLIENT, port), w.LOCAL_EP)
+
+    back = step(datapath, maps, "tc_ingress", reply_to(first), R.REV_SNAT)
+    back = step(datapath, maps, "tc_egress", back, R.REV_DNAT)
+    assert endpoints(back) == ((w.NODE_IP, w.NODE_PORT), (w.POD_CLIENT, 40000))
+    back = step(datapath, maps, "tc_egress", reply_to(out), R.REV_DNAT)
+    assert endpoints(back) == ((w.NODE_IP, w.NODE_PORT + 1), (w.POD_CLIENT, 40000))
+
+
+@pytest.mark.parametrize("proto", [w.TCP, w.UDP])
+def test_one_client_port_through_two_frontends_to_one_backend_keeps_both_connections(datapath, maps, proto):
+    """connect() reuses a source port toward another destination: a pod's two connections of one
+    port, through two clusterIPs, that reach the same backend would be one tuple there. netfilter's
+    NAT finds the clash when it confirms the second (nf_nat_core.c: get_unique_tuple, the null
+    binding in POSTROUTING) and gives it another source port; so does ct4_create (CT4_S_REMAP,
+    counted under EV_CT_PORT_REMAP). Each gets its own replies, its later packets keep the port,
+    and its end removes its own reply half. Found by the e2e truth table (eTP=Local, a bridged
+    pod's concurrent probes of two frontends: one attempt in a cell got no answer) and reproduced
+    in the lab with two sockets bound to one port: 12 of 40 connections timed out before."""
+    make = tcp if proto == w.TCP else udp
+    a = w.web(id=1, cluster=(w.REMOTE_EP,), proto=proto)
+    b = w.web(id=2, frontends=(("10.96.0.11", 80, 0),), cluster=(w.REMOTE_EP,), proto=proto)
+    w.install(maps, a, b)
+    first = step(datapath, maps, "tc_ingress", make(w.POD_CLIENT, 40000, w.VIP, 80), R.FWD_NEW)
+    assert endpoints(first) == ((w.POD_CLIENT, 40000), w.REMOTE_EP)
+    second = remapped(datapath, maps, make(w.POD_CLIENT, 40000, "10.96.0.11", 80))
+    (client, port), backend = endpoints(second)
+    assert (client, backend) == (w.POD_CLIENT, w.REMOTE_EP) and w.SNAT_MIN <= port <= w.SNAT_MAX
+
+    for out, frontend in ((first, (w.VIP, 80)), (second, ("10.96.0.11", 80))):
+        back = step(datapath, maps, "tc_egress", reply_to(out), R.REV_DNAT)
+        assert endpoints(back) == (frontend, (w.POD_CLIENT, 40000))
+        assert_checksums_valid(back)
+    again = step(datapath, maps, "tc_ingress", make(w.POD_CLIENT, 40000, "10.96.0.11", 80), R.FWD_ESTABLISHED)
+    assert endpoints(again) == ((w.POD_CLIENT, port), w.REMOTE_EP)  # step(): no second EV_CT_PORT_REMAP
+
+    svc = next(c for c in maps.connections(kind=s.CT4_SVC) if c.daddr == "10.96.0.11")
+    assert svc.state & s.CT4_S_REMAP and not svc.flags & s.CT4_F_MASQ
+    assert (svc.snat_addr, svc.snat_port) == (w.POD_CLIENT, port)
+    halves = {(c.daddr, c.dport) for c in maps.connections(kind=s.CT4_REV_DNAT)}
+    assert halves == {(w.POD_CLIENT, 40000), (w.POD_CLIENT, port)}
+
+
+def test_a_remapped_connection_that_ends_takes_only_its_own_half(datapath, maps):
+    """The remapped connection's RST removes it and the reply half at its remapped port (ct4_forget);
+    the first connection of the port keeps its half and its replies."""
+    a = w.web(id=1, cluster=(w.REMOTE_EP,))
+    b = w.web(id=2, frontends=(("10.96.0.11", 80, 0),), cluster=(w.REMOTE_EP,))
+    w.install(maps, a, b)
+    first = step(datapath, maps, "tc_ingress", tcp(w.POD_CLIENT, 40000, w.VIP, 80), R.FWD_NEW)
+    second = remapped(datapath, maps, tcp(w.POD_CLIENT, 40000, "10.96.0.11", 80))
+    port = endpoints(second)[0][1]
+    step(datapath, maps, "tc_ingress", tcp(w.POD_CLIENT, 40000, "10.96.0.11", 80, flags="R"), R.FWD_ESTABLISHED)
+    # a new SYN on the closed tuple is a new connection: the old one is forgotten whole first
+    third = remapped(datapath, maps, tcp(w.POD_CLIENT, 40000, "10.96.0.11", 80))
+    assert endpoints(third)[0][1] not in (40000,), "the first connection still holds the tuple"
+    halves = {(c.daddr, c.dport) for c in maps.connections(kind=s.CT4_REV_DNAT)}
+    assert (w.POD_CLIENT, port) not in halves or endpoints(third)[0][1] == port
+    assert len(halves) == 2
+    back = step(datapath, maps, "tc_egress", reply_to(first), R.REV_DNAT)
+    assert endpoints(back) == ((w.VIP, 80), (w.POD_CLIENT, 40000))
 
 
 def test_session_affinity_pins_a_client(datapath, maps):

@@ -146,6 +146,35 @@ def test_clusterip_from_a_pod_round_trip(datapath, maps6):
 
 
 @pytest.mark.parametrize("proto", [w6.TCP_P, w6.UDP_P])
+def test_one_client_port_through_two_frontends_to_one_backend_keeps_both_connections(datapath, maps6, proto):
+    """IPv4's test_tc_conntrack twin: the second connection of a pod's port that reaches the same
+    backend through another clusterIP leaves with another port (CT4_S_REMAP, as netfilter's NAT
+    remaps a clashing tuple), each gets its own replies, and its later packets keep the port."""
+    make = tcp6 if proto == w6.TCP_P else udp6
+    other = "fd00:96::11"
+    w6.install6(maps6, w6.web6(id=1, cluster=(w6.REMOTE_EP6,), proto=proto),
+                w6.web6(id=2, frontends=((other, 80, 0),), cluster=(w6.REMOTE_EP6,), proto=proto))
+    first = step6(datapath, maps6, "tc_ingress", make(POD6, 40000, VIP6, 80), R.FWD_NEW)
+    assert endpoints6(first) == ((POD6, 40000), w6.REMOTE_EP6)
+    maps6.reset_stats()
+    out = run(datapath, "tc_ingress", make(POD6, 40000, other, 80))
+    assert out.verdict == TC_ACT_OK and counted(maps6) == {R.FWD_NEW: 1, R.EV_CT_PORT_REMAP: 1}
+    second = out.pkt
+    w6.assert_l4_checksum_valid(second)
+    (client, port), backend = endpoints6(second)
+    assert (client, backend) == (POD6, w6.REMOTE_EP6) and w.SNAT_MIN <= port <= w.SNAT_MAX
+
+    for fwd, frontend in ((first, (VIP6, 80)), (second, (other, 80))):
+        answer = w6.reply6(fwd)
+        back = step6(datapath, maps6, "tc_egress", answer, R.REV_DNAT)
+        assert endpoints6(back) == (frontend, (POD6, 40000))
+    again = step6(datapath, maps6, "tc_ingress", make(POD6, 40000, other, 80, payload=b"more"), R.FWD_ESTABLISHED)
+    assert endpoints6(again) == ((POD6, port), w6.REMOTE_EP6)
+    svc = next(c for c in maps6.connections6() if c.kind == s.CT4_SVC and c.daddr == other)
+    assert svc.state & s.CT4_S_REMAP and (svc.snat_addr, svc.snat_port) == (POD6, port)
+
+
+@pytest.mark.parametrize("proto", [w6.TCP_P, w6.UDP_P])
 def test_nodeport_masquerade_round_trip(datapath, maps6, proto):
     """Rule 4: eTP=Cluster from outside: the backend sees [node]:port (SNAT on egress); its reply
     gets the client back on ingress (reverse SNAT) and leaves from [node]:nodePort (reverse DNAT)."""
