@@ -59,7 +59,9 @@ class DatapathCounters(Collector):
         return (CounterMetricFamily(self.PACKETS, "Packets the datapath counted, by reason and verdict", labels=labels),
                 CounterMetricFamily(self.BYTES, "Bytes the datapath counted, by reason and verdict", labels=labels),
                 CounterMetricFamily(self.EVENTS, "Events the datapath counted, by reason (EV_CT_EARLY_DROP: a "
-                                    "connection dropped to make room in a full connection table; EV_HOST_ROUTED_*: "
+                                    "connection dropped to make room in a full connection table; EV_CT_PORT_REMAP: "
+                                    "a new connection given another source port, its client port toward that "
+                                    "backend being another live connection's; EV_HOST_ROUTED_*: "
                                     "packets the host-routing fast path forwarded; EV_HOST_STACK_*: packets it left "
                                     "to the host stack, and why)", labels=["reason"]))
 

@@ -70,6 +70,7 @@ class Reason(enum.IntEnum):
     PASS_ICMP6_EXTHDRS = 46
     PASS_ICMP6_FRAG = 47
     DROP_LOCALHOST6_NO_LOCAL = 48
+    EV_CT_PORT_REMAP = 49  # an event (one connection leaving with another source port), not a packet verdict
 
     @property
     def is_drop(self) -> bool:
@@ -134,9 +135,10 @@ REASON_DESCRIPTIONS: dict[Reason, str] = {
     Reason.PASS_ICMP6_EXTHDRS: "ICMPv6 error whose quoted packet has a longer extension header chain than the parser walks (pkt6.h): untouched, never translated",
     Reason.PASS_ICMP6_FRAG: "ICMPv6 error quoting a packet with a fragment header: untouched (no IPv6 fragment tracking: such a packet was never translated)",
     Reason.DROP_LOCALHOST6_NO_LOCAL: "[::1]:<nodePort> of an externalTrafficPolicy=Local NodePort without a local endpoint, on the node's lo (kube-proxy's IPv6 rules never DNAT ::1; its INPUT rule \"has no local endpoints\" drops it)",
+    Reason.EV_CT_PORT_REMAP: "not a verdict: a new connection's client port was taken toward its backend by another live connection (same client port, another frontend): it leaves with another source port, as netfilter's NAT remaps a clashing tuple (ct4.h: ct4_remap_alloc); counted once per connection",
 }
 
-REASON_MAX = 49
+REASON_MAX = 50
 
 # Origins (EPX_ORIGIN_*)
 ORIGIN_POD, ORIGIN_NODE, ORIGIN_EXTERNAL, ORIGIN_LOCALHOST = 0, 1, 2, 3
@@ -262,6 +264,11 @@ class CT4Entry(_Struct):
 
 CT4_S_ASSURED = 0x01  # ct4_entry.state
 CT4_S_HELD = 0x02  # ct4_entry.state: being moved by a mode switch (ebpf/handover.py)
+# ct4_entry.state: the client's port was taken toward the backend by another live connection, so this
+# one leaves with another source port, never masqueraded. CT4_SVC: snat_addr = the client, snat_port
+# = the port on the wire; its CT4_REV_DNAT half is keyed by that port and holds the client's own
+# port in snat_port (see maps._owner_tuple)
+CT4_S_REMAP = 0x04
 
 # connection table pressure (struct ct4_ring)
 CT4_RING_SLOTS = 512
