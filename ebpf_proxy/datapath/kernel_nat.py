@@ -41,7 +41,8 @@ INSTALL_TRIES = 4  # a packet may re-create the plain entry between our delete a
 @dataclass(frozen=True, slots=True)
 class NatConnection:
     """One translated connection: client -> frontend, sent to backend, from `source` (the client,
-    or the masquerade address and port)."""
+    the masquerade address and port, or the client with another port: netfilter's NAT remaps a
+    tuple that clashes with another connection's, so does the eBPF mode, CT4_S_REMAP)."""
 
     proto: int  # socket.IPPROTO_TCP / IPPROTO_UDP
     client: str
@@ -58,8 +59,20 @@ class NatConnection:
     assured: bool = False  # nf_conntrack's ASSURED (never early-dropped): the client spoke after a reply
 
     @property
-    def masqueraded(self) -> bool:
+    def source_translated(self) -> bool:
+        """The backend sees another source than the client's: masqueraded or port-remapped."""
         return (self.source, self.source_port) != (self.client, self.client_port)
+
+    @property
+    def masqueraded(self) -> bool:
+        """The backend sees another source address (SNAT to the masquerade address)."""
+        return self.source != self.client
+
+    @property
+    def port_remapped(self) -> bool:
+        """The backend sees the client's address with another port: not a masquerade, the NAT's
+        answer to a clash (the client's port toward that backend was another connection's)."""
+        return self.source == self.client and self.source_port != self.client_port
 
     @property
     def closing(self) -> bool:
@@ -71,7 +84,7 @@ class NatConnection:
         return self.proto == socket.IPPROTO_TCP and self.tcp_state < TCP_ESTABLISHED
 
     def describe(self) -> str:
-        via = f" as {self.source}:{self.source_port}" if self.masqueraded else ""
+        via = f" as {self.source}:{self.source_port}" if self.source_translated else ""
         return (f"{'tcp' if self.proto == socket.IPPROTO_TCP else 'udp'} {self.client}:{self.client_port} -> "
                 f"{self.frontend}:{self.frontend_port} -> {self.backend}:{self.backend_port}{via}")
 
@@ -175,12 +188,12 @@ class KernelConntrack:
                                            conn.backend_port))
             self._delete(tuple_orig=_tuple(conn.backend, conn.source, conn.proto, conn.backend_port,
                                            conn.source_port))
-            if conn.masqueraded:  # the eBPF mode masquerades after netfilter: it saw the client's source
+            if conn.source_translated:  # the eBPF mode may rewrite the source after netfilter: it saw the client's
                 self._delete(tuple_orig=_tuple(conn.client, conn.backend, conn.proto, conn.client_port,
                                                conn.backend_port))
             msg = nfct_msg.create_from(**attrs)
             msg["attrs"].append(["CTA_NAT_DST", _nat_attr(conn.backend, conn.backend_port)])
-            if conn.masqueraded:
+            if conn.source_translated:  # masqueraded, or only its port remapped (a clash)
                 msg["attrs"].append(["CTA_NAT_SRC", _nat_attr(conn.source, conn.source_port)])
             try:
                 self._ct.request(msg, IPCTNL_MSG_CT_NEW,

@@ -33,13 +33,16 @@ def _entry(rng, table):
                        svc_addr=_addr(rng, table), nat_port=rng.choice((80, 81)), svc_port=rng.choice((80, 81)),
                        backend_id=rng.randrange(3), snat_addr=_addr(rng, table), snat_port=rng.choice((80, 81)),
                        flags=rng.choice((0, s.CT4_F_MASQ, s.CT4_F_CLOSING, s.CT4_F_MASQ | s.CT4_F_CLOSING)),
-                       state=rng.randrange(2))
+                       state=rng.choice((0, s.CT4_S_ASSURED, s.CT4_S_REMAP, s.CT4_S_REMAP | s.CT4_S_ASSURED)))
 
 
 def _half_of(rng, table, k, v):
     """A half of connection (k, v) as the datapath writes it (ct4_create), or one field off."""
     kind = rng.choice(HALF_KINDS[:3])
-    if kind == s.CT4_REV_DNAT:  # backend -> client
+    if kind == s.CT4_REV_DNAT and v.state & s.CT4_S_REMAP:  # backend -> client, keyed by the remapped port
+        hk = table.key(saddr=v.nat_addr, daddr=k.saddr, sport=v.nat_port, dport=v.snat_port, proto=k.proto, kind=kind)
+        hv = table.entry(svc_addr=k.daddr, svc_port=k.dport, snat_port=k.sport, state=s.CT4_S_REMAP)
+    elif kind == s.CT4_REV_DNAT:  # backend -> client
         hk = table.key(saddr=v.nat_addr, daddr=k.saddr, sport=v.nat_port, dport=k.sport, proto=k.proto, kind=kind)
         hv = table.entry(svc_addr=k.daddr, svc_port=k.dport)
     elif kind == s.CT4_SNAT:  # client -> backend, from the masquerade address:port
@@ -52,7 +55,7 @@ def _half_of(rng, table, k, v):
     if rng.random() < 0.5:  # one field off
         other_k, other_v = _key(rng, table, kind), _entry(rng, table)
         name = rng.choice([n for n, _ in table.key._fields_ if n not in ("kind", "pad")] +
-                          ["nat_addr", "svc_addr", "nat_port", "svc_port", "snat_port"])
+                          ["nat_addr", "svc_addr", "nat_port", "svc_port", "snat_port", "state"])
         if hasattr(other_k, name) and name in ("saddr", "daddr", "sport", "dport", "proto"):
             setattr(hk, name, getattr(other_k, name))
         else:
@@ -66,6 +69,7 @@ def test_a_half_is_live_for_ctscan_exactly_when_it_is_for_the_decoded_check(tabl
     layout = ctscan.Layout(table.key, table.entry)
     flat = table.flat
     agree = {True: 0, False: 0}
+    remapped = {True: 0, False: 0}  # the same for reply halves of remapped connections (CT4_S_REMAP)
     for _ in range(300):
         owners = {}
         for _ in range(rng.randrange(1, 40)):
@@ -90,7 +94,10 @@ def test_a_half_is_live_for_ctscan_exactly_when_it_is_for_the_decoded_check(tabl
             identity = layout.half_identity(bytes(k), bytes(v))
             assert (identity is not None and identity in live) == expected, (k, v, owner)
             agree[expected] += 1
+            if k.kind == s.CT4_REV_DNAT and v.state & s.CT4_S_REMAP:
+                remapped[expected] += 1
     assert agree[True] > 1000 and agree[False] > 1000, f"too few cases of one outcome: {agree}"
+    assert remapped[True] > 100 and remapped[False] > 100, f"too few remapped halves of one outcome: {remapped}"
 
 
 def test_raw_reads_batches_and_key_walks_alike():

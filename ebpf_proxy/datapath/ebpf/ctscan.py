@@ -45,6 +45,7 @@ class Layout:
         self.v_nat_addr, self.v_svc_addr, self.v_nat_port, self.v_svc_port, self.v_snat_port = (
             span(entry, name) for name in ("nat_addr", "svc_addr", "nat_port", "svc_port", "snat_port"))
         self.flags = entry.flags.offset
+        self.state = entry.state.offset
         self.expires = struct.Struct(f"={entry.expires.offset}xQ")  # u64, host order
         if entry.expires.size != 8:
             raise ImportError(f"ctscan reads {entry.__name__}.expires as a u64, structs.py has "
@@ -52,12 +53,14 @@ class Layout:
 
     def owner_identities(self, k: bytes, v: bytes) -> Iterable[bytes]:
         """The identities of the halves a connection (a CT4_SVC entry `k`, `v`) honours: its reply
-        (CT4_REV_DNAT, to the backend it chose), and when masqueraded its SNAT half and that
-        half's reply (the datapath checks no flag for the latter, so neither does this)."""
+        (CT4_REV_DNAT, to the backend it chose, keyed by the port the connection leaves with: the
+        client's, or snat_port when remapped, CT4_S_REMAP), and when masqueraded its SNAT half
+        and that half's reply (the datapath checks no flag for the latter, so neither does this)."""
         owner = k[self.k_saddr] + k[self.k_daddr] + k[self.k_sport] + k[self.k_dport] + k[self.k_proto]
         nat = v[self.v_nat_addr] + v[self.v_nat_port]
         snat = nat + v[self.v_snat_port]
-        yield bytes((s.CT4_REV_DNAT,)) + owner + nat
+        wire = v[self.v_snat_port] if v[self.state] & s.CT4_S_REMAP else k[self.k_sport]
+        yield bytes((s.CT4_REV_DNAT,)) + owner + nat + wire
         yield bytes((s.CT4_REV_SNAT,)) + owner + snat
         if v[self.flags] & s.CT4_F_MASQ:
             yield bytes((s.CT4_SNAT,)) + owner + snat
@@ -67,9 +70,12 @@ class Layout:
         maps._owner_tuple finds it, then the fields maps._half_is_live compares. None for a kind
         no connection owns."""
         kind = k[self.kind]
-        if kind == s.CT4_REV_DNAT:  # backend -> client; owner: client -> frontend; nat == (saddr, sport)
-            owner = k[self.k_daddr] + v[self.v_svc_addr] + k[self.k_dport] + v[self.v_svc_port]
-            expected = k[self.k_saddr] + k[self.k_sport]
+        if kind == s.CT4_REV_DNAT:  # backend -> client; owner: client -> frontend; (nat, wire) == (saddr, sport, dport)
+            # the client's own port: the key's, or kept in snat_port when remapped (keyed by the wire port)
+            wire = k[self.k_dport]
+            cport = v[self.v_snat_port] if v[self.state] & s.CT4_S_REMAP else wire
+            owner = k[self.k_daddr] + v[self.v_svc_addr] + cport + v[self.v_svc_port]
+            expected = k[self.k_saddr] + k[self.k_sport] + wire
         elif kind == s.CT4_SNAT:  # client -> backend; (nat_addr, nat_port, snat_port) == (daddr, dport, v.nat_port)
             owner = k[self.k_saddr] + v[self.v_svc_addr] + k[self.k_sport] + v[self.v_svc_port]
             expected = k[self.k_daddr] + k[self.k_dport] + v[self.v_nat_port]

@@ -258,7 +258,9 @@ class EbpfDatapath(Datapath):
         whose conntrack stops tracking once the iptables rules are gone (nothing then holds its
         hooks in this netns), so they break: the node's own connections (the socket LB balances at
         connect(), a connected socket is nobody's to translate), those masqueraded to another
-        address than ours, and those of Services no longer here. Returns a count of each.
+        address than ours, and those of Services no longer here. One whose port only netfilter's
+        NAT changed (a clashing tuple) is not masqueraded: it is adopted as remapped
+        (CT4_S_REMAP, see handover.adopt). Returns a count of each.
         The IPv6 datapath adopts none (the kernel's are IPv4 connections, kernel_nat.py): each
         counts as `unknown`.
         """

@@ -50,11 +50,13 @@ def outgoing(maps: Maps, now_ns: int) -> list[NatConnection]:
     for c in maps.connections(kind=s.CT4_SVC):
         if c.expires_ns <= now_ns or c.flags & (s.CT4_F_SOCK_MASQ | s.CT4_F_DONE):
             continue
-        masq = bool(c.flags & s.CT4_F_MASQ)
+        # masqueraded: from the masquerade address:port; remapped (CT4_S_REMAP): the client's
+        # address with another port (snat_addr is the client's then)
+        translated = bool(c.flags & s.CT4_F_MASQ or c.state & s.CT4_S_REMAP)
         conn = NatConnection(
             proto=c.proto, client=c.saddr, client_port=c.sport, frontend=c.daddr, frontend_port=c.dport,
             backend=c.nat_addr, backend_port=c.nat_port,
-            source=c.snat_addr if masq else c.saddr, source_port=c.snat_port if masq else c.sport,
+            source=c.snat_addr if translated else c.saddr, source_port=c.snat_port if translated else c.sport,
             timeout=max(1, (c.expires_ns - now_ns) // NSEC),
             tcp_state=_tcp_state(c), seen_reply=bool(c.flags & s.CT4_F_SEEN_REPLY),
             assured=bool(c.state & s.CT4_S_ASSURED))
@@ -100,9 +102,12 @@ def _closing_flags(conn: NatConnection) -> int:
 
 def forget(maps: Maps, conn: NatConnection) -> None:
     """Delete our entries of `conn`: the connection first, so that no packet finds a half
-    without its owner (they would be ignored anyway, see maps._half_is_live)."""
+    without its owner (they would be ignored anyway, see maps._half_is_live). The reply half is
+    keyed by the client's port, or for a port-remapped connection (CT4_S_REMAP, which has no SNAT
+    halves) by the port it leaves with (bpf/lib/ct4.h: ct4_forget)."""
+    wire_port = conn.source_port if conn.port_remapped else conn.client_port
     keys = [ct_key(conn.client, conn.frontend, conn.client_port, conn.frontend_port, conn.proto, s.CT4_SVC),
-            ct_key(conn.backend, conn.client, conn.backend_port, conn.client_port, conn.proto, s.CT4_REV_DNAT)]
+            ct_key(conn.backend, conn.client, conn.backend_port, wire_port, conn.proto, s.CT4_REV_DNAT)]
     if conn.masqueraded:
         keys += [ct_key(conn.client, conn.backend, conn.client_port, conn.backend_port, conn.proto, s.CT4_SNAT),
                  ct_key(conn.backend, conn.source, conn.backend_port, conn.source_port, conn.proto, s.CT4_REV_SNAT)]
@@ -141,7 +146,10 @@ def adopt(maps: Maps, conn: NatConnection, backends: dict[tuple[str, int], int],
           now_ns: int, held: bool = False) -> str | None:
     """Write the epx_ct4 entries of a connection the kernel translated (`held`: CT4_S_HELD, until
     the caller has deleted the kernel's entry); returns why it cannot be (None: adopted). It
-    cannot when its frontend or backend is not programmed here (a Service deleted meanwhile)."""
+    cannot when its frontend or backend is not programmed here (a Service deleted meanwhile).
+    One netfilter's NAT gave another source port only (a clash: the client's port toward that
+    backend was another connection's) is written as ct4_create writes such a connection:
+    CT4_S_REMAP, not masqueraded, its reply half keyed by that port."""
     if _frontend_of(maps, conn, node_addrs) is None:
         return f"frontend {conn.frontend}:{conn.frontend_port} is not a service here"
     backend_id = backends.get((conn.backend, conn.backend_port))
@@ -159,13 +167,19 @@ def adopt(maps: Maps, conn: NatConnection, backends: dict[tuple[str, int], int],
 
     p, client, backend, source = conn.proto, conn.client, conn.backend, conn.source
     cport, bport, sport = conn.client_port, conn.backend_port, conn.source_port
-    if conn.masqueraded:
+    rev_dnat = half(conn.frontend, conn.frontend_port)
+    wire_port = cport
+    if conn.port_remapped:
+        entry.state |= s.CT4_S_REMAP
+        entry.snat_addr, entry.snat_port = be32(client), be16(sport)
+        rev_dnat.state, rev_dnat.snat_port = s.CT4_S_REMAP, be16(cport)  # the reply's destination port
+        wire_port = sport
+    elif conn.masqueraded:
         entry.flags |= s.CT4_F_MASQ
         entry.snat_addr, entry.snat_port = be32(source), be16(sport)
         maps.put_connection_entry(ct_key(backend, source, bport, sport, p, s.CT4_REV_SNAT), half(client, cport))
         maps.put_connection_entry(ct_key(client, backend, cport, bport, p, s.CT4_SNAT), half(source, sport))
-    maps.put_connection_entry(ct_key(backend, client, bport, cport, p, s.CT4_REV_DNAT),
-                              half(conn.frontend, conn.frontend_port))
+    maps.put_connection_entry(ct_key(backend, client, bport, wire_port, p, s.CT4_REV_DNAT), rev_dnat)
     # the connection last, as ct4_create writes it: no packet finds it before its halves
     maps.put_connection_entry(ct_key(client, conn.frontend, cport, conn.frontend_port, p, s.CT4_SVC), entry)
     return None

@@ -383,10 +383,25 @@ class ConntrackUsage:
     collected: int  # entries this pass removed
 
 
+def _rev_dnat_client_port(k: s.CT4Key, v: s.CT4Entry) -> int:
+    """The client's own port of the connection a CT4_REV_DNAT half (`k`, `v`) answers: the key's,
+    or for a remapped connection (CT4_S_REMAP: keyed by the port it leaves with) the one the half
+    keeps in snat_port (bpf/lib/ct4.h: ct4_rev_dnat_cport). Network order, as the fields."""
+    return v.snat_port if v.state & s.CT4_S_REMAP else k.dport
+
+
+def _wire_port(owner: s.CT4Entry, client_port: int) -> int:
+    """The source port connection `owner` (a CT4_SVC entry of client port `client_port`) leaves
+    with toward its backend, and so the port its CT4_REV_DNAT half is keyed by: snat_port when
+    remapped (CT4_S_REMAP), else the client's own (bpf/lib/ct4.h: ct4_wire_port). Either byte
+    order, as long as `client_port` is in the entry's."""
+    return owner.snat_port if owner.state & s.CT4_S_REMAP else client_port
+
+
 def _owner_tuple(k: s.CT4Key, v: s.CT4Entry) -> tuple | None:
     """The CT4_SVC key (saddr, daddr, sport, dport, proto) of the connection owning half `k`."""
     if k.kind == s.CT4_REV_DNAT:  # backend -> client; owner: client -> frontend
-        return (k.daddr, v.svc_addr, k.dport, v.svc_port, k.proto)
+        return (k.daddr, v.svc_addr, _rev_dnat_client_port(k, v), v.svc_port, k.proto)
     if k.kind == s.CT4_SNAT:  # client -> backend; owner: client -> frontend
         return (k.saddr, v.svc_addr, k.sport, v.svc_port, k.proto)
     if k.kind == s.CT4_REV_SNAT:  # backend -> masquerade addr:port; owner: client (nat_*) -> frontend
@@ -399,8 +414,9 @@ def _half_is_live(k: s.CT4Key, v: s.CT4Entry, owner: s.CT4Entry | None, now_ns: 
     owner checks): the connection exists, has not expired, and still points at this half."""
     if owner is None or owner.expires <= now_ns:
         return False
-    if k.kind == s.CT4_REV_DNAT:
-        return (owner.nat_addr, owner.nat_port) == (k.saddr, k.sport)
+    if k.kind == s.CT4_REV_DNAT:  # the same backend, and keyed by the port the connection leaves with
+        return (owner.nat_addr, owner.nat_port) == (k.saddr, k.sport) and \
+            _wire_port(owner, _rev_dnat_client_port(k, v)) == k.dport
     if k.kind == s.CT4_SNAT:
         return bool(owner.flags & s.CT4_F_MASQ) and \
             (owner.nat_addr, owner.nat_port, owner.snat_port) == (k.daddr, k.dport, v.nat_port)
