@@ -188,7 +188,7 @@ class KernelConntrack:
                                            conn.backend_port))
             self._delete(tuple_orig=_tuple(conn.backend, conn.source, conn.proto, conn.backend_port,
                                            conn.source_port))
-            if conn.source_translated:  # the eBPF mode may rewrite the source after netfilter: it saw the client's
+            if conn.masqueraded:  # the eBPF mode masquerades after netfilter: it saw the client's source
                 self._delete(tuple_orig=_tuple(conn.client, conn.backend, conn.proto, conn.client_port,
                                                conn.backend_port))
             msg = nfct_msg.create_from(**attrs)

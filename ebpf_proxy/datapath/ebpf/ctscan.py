@@ -55,14 +55,14 @@ class Layout:
         """The identities of the halves a connection (a CT4_SVC entry `k`, `v`) honours: its reply
         (CT4_REV_DNAT, to the backend it chose, keyed by the port the connection leaves with: the
         client's, or snat_port when remapped, CT4_S_REMAP), and when masqueraded its SNAT half
-        and that half's reply (the datapath checks no flag for the latter, so neither does this)."""
+        and that half's reply (a remapped connection's snat_port is no masquerade port)."""
         owner = k[self.k_saddr] + k[self.k_daddr] + k[self.k_sport] + k[self.k_dport] + k[self.k_proto]
         nat = v[self.v_nat_addr] + v[self.v_nat_port]
         snat = nat + v[self.v_snat_port]
         wire = v[self.v_snat_port] if v[self.state] & s.CT4_S_REMAP else k[self.k_sport]
         yield bytes((s.CT4_REV_DNAT,)) + owner + nat + wire
-        yield bytes((s.CT4_REV_SNAT,)) + owner + snat
         if v[self.flags] & s.CT4_F_MASQ:
+            yield bytes((s.CT4_REV_SNAT,)) + owner + snat
             yield bytes((s.CT4_SNAT,)) + owner + snat
 
     def half_identity(self, k: bytes, v: bytes) -> bytes | None:

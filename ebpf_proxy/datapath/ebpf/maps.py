@@ -420,8 +420,9 @@ def _half_is_live(k: s.CT4Key, v: s.CT4Entry, owner: s.CT4Entry | None, now_ns: 
     if k.kind == s.CT4_SNAT:
         return bool(owner.flags & s.CT4_F_MASQ) and \
             (owner.nat_addr, owner.nat_port, owner.snat_port) == (k.daddr, k.dport, v.nat_port)
-    if k.kind == s.CT4_REV_SNAT:
-        return (owner.nat_addr, owner.nat_port, owner.snat_port) == (k.saddr, k.sport, k.dport)
+    if k.kind == s.CT4_REV_SNAT:  # masqueraded: a remapped connection's snat_port is no masquerade port
+        return bool(owner.flags & s.CT4_F_MASQ) and \
+            (owner.nat_addr, owner.nat_port, owner.snat_port) == (k.saddr, k.sport, k.dport)
     return False
 
 
