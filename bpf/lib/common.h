@@ -255,9 +255,11 @@ struct ct4_entry {
 #define CT4_S_REMAP 0x04   /* the client's port was taken toward this backend by another live connection
 			    * (the same client port through another frontend): like netfilter's NAT on a
 			    * clashing tuple, the connection leaves with another source port. On the
-			    * CT4_SVC entry: snat_addr = the client, snat_port = the port on the wire (never
-			    * with CT4_F_MASQ). On its CT4_REV_DNAT half, keyed by that port: snat_port =
-			    * the client's own port, which the reply's destination gets back */
+			    * CT4_SVC entry: snat_port = the port on the wire, snat_addr = the client (or,
+			    * with CT4_F_MASQ, the masquerade address: the port is the masquerade port from
+			    * DNAT on). Its CT4_REV_DNAT and CT4_SNAT halves are keyed by that port and keep
+			    * the client's own port in snat_port (the reply's destination gets it back); a
+			    * masqueraded one's CT4_REV_SNAT half sends the reply on to that port */
 
 /* ---- connection table pressure: the connections each CPU created, oldest first ----
  * A queue (per CPU: no atomics) of CT4_SVC keys in creation order. When epx_ct4 is full,

@@ -36,7 +36,8 @@
  * first's replies. netfilter's NAT finds such a clash when it confirms the second connection
  * and gives it another source port; so does ct4_create: it leaves with a port from the
  * masquerade range (clear of the clients' ephemeral ports), CT4_S_REMAP (common.h), counted
- * under EPX_EV_CT_PORT_REMAP.
+ * under EPX_EV_CT_PORT_REMAP. A masqueraded connection leaves with its masquerade port: from
+ * DNAT on (its SNAT half keyed by it) to the reply's, whose destination ct4's halves restore.
  */
 #ifndef EPX_CT4_H
 #define EPX_CT4_H
@@ -167,7 +168,7 @@ static __always_inline void ct4_forget(struct ct4_key *key, const struct ct4_ent
 		ring->half = ct4_key_make(be_addr, key->saddr, be_port, wire_port, key->proto, CT4_REV_DNAT);
 		ct4_forget_half(&ring->half, key);
 		if (masq) {
-			ring->half = ct4_key_make(key->saddr, be_addr, key->sport, be_port, key->proto, CT4_SNAT);
+			ring->half = ct4_key_make(key->saddr, be_addr, wire_port, be_port, key->proto, CT4_SNAT);
 			ct4_forget_half(&ring->half, key);
 			ring->half = ct4_key_make(be_addr, snat_addr, be_port, snat_port, key->proto, CT4_REV_SNAT);
 			ct4_forget_half(&ring->half, key);
@@ -273,6 +274,20 @@ static __always_inline __be16 ct4_wire_port(const struct ct4_entry *e, __be16 cp
 static __always_inline __be16 ct4_rev_dnat_cport(const struct ct4_entry *half, const struct ct4_key *key)
 {
 	return (half->state & CT4_S_REMAP) ? half->snat_port : key->dport;
+}
+
+/* The client's own port of the connection a CT4_SNAT half at `key` (client -> backend) belongs
+ * to: the key's, or for a remapped connection the one the half keeps. */
+static __always_inline __be16 ct4_snat_cport(const struct ct4_entry *half, const struct ct4_key *key)
+{
+	return (half->state & CT4_S_REMAP) ? half->snat_port : key->sport;
+}
+
+/* The destination port a reply at the CT4_REV_SNAT half at `key` goes on with: the client's own,
+ * or for a remapped connection the masquerade port, which its CT4_REV_DNAT half is keyed by. */
+static __always_inline __be16 ct4_rev_snat_port(const struct ct4_entry *half, const struct ct4_key *key)
+{
+	return (half->state & CT4_S_REMAP) ? key->dport : half->nat_port;
 }
 
 /* Whether `owner` (client port `cport`) still owns the CT4_REV_DNAT half at `key`: the same
@@ -438,6 +453,16 @@ static __always_inline __u32 ct4_create_once(const struct pkt4 *p, const struct 
 	if (masq) {
 		s->rev_snat = (struct ct4_entry){ .nat_addr = p->saddr, .nat_port = p->sport, .svc_addr = p->daddr,
 						  .svc_port = p->dport };
+		/* The client's port toward this backend is a live connection's already: this one
+		 * leaves with its masquerade port from DNAT on (see the header comment). Not a node
+		 * socket's (CT4_F_SOCK_MASQ): its tuple is the kernel's own, unique. */
+		key = ct4_key_make(be_addr, p->saddr, be_port, p->sport, p->proto, CT4_REV_DNAT);
+		if (!(masq & CT4_F_SOCK_MASQ) && ct4_rev_dnat_taken(&key, now)) {
+			e.state = CT4_S_REMAP;
+			s->rev_snat.state = CT4_S_REMAP; /* the reply's destination: the masquerade port */
+			s->rev_dnat.state = CT4_S_REMAP;
+			s->rev_dnat.snat_port = p->sport;
+		}
 		reason = ct4_snat_alloc(p, cfg, be_addr, be_port, now, &e.snat_port, &s->rev_snat);
 		if (reason)
 			return reason;
@@ -446,13 +471,22 @@ static __always_inline __u32 ct4_create_once(const struct pkt4 *p, const struct 
 		/* forward: client -> backend leaves as snat_addr:snat_port -> backend */
 		s->snat = (struct ct4_entry){
 			.nat_addr = e.snat_addr, .nat_port = e.snat_port, .svc_addr = p->daddr, .svc_port = p->dport,
+			.state = e.state,
 		};
-		key = ct4_key_make(p->saddr, be_addr, p->sport, be_port, p->proto, CT4_SNAT);
-		err = epx_update(epx_ct4, &key, &s->snat);
+		if (e.state & CT4_S_REMAP)
+			s->snat.snat_port = p->sport; /* the client's own port: its owner's key */
+		/* the masquerade port as the client's port toward the backend: taken (a client's own
+		 * port in the masquerade range) is refused, the client's retransmit draws another */
+		key = ct4_key_make(be_addr, p->saddr, be_port, e.snat_port, p->proto, CT4_REV_DNAT);
+		err = (e.state & CT4_S_REMAP) && ct4_rev_dnat_taken(&key, now);
+		if (!err) {
+			key = ct4_key_make(p->saddr, be_addr, ct4_wire_port(&e, p->sport), be_port, p->proto, CT4_SNAT);
+			err = epx_update(epx_ct4, &key, &s->snat);
+		}
 		if (err) {
 			key = ct4_key_make(be_addr, e.snat_addr, be_port, e.snat_port, p->proto, CT4_REV_SNAT);
 			epx_delete(epx_ct4, &key);
-			return ct4_put_failed(err);
+			return err > 0 ? EPX_DROP_SNAT_NO_PORT : ct4_put_failed(err);
 		}
 	} else {
 		/* The client's port toward this backend is a live connection's already (through
@@ -477,7 +511,7 @@ static __always_inline __u32 ct4_create_once(const struct pkt4 *p, const struct 
 	/* reply: backend -> client leaves with the frontend as source (a remapped connection's half
 	 * is in place already) */
 	key = ct4_key_make(be_addr, p->saddr, be_port, ct4_wire_port(&e, p->sport), p->proto, CT4_REV_DNAT);
-	err = (e.state & CT4_S_REMAP) ? 0 : epx_update(epx_ct4, &key, &s->rev_dnat);
+	err = (e.state & CT4_S_REMAP) && !masq ? 0 : epx_update(epx_ct4, &key, &s->rev_dnat);
 	if (!err) {
 		ct4_touch(&e, cfg, p, 0, now);
 		key = ct4_key_make(p->saddr, p->daddr, p->sport, p->dport, p->proto, CT4_SVC);
@@ -492,7 +526,7 @@ static __always_inline __u32 ct4_create_once(const struct pkt4 *p, const struct 
 		epx_delete(epx_ct4, &key);
 	}
 	if (masq) {
-		key = ct4_key_make(p->saddr, be_addr, p->sport, be_port, p->proto, CT4_SNAT);
+		key = ct4_key_make(p->saddr, be_addr, ct4_wire_port(&e, p->sport), be_port, p->proto, CT4_SNAT);
 		epx_delete(epx_ct4, &key);
 		key = ct4_key_make(be_addr, e.snat_addr, be_port, e.snat_port, p->proto, CT4_REV_SNAT);
 		epx_delete(epx_ct4, &key);

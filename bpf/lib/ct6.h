@@ -70,7 +70,9 @@ static __always_inline void ct6_forget(struct scratch6 *s, struct ct6_key *key, 
 			       (s->gone.state & CT4_S_REMAP) ? s->gone.snat_port : key->sport, key->proto, CT4_REV_DNAT);
 	ct6_forget_half(s, key);
 	if (s->gone.flags & CT4_F_MASQ) {
-		s->half = ct6_key_make(&key->saddr, &s->gone.nat_addr, key->sport, s->gone.nat_port, key->proto, CT4_SNAT);
+		s->half = ct6_key_make(&key->saddr, &s->gone.nat_addr,
+				       (s->gone.state & CT4_S_REMAP) ? s->gone.snat_port : key->sport, s->gone.nat_port,
+				       key->proto, CT4_SNAT);
 		ct6_forget_half(s, key);
 		s->half = ct6_key_make(&s->gone.nat_addr, &s->gone.snat_addr, s->gone.nat_port, s->gone.snat_port, key->proto,
 				       CT4_REV_SNAT);
@@ -121,6 +123,18 @@ static __always_inline __be16 ct6_wire_port(const struct ct6_entry *e, __be16 cp
 static __always_inline __be16 ct6_rev_dnat_cport(const struct ct6_entry *half, const struct ct6_key *key)
 {
 	return (half->state & CT4_S_REMAP) ? half->snat_port : key->dport;
+}
+
+/* The client's own port of the connection a CT4_SNAT half at `key` belongs to (ct4_snat_cport). */
+static __always_inline __be16 ct6_snat_cport(const struct ct6_entry *half, const struct ct6_key *key)
+{
+	return (half->state & CT4_S_REMAP) ? half->snat_port : key->sport;
+}
+
+/* The destination port a reply at the CT4_REV_SNAT half at `key` goes on with (ct4_rev_snat_port). */
+static __always_inline __be16 ct6_rev_snat_port(const struct ct6_entry *half, const struct ct6_key *key)
+{
+	return (half->state & CT4_S_REMAP) ? key->dport : half->nat_port;
 }
 
 /* Whether `owner` (client port `cport`) still owns the CT4_REV_DNAT half at `key` (ct4_rev_dnat_owns). */
@@ -257,7 +271,7 @@ static __always_inline __u32 ct6_create(struct scratch6 *s, const struct pkt6 *p
 					__u64 now, __u32 backend_id, const struct epx_in6 *be_addr, __be16 be_port, int masq)
 {
 	const struct lb6_config *cfg6 = p->cfg6;
-	__be16 snat_port = 0;
+	__be16 snat_port = 0, wire_port = p->sport; /* the port it leaves with toward the backend */
 	__u32 reason;
 	long err;
 
@@ -270,14 +284,30 @@ static __always_inline __u32 ct6_create(struct scratch6 *s, const struct pkt6 *p
 		reason = ct6_snat_check(cfg, cfg6);
 		if (reason)
 			return reason;
+		/* the client's port toward this backend is a live connection's already: this one
+		 * leaves with its masquerade port from DNAT on (CT4_S_REMAP, see ct4_create_once) */
+		s->key = ct6_key_make(be_addr, &p->saddr, be_port, p->sport, p->proto, CT4_REV_DNAT);
+		if (ct6_rev_dnat_taken(s, now)) {
+			s->val.state = CT4_S_REMAP; /* every half's, and the client's own port in snat_port */
+			s->val.snat_port = p->sport;
+		}
 		/* s->val is the REV_SNAT half: backend -> masq addr:port, nat = the client */
 		reason = ct6_snat_alloc(s, p, cfg, cfg6, be_addr, be_port, now, &snat_port);
 		if (reason)
 			return reason;
+		/* the masquerade port as the client's port toward the backend: taken (a client's own
+		 * port in the masquerade range) is refused, the client's retransmit draws another */
+		s->key = ct6_key_make(be_addr, &p->saddr, be_port, snat_port, p->proto, CT4_REV_DNAT);
+		if ((s->val.state & CT4_S_REMAP) && ct6_rev_dnat_taken(s, now)) {
+			s->key = ct6_key_make(be_addr, &cfg6->snat_addr, be_port, snat_port, p->proto, CT4_REV_SNAT);
+			epx_delete(epx_ct6, &s->key);
+			return EPX_DROP_SNAT_NO_PORT;
+		}
 		/* forward: client -> backend leaves as snat_addr:snat_port -> backend */
 		s->val.nat_addr = cfg6->snat_addr;
 		s->val.nat_port = snat_port;
-		s->key = ct6_key_make(&p->saddr, be_addr, p->sport, be_port, p->proto, CT4_SNAT);
+		s->key = ct6_key_make(&p->saddr, be_addr, (s->val.state & CT4_S_REMAP) ? snat_port : p->sport, be_port,
+				      p->proto, CT4_SNAT);
 		err = epx_update(epx_ct6, &s->key, &s->val);
 		if (err)
 			goto undo_rev_snat;
@@ -298,12 +328,14 @@ static __always_inline __u32 ct6_create(struct scratch6 *s, const struct pkt6 *p
 		s->key = ct6_key_make(&p->saddr, be_addr, snat_port ? snat_port : p->sport, be_port, p->proto, CT4_SNAT);
 		epx_delete(epx_ct6, &s->key);
 	}
+	if (s->val.state & CT4_S_REMAP)
+		wire_port = snat_port;
 	/* reply: backend -> client leaves with the frontend as source (a remapped connection's
 	 * half is in place: snat_port without masquerade) */
 	if (masq || !snat_port) {
 		s->val.nat_addr = p->daddr;
 		s->val.nat_port = p->dport;
-		s->key = ct6_key_make(be_addr, &p->saddr, be_port, p->sport, p->proto, CT4_REV_DNAT);
+		s->key = ct6_key_make(be_addr, &p->saddr, be_port, wire_port, p->proto, CT4_REV_DNAT);
 		err = epx_update(epx_ct6, &s->key, &s->val);
 		if (err)
 			goto undo_snat;
@@ -314,7 +346,7 @@ static __always_inline __u32 ct6_create(struct scratch6 *s, const struct pkt6 *p
 	s->val.backend_id = backend_id;
 	if (masq) {
 		s->val.snat_addr = cfg6->snat_addr;
-		s->val.snat_port = snat_port;
+		s->val.snat_port = snat_port; /* and, remapped, the port it leaves with */
 		s->val.flags = CT4_F_MASQ;
 	} else if (snat_port) {
 		s->val.snat_addr = p->saddr;
@@ -325,16 +357,15 @@ static __always_inline __u32 ct6_create(struct scratch6 *s, const struct pkt6 *p
 	s->key = ct6_key_make(&p->saddr, &p->daddr, p->sport, p->dport, p->proto, CT4_SVC);
 	err = epx_update(epx_ct6, &s->key, &s->val);
 	if (!err) {
-		if (!masq && snat_port)
+		if (s->val.state & CT4_S_REMAP)
 			stats_count(EPX_EV_CT_PORT_REMAP, 0);
 		return 0;
 	}
-	s->key = ct6_key_make(be_addr, &p->saddr, be_port, (!masq && snat_port) ? snat_port : p->sport, p->proto,
-			      CT4_REV_DNAT);
+	s->key = ct6_key_make(be_addr, &p->saddr, be_port, wire_port, p->proto, CT4_REV_DNAT);
 	epx_delete(epx_ct6, &s->key);
 undo_snat:
 	if (masq) {
-		s->key = ct6_key_make(&p->saddr, be_addr, p->sport, be_port, p->proto, CT4_SNAT);
+		s->key = ct6_key_make(&p->saddr, be_addr, wire_port, be_port, p->proto, CT4_SNAT);
 		epx_delete(epx_ct6, &s->key);
 	}
 undo_rev_snat:

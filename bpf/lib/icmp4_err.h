@@ -184,7 +184,7 @@ static __always_inline __u32 icmp4_err_ingress(struct __sk_buff *skb, const stru
 	if (nat4_is_masq_dest(cfg, key.daddr, key.dport) && (half = epx_lookup(epx_ct4, &key))) {
 		owner = ct4_owner(half->nat_addr, half->nat_port, half, e.proto, now, 1);
 		if (nat4_rev_snat_owns(owner, &key))
-			return icmp4_err_rewrite(skb, p, &e, NAT4_DST, half->nat_addr, half->nat_port);
+			return icmp4_err_rewrite(skb, p, &e, NAT4_DST, half->nat_addr, ct4_rev_snat_port(half, &key));
 	}
 	key.kind = CT4_SVC;
 	owner = ct4_find_svc(&key, now);
@@ -212,7 +212,7 @@ static __always_inline __u32 icmp4_err_egress(struct __sk_buff *skb, const struc
 	key = ct4_key_make(e.daddr, e.saddr, e.dport, e.sport, e.proto, CT4_SNAT);
 	half = epx_lookup(epx_ct4, &key);
 	if (half) {
-		owner = ct4_owner(key.saddr, key.sport, half, e.proto, now, 1);
+		owner = ct4_owner(key.saddr, ct4_snat_cport(half, &key), half, e.proto, now, 1);
 		if (nat4_snat_owns(owner, half, &key))
 			return icmp4_err_rewrite(skb, p, &e, NAT4_SRC, half->nat_addr, half->nat_port);
 	}

@@ -177,7 +177,8 @@ static __always_inline __u32 icmp6_err_ingress(struct __sk_buff *skb, struct scr
 	if (nat6_is_masq_dest(cfg, p->cfg6, &s->key.daddr, s->key.dport) && (half = epx_lookup(epx_ct6, &s->key))) {
 		owner = ct6_owner(s, &half->nat_addr, half->nat_port, half, s->key.proto, now, 1);
 		if (nat6_rev_snat_owns(owner, &s->key))
-			return icmp6_err_rewrite(skb, p, &e, &s->key, NAT4_DST, &half->nat_addr, half->nat_port);
+			return icmp6_err_rewrite(skb, p, &e, &s->key, NAT4_DST, &half->nat_addr,
+						 ct6_rev_snat_port(half, &s->key));
 	}
 	s->key.kind = CT4_SVC;
 	owner = ct6_find_svc(&s->key, now);
@@ -206,7 +207,7 @@ static __always_inline __u32 icmp6_err_egress(struct __sk_buff *skb, struct scra
 	s->key.kind = CT4_SNAT;
 	half = epx_lookup(epx_ct6, &s->key);
 	if (half) {
-		owner = ct6_owner(s, &s->key.saddr, s->key.sport, half, s->key.proto, now, 1);
+		owner = ct6_owner(s, &s->key.saddr, ct6_snat_cport(half, &s->key), half, s->key.proto, now, 1);
 		if (nat6_snat_owns(owner, half, &s->key))
 			return icmp6_err_rewrite(skb, p, &e, &s->key, NAT4_SRC, &half->nat_addr, half->nat_port);
 	}

@@ -90,12 +90,13 @@ static __always_inline int nat4_sctp_finish(struct __sk_buff *skb)
 /* ---- which halves count: shared by the packet path here and the ICMP error path (icmp4_err.h),
  * so that an error is translated by exactly the entries its connection's packets are ---- */
 
-/* Whether `owner` (the live CT4_SVC entry) still owns the CT4_SNAT half `half` found at `key`. */
+/* Whether `owner` (the live CT4_SVC entry) still owns the CT4_SNAT half `half` found at `key`:
+ * masqueraded to the same backend and port, leaving with the port the key has (CT4_S_REMAP). */
 static __always_inline int nat4_snat_owns(const struct ct4_entry *owner, const struct ct4_entry *half,
 					  const struct ct4_key *key)
 {
 	return owner && (owner->flags & CT4_F_MASQ) && owner->nat_addr == key->daddr && owner->nat_port == key->dport &&
-	       owner->snat_port == half->nat_port;
+	       owner->snat_port == half->nat_port && ct4_wire_port(owner, ct4_snat_cport(half, key)) == key->sport;
 }
 
 /* Whether daddr:dport may be a masquerade address and port of this node (CT4_REV_SNAT's keys). */
@@ -125,7 +126,7 @@ static __always_inline __u32 nat4_snat(struct __sk_buff *skb, struct pkt4 *p, co
 
 	if (!half)
 		return 0;
-	owner = ct4_owner(p->saddr, p->sport, half, p->proto, now, tr != NULL);
+	owner = ct4_owner(p->saddr, ct4_snat_cport(half, &key), half, p->proto, now, tr != NULL);
 	if (!nat4_snat_owns(owner, half, &key)) {
 		if (!tr)
 			epx_delete(epx_ct4, &key); /* left behind by an earlier connection */
@@ -160,7 +161,9 @@ static __always_inline __u32 nat4_rev_snat(struct __sk_buff *skb, struct pkt4 *p
 		return 0; /* stale: left for the port allocator to reclaim */
 	if (!tr && (owner->flags & CT4_F_SOCK_MASQ))
 		ct4_touch(owner, cfg, p, 1, now);
-	reason = nat4_rewrite(skb, p, NAT4_DST, half->nat_addr, half->nat_port);
+	/* a remapped connection's client port toward the backend is the masquerade port: its reply
+	 * half (egress) is keyed by it */
+	reason = nat4_rewrite(skb, p, NAT4_DST, half->nat_addr, ct4_rev_snat_port(half, &key));
 	return reason ? reason : EPX_REV_SNAT;
 }
 

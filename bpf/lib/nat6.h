@@ -85,12 +85,14 @@ static __always_inline void nat6_sctp_begin(struct __sk_buff *skb, const struct 
 /* ---- which halves count (nat4.h's *_owns): shared by the packet path here and the ICMPv6 error
  * path (icmp6_err.h), so that an error is translated exactly when its reply would be ---- */
 
-/* Whether `owner` (the live CT4_SVC entry) still owns the CT4_SNAT half `half` found at `key`. */
+/* Whether `owner` (the live CT4_SVC entry) still owns the CT4_SNAT half `half` found at `key`
+ * (nat4_snat_owns). */
 static __always_inline int nat6_snat_owns(const struct ct6_entry *owner, const struct ct6_entry *half,
 					  const struct ct6_key *key)
 {
 	return owner && (owner->flags & CT4_F_MASQ) && in6_eq(&owner->nat_addr, &key->daddr) &&
-	       owner->nat_port == key->dport && owner->snat_port == half->nat_port;
+	       owner->nat_port == key->dport && owner->snat_port == half->nat_port &&
+	       ct6_wire_port(owner, ct6_snat_cport(half, key)) == key->sport;
 }
 
 /* Whether `owner` still owns the CT4_REV_SNAT half at `key` (backend -> masquerade addr:port). */
@@ -114,7 +116,7 @@ static __always_inline __u32 nat6_snat(struct __sk_buff *skb, struct scratch6 *s
 	half = epx_lookup(epx_ct6, &s->key);
 	if (!half)
 		return 0;
-	owner = ct6_owner(s, &p->saddr, p->sport, half, p->proto, now, tr != NULL);
+	owner = ct6_owner(s, &p->saddr, ct6_snat_cport(half, &s->key), half, p->proto, now, tr != NULL);
 	if (!nat6_snat_owns(owner, half, &s->key)) {
 		if (!tr)
 			epx_delete(epx_ct6, &s->key); /* left behind by an earlier connection */
@@ -153,8 +155,8 @@ static __always_inline __u32 nat6_rev_snat(struct __sk_buff *skb, struct scratch
 	if (!half)
 		return 0;
 	addr = half->nat_addr;
-	port = half->nat_port;
-	owner = ct6_owner(s, &addr, port, half, p->proto, now, tr != NULL);
+	port = ct6_rev_snat_port(half, &s->key); /* remapped: the masquerade port (nat4_rev_snat) */
+	owner = ct6_owner(s, &addr, half->nat_port, half, p->proto, now, tr != NULL);
 	if (!nat6_rev_snat_owns(owner, &s->key))
 		return 0; /* stale: left for the port allocator to reclaim */
 	reason = nat6_rewrite(skb, p, NAT4_DST, &addr, port);

@@ -242,6 +242,46 @@ def test_one_client_port_through_two_frontends_to_one_backend_keeps_both_connect
     assert halves == {(w.POD_CLIENT, 40000), (w.POD_CLIENT, port)}
 
 
+@pytest.mark.parametrize("first_masqueraded", [False, True], ids=["first-clusterIP", "first-nodePort"])
+def test_a_masqueraded_connection_of_a_clashing_port_leaves_with_its_masquerade_port(datapath, maps,
+                                                                                     first_masqueraded):
+    """The second connection of a pod's port, through a NodePort (masqueraded), to the backend
+    the first already reaches from that port: its SNAT half and its reply half would be the
+    first's. It leaves with its masquerade port from DNAT on (CT4_S_REMAP), so that every half
+    is its own; replies come back to the client's own port from each frontend. netfilter keeps
+    the client's port here (the masquerade makes the reply tuples differ): only the port
+    between this node's hooks differs, which no end sees."""
+    a = w.web(id=1, cluster=(w.REMOTE_EP,))
+    b = w.web(id=2, frontends=((None, w.NODE_PORT + 1, w.EXT),), cluster=(w.REMOTE_EP,))
+    w.install(maps, a, b)
+    first_dst = (w.NODE_IP, w.NODE_PORT) if first_masqueraded else (w.VIP, 80)
+    first = step(datapath, maps, "tc_ingress", tcp(w.POD_CLIENT, 40000, *first_dst), R.FWD_NEW)
+    first = step(datapath, maps, "tc_egress", first, R.SNAT if first_masqueraded else R.PASS_NO_SERVICE)
+    second = remapped(datapath, maps, tcp(w.POD_CLIENT, 40000, w.NODE_IP, w.NODE_PORT + 1))
+    (client, port), backend = endpoints(second)
+    assert (client, backend) == (w.POD_CLIENT, w.REMOTE_EP) and w.SNAT_MIN <= port <= w.SNAT_MAX
+    second = step(datapath, maps, "tc_egress", second, R.SNAT)
+    assert endpoints(second) == ((w.NODE_IP, port), w.REMOTE_EP)
+
+    back = step(datapath, maps, "tc_ingress", reply_to(second), R.REV_SNAT)
+    assert endpoints(back) == (w.REMOTE_EP, (w.POD_CLIENT, port))
+    back = step(datapath, maps, "tc_egress", back, R.REV_DNAT)
+    assert endpoints(back) == ((w.NODE_IP, w.NODE_PORT + 1), (w.POD_CLIENT, 40000))
+    back = reply_to(first)
+    if first_masqueraded:
+        back = step(datapath, maps, "tc_ingress", back, R.REV_SNAT)
+    back = step(datapath, maps, "tc_egress", back, R.REV_DNAT)
+    assert endpoints(back) == (first_dst, (w.POD_CLIENT, 40000))
+
+    again = step(datapath, maps, "tc_ingress", tcp(w.POD_CLIENT, 40000, w.NODE_IP, w.NODE_PORT + 1, flags="A"),
+                 R.FWD_ESTABLISHED)
+    again = step(datapath, maps, "tc_egress", again, R.SNAT)
+    assert endpoints(again) == ((w.NODE_IP, port), w.REMOTE_EP)
+    again = step(datapath, maps, "tc_ingress", tcp(w.POD_CLIENT, 40000, *first_dst, flags="A"), R.FWD_ESTABLISHED)
+    again = step(datapath, maps, "tc_egress", again, R.SNAT if first_masqueraded else R.PASS_NO_SERVICE)
+    assert endpoints(again) == endpoints(first)
+
+
 def test_a_remapped_connection_that_ends_takes_only_its_own_half(datapath, maps):
     """The remapped connection's RST removes it and the reply half at its remapped port (ct4_forget);
     the first connection of the port keeps its half and its replies."""

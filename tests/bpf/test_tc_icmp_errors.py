@@ -224,35 +224,39 @@ def _refresh_ip_checksum(frame: bytes) -> bytes:
     return frame[:14] + bytes(IP(bytes(ip)))
 
 
+@pytest.mark.parametrize("masq", [False, True], ids=["pod-to-clusterIPs", "outside-to-nodePorts"])
 @pytest.mark.parametrize("proto", [w.TCP, w.UDP])
-def test_errors_about_a_remapped_connection_name_the_port_each_end_knows(datapath, maps, proto):
+def test_errors_about_a_remapped_connection_name_the_port_each_end_knows(datapath, maps, proto, masq):
     """A connection whose client port clashed toward its backend leaves with another port
-    (CT4_S_REMAP, test_tc_conntrack.py). As conntrack's related NAT translates the port with the
-    address (nf_nat_icmp_reply_translation), an error about its packet reaches the client quoting
-    the client's own port, and an error about its reply reaches the backend quoting the port the
-    backend knows."""
+    (CT4_S_REMAP, test_tc_conntrack.py; a masqueraded one with its masquerade port). As
+    conntrack's related NAT translates the port with the address (nf_nat_icmp_reply_translation),
+    an error about its packet reaches the client quoting the client's own port, and an error
+    about its reply reaches the backend quoting the port the backend knows."""
     make = tcp if proto == w.TCP else udp
-    other = "10.96.0.11"
-    w.install(maps, w.web(id=1, cluster=(w.REMOTE_EP,), proto=proto),
-              w.web(id=2, frontends=((other, 80, 0),), cluster=(w.REMOTE_EP,), proto=proto))
-    connect(datapath, maps, make(w.POD_CLIENT, 40000, w.VIP, 80), False)
-    first = make(w.POD_CLIENT, 40000, other, 80)
+    if masq:
+        client, first_dst, other = w.OUTSIDE, (w.NODE_IP, w.NODE_PORT), (w.NODE_IP, w.NODE_PORT + 1)
+        second_svc = w.web(id=2, frontends=((None, w.NODE_PORT + 1, w.EXT),), cluster=(w.REMOTE_EP,), proto=proto)
+    else:
+        client, first_dst, other = w.POD_CLIENT, (w.VIP, 80), ("10.96.0.11", 80)
+        second_svc = w.web(id=2, frontends=((other[0], 80, 0),), cluster=(w.REMOTE_EP,), proto=proto)
+    w.install(maps, w.web(id=1, cluster=(w.REMOTE_EP,), proto=proto), second_svc)
+    connect(datapath, maps, make(client, 40000, *first_dst), masq)
+    first = make(client, 40000, *other)
     maps.reset_stats()
     fwd = run(datapath, "tc_ingress", first)
     assert counted(maps) == {R.FWD_NEW: 1, R.EV_CT_PORT_REMAP: 1}
-    at_backend = ip_bytes(fwd.raw)
+    at_backend = ip_bytes(hop(datapath, maps, "tc_egress", fwd.raw, R.SNAT if masq else R.PASS_NO_SERVICE))
     sent = ip_bytes(first)
-    remapped_port = IP(at_backend).payload.sport
-    assert remapped_port != 40000
+    assert IP(at_backend).payload.sport != 40000
 
-    error = icmp_error(w.REMOTE_EP[0], w.POD_CLIENT, PORT_UNREACH, at_backend)
-    out = hop(datapath, maps, "tc_ingress", error, R.PASS_ICMP_NO_CT)
+    error = icmp_error(w.REMOTE_EP[0], IP(at_backend).src, PORT_UNREACH, at_backend)
+    out = hop(datapath, maps, "tc_ingress", error, R.ICMP_RELATED if masq else R.PASS_ICMP_NO_CT)
     out = hop(datapath, maps, "tc_egress", out, R.ICMP_RELATED)
-    assert_error(out, other, w.POD_CLIENT, PORT_UNREACH, sent[:LINUX_QUOTE])
+    assert_error(out, other[0], client, PORT_UNREACH, sent[:LINUX_QUOTE])
 
-    back, at_client = reply(datapath, maps, at_backend, proto, False)
-    assert IP(at_client).payload.dport == 40000 and IP(at_client).src == other
-    error = icmp_error(w.POD_CLIENT, other, PORT_UNREACH, at_client)
+    back, at_client = reply(datapath, maps, at_backend, proto, masq)
+    assert IP(at_client).payload.dport == 40000 and (IP(at_client).src, IP(at_client).payload.sport) == other
+    error = icmp_error(client, other[0], PORT_UNREACH, at_client)
     out = hop(datapath, maps, "tc_ingress", error, R.ICMP_RELATED)
-    out = hop(datapath, maps, "tc_egress", out, R.PASS_ICMP_NO_CT)
-    assert_error(out, w.POD_CLIENT, w.REMOTE_EP[0], PORT_UNREACH, back[:LINUX_QUOTE])
+    out = hop(datapath, maps, "tc_egress", out, R.ICMP_RELATED if masq else R.PASS_ICMP_NO_CT)
+    assert_error(out, IP(at_backend).src, w.REMOTE_EP[0], PORT_UNREACH, back[:LINUX_QUOTE])

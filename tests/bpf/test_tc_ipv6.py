@@ -174,6 +174,32 @@ def test_one_client_port_through_two_frontends_to_one_backend_keeps_both_connect
     assert svc.state & s.CT4_S_REMAP and (svc.snat_addr, svc.snat_port) == (POD6, port)
 
 
+def test_a_masqueraded_connection_of_a_clashing_port_leaves_with_its_masquerade_port(datapath, maps6):
+    """IPv4's test_tc_conntrack twin: a pod's port reaches a backend through a clusterIP, then
+    through a NodePort (masqueraded) to the same backend: the second leaves with its masquerade
+    port from DNAT on (CT4_S_REMAP), and each connection's replies come back from its frontend."""
+    w6.install6(maps6, w6.web6(id=1, cluster=(w6.REMOTE_EP6,)),
+                w6.web6(id=2, frontends=((None, NODE_PORT + 1, w6.EXT),), cluster=(w6.REMOTE_EP6,)))
+    first = step6(datapath, maps6, "tc_ingress", tcp6(POD6, 40000, VIP6, 80), R.FWD_NEW)
+    maps6.reset_stats()
+    out = run(datapath, "tc_ingress", tcp6(POD6, 40000, NODE6, NODE_PORT + 1))
+    assert out.verdict == TC_ACT_OK and counted(maps6) == {R.FWD_NEW: 1, R.EV_CT_PORT_REMAP: 1}
+    (client, port), backend = endpoints6(out.pkt)
+    assert (client, backend) == (POD6, w6.REMOTE_EP6) and w.SNAT_MIN <= port <= w.SNAT_MAX
+    second = step6(datapath, maps6, "tc_egress", out.pkt, R.SNAT)
+    assert endpoints6(second) == ((NODE6, port), w6.REMOTE_EP6)
+
+    back = step6(datapath, maps6, "tc_ingress", w6.reply6(second), R.REV_SNAT)
+    assert endpoints6(back) == (w6.REMOTE_EP6, (POD6, port))
+    back = step6(datapath, maps6, "tc_egress", back, R.REV_DNAT)
+    assert endpoints6(back) == ((NODE6, NODE_PORT + 1), (POD6, 40000))
+    back = step6(datapath, maps6, "tc_egress", w6.reply6(first), R.REV_DNAT)
+    assert endpoints6(back) == ((VIP6, 80), (POD6, 40000))
+    again = step6(datapath, maps6, "tc_ingress", tcp6(POD6, 40000, NODE6, NODE_PORT + 1, flags="A"), R.FWD_ESTABLISHED)
+    again = step6(datapath, maps6, "tc_egress", again, R.SNAT)
+    assert endpoints6(again) == ((NODE6, port), w6.REMOTE_EP6)
+
+
 @pytest.mark.parametrize("proto", [w6.TCP_P, w6.UDP_P])
 def test_nodeport_masquerade_round_trip(datapath, maps6, proto):
     """Rule 4: eTP=Cluster from outside: the backend sees [node]:port (SNAT on egress); its reply

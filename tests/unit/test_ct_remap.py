@@ -234,3 +234,45 @@ def test_a_port_remapped_kernel_connection_is_adopted_not_left_as_another_masque
     adopted = []
     counts = dp.adopt_connections([REMAPPED], adopted.append)
     assert counts["adopted"] == 1 and counts["other_masquerade_address"] == 0 and adopted == [REMAPPED]
+
+
+def _put_masqueraded_remap(maps: FakeMaps, masq_port: int) -> None:
+    """A connection of CLIENT:PORT through VIP_B, masqueraded, whose client port clashed toward
+    BACKEND: its entries as ct4_create writes them, every client-side half keyed by the
+    masquerade port it leaves with (bpf/lib/ct4.h, CT4_S_REMAP)."""
+    def entry(**kw) -> s.CT4Entry:
+        e = s.CT4Entry(svc_addr=be32(VIP_B), svc_port=be16(80), state=s.CT4_S_REMAP)
+        for name, value in kw.items():
+            setattr(e, name, value)
+        return e
+
+    maps.put_connection_entry(ct_key(BACKEND, MASQ_ADDR, 8080, masq_port, TCP, s.CT4_REV_SNAT),
+                              entry(nat_addr=be32(CLIENT), nat_port=be16(PORT)))
+    maps.put_connection_entry(ct_key(CLIENT, BACKEND, masq_port, 8080, TCP, s.CT4_SNAT),
+                              entry(nat_addr=be32(MASQ_ADDR), nat_port=be16(masq_port), snat_port=be16(PORT)))
+    maps.put_connection_entry(ct_key(BACKEND, CLIENT, 8080, masq_port, TCP, s.CT4_REV_DNAT),
+                              entry(nat_addr=be32(VIP_B), nat_port=be16(80), snat_port=be16(PORT)))
+    maps.put_connection_entry(ct_key(CLIENT, VIP_B, PORT, 80, TCP, s.CT4_SVC),
+                              entry(expires=NOW * 2, nat_addr=be32(BACKEND), nat_port=be16(8080), backend_id=1,
+                                    snat_addr=be32(MASQ_ADDR), snat_port=be16(masq_port), flags=s.CT4_F_MASQ))
+
+
+def test_a_masqueraded_remapped_connection_hands_over_and_is_forgotten_by_its_own_halves():
+    """Two masqueraded connections of one client port to one backend: the second's halves are
+    keyed by its masquerade port (CT4_S_REMAP). The kernel gets it from its masquerade address and
+    port, and forgetting it leaves the first connection's halves at the client's own port."""
+    maps = FakeMaps()
+    first = replace(PLAIN, source=MASQ_ADDR, source_port=61001)
+    handover.adopt(maps, first, handover.backend_ids(maps), set(), NOW)
+    _put_masqueraded_remap(maps, 61002)
+    going = {c.frontend: c for c in handover.outgoing(maps, NOW)}
+    assert (going[VIP_B].source, going[VIP_B].source_port) == (MASQ_ADDR, 61002)
+    for k, v in maps.ct.values():  # the GC's view: every half of both is live
+        owner = maps.connection_entry(mp._svc_key(mp._owner_tuple(k, v))) if k.kind != s.CT4_SVC else None
+        assert k.kind == s.CT4_SVC or mp._half_is_live(k, v, owner, NOW), (k.kind, k.sport, k.dport)
+    handover.forget(maps, going[VIP_B])
+    assert maps.kinds() == [s.CT4_SVC, s.CT4_REV_DNAT, s.CT4_SNAT, s.CT4_REV_SNAT]
+    assert maps.entry(CLIENT, BACKEND, PORT, 8080, s.CT4_SNAT) is not None, "the first connection's SNAT half stays"
+    assert maps.entry(BACKEND, CLIENT, 8080, PORT, s.CT4_REV_DNAT) is not None
+    handover.forget(maps, going[VIP_A])
+    assert maps.ct == {}

@@ -45,6 +45,10 @@ def _half_of(rng, table, k, v):
     elif kind == s.CT4_REV_DNAT:  # backend -> client
         hk = table.key(saddr=v.nat_addr, daddr=k.saddr, sport=v.nat_port, dport=k.sport, proto=k.proto, kind=kind)
         hv = table.entry(svc_addr=k.daddr, svc_port=k.dport)
+    elif kind == s.CT4_SNAT and v.state & s.CT4_S_REMAP:  # keyed by the masquerade port it leaves with
+        hk = table.key(saddr=k.saddr, daddr=v.nat_addr, sport=v.snat_port, dport=v.nat_port, proto=k.proto, kind=kind)
+        hv = table.entry(svc_addr=k.daddr, svc_port=k.dport, nat_port=v.snat_port, snat_port=k.sport,
+                         state=s.CT4_S_REMAP)
     elif kind == s.CT4_SNAT:  # client -> backend, from the masquerade address:port
         hk = table.key(saddr=k.saddr, daddr=v.nat_addr, sport=k.sport, dport=v.nat_port, proto=k.proto, kind=kind)
         hv = table.entry(svc_addr=k.daddr, svc_port=k.dport, nat_port=v.snat_port)
@@ -69,7 +73,7 @@ def test_a_half_is_live_for_ctscan_exactly_when_it_is_for_the_decoded_check(tabl
     layout = ctscan.Layout(table.key, table.entry)
     flat = table.flat
     agree = {True: 0, False: 0}
-    remapped = {True: 0, False: 0}  # the same for reply halves of remapped connections (CT4_S_REMAP)
+    remapped = {True: 0, False: 0}  # the same for reply and SNAT halves of remapped connections (CT4_S_REMAP)
     for _ in range(300):
         owners = {}
         for _ in range(rng.randrange(1, 40)):
@@ -94,7 +98,7 @@ def test_a_half_is_live_for_ctscan_exactly_when_it_is_for_the_decoded_check(tabl
             identity = layout.half_identity(bytes(k), bytes(v))
             assert (identity is not None and identity in live) == expected, (k, v, owner)
             agree[expected] += 1
-            if k.kind == s.CT4_REV_DNAT and v.state & s.CT4_S_REMAP:
+            if k.kind in (s.CT4_REV_DNAT, s.CT4_SNAT) and v.state & s.CT4_S_REMAP:
                 remapped[expected] += 1
     assert agree[True] > 1000 and agree[False] > 1000, f"too few cases of one outcome: {agree}"
     assert remapped[True] > 100 and remapped[False] > 100, f"too few remapped halves of one outcome: {remapped}"

@@ -55,7 +55,8 @@ class Layout:
         """The identities of the halves a connection (a CT4_SVC entry `k`, `v`) honours: its reply
         (CT4_REV_DNAT, to the backend it chose, keyed by the port the connection leaves with: the
         client's, or snat_port when remapped, CT4_S_REMAP), and when masqueraded its SNAT half
-        and that half's reply (a remapped connection's snat_port is no masquerade port)."""
+        (keyed by that port too) and that half's reply (a remapped connection's snat_port is no
+        masquerade port unless it is masqueraded)."""
         owner = k[self.k_saddr] + k[self.k_daddr] + k[self.k_sport] + k[self.k_dport] + k[self.k_proto]
         nat = v[self.v_nat_addr] + v[self.v_nat_port]
         snat = nat + v[self.v_snat_port]
@@ -63,7 +64,7 @@ class Layout:
         yield bytes((s.CT4_REV_DNAT,)) + owner + nat + wire
         if v[self.flags] & s.CT4_F_MASQ:
             yield bytes((s.CT4_REV_SNAT,)) + owner + snat
-            yield bytes((s.CT4_SNAT,)) + owner + snat
+            yield bytes((s.CT4_SNAT,)) + owner + snat + wire
 
     def half_identity(self, k: bytes, v: bytes) -> bytes | None:
         """The identity a half (`k`, `v`) needs its connection to honour: the connection's key as
@@ -76,9 +77,11 @@ class Layout:
             cport = v[self.v_snat_port] if v[self.state] & s.CT4_S_REMAP else wire
             owner = k[self.k_daddr] + v[self.v_svc_addr] + cport + v[self.v_svc_port]
             expected = k[self.k_saddr] + k[self.k_sport] + wire
-        elif kind == s.CT4_SNAT:  # client -> backend; (nat_addr, nat_port, snat_port) == (daddr, dport, v.nat_port)
-            owner = k[self.k_saddr] + v[self.v_svc_addr] + k[self.k_sport] + v[self.v_svc_port]
-            expected = k[self.k_daddr] + k[self.k_dport] + v[self.v_nat_port]
+        elif kind == s.CT4_SNAT:  # client -> backend; (nat_addr, nat_port, snat_port, wire) == (daddr, dport, v.nat_port, sport)
+            wire = k[self.k_sport]
+            cport = v[self.v_snat_port] if v[self.state] & s.CT4_S_REMAP else wire
+            owner = k[self.k_saddr] + v[self.v_svc_addr] + cport + v[self.v_svc_port]
+            expected = k[self.k_daddr] + k[self.k_dport] + v[self.v_nat_port] + wire
         elif kind == s.CT4_REV_SNAT:  # backend -> masquerade addr:port; (nat_addr, nat_port, snat_port) == (saddr, sport, dport)
             owner = v[self.v_nat_addr] + v[self.v_svc_addr] + v[self.v_nat_port] + v[self.v_svc_port]
             expected = k[self.k_saddr] + k[self.k_sport] + k[self.k_dport]

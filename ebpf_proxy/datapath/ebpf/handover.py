@@ -14,7 +14,7 @@ from __future__ import annotations
 import socket
 
 from ebpf_proxy.datapath.ebpf import structs as s
-from ebpf_proxy.datapath.ebpf.maps import Connection, Frontend, Maps, be16, be32, ct_key
+from ebpf_proxy.datapath.ebpf.maps import Connection, Frontend, Maps, be16, be32, ct_key, port_int
 from ebpf_proxy.datapath.kernel_nat import (
     TCP_CLOSE,
     TCP_CLOSE_WAIT,
@@ -102,14 +102,20 @@ def _closing_flags(conn: NatConnection) -> int:
 
 def forget(maps: Maps, conn: NatConnection) -> None:
     """Delete our entries of `conn`: the connection first, so that no packet finds a half
-    without its owner (they would be ignored anyway, see maps._half_is_live). The reply half is
-    keyed by the client's port, or for a port-remapped connection (CT4_S_REMAP, which has no SNAT
-    halves) by the port it leaves with (bpf/lib/ct4.h: ct4_forget)."""
-    wire_port = conn.source_port if conn.port_remapped else conn.client_port
-    keys = [ct_key(conn.client, conn.frontend, conn.client_port, conn.frontend_port, conn.proto, s.CT4_SVC),
-            ct_key(conn.backend, conn.client, conn.backend_port, wire_port, conn.proto, s.CT4_REV_DNAT)]
+    without its owner (they would be ignored anyway, see maps._half_is_live). The client's halves
+    (reply, and SNAT when masqueraded) are keyed by the port it leaves with: the client's own, or
+    for a remapped connection (CT4_S_REMAP) the one its entry names, the masquerade port when it
+    is masqueraded too (bpf/lib/ct4.h: ct4_forget). Another connection of the client's own port
+    may hold those keys then: they are not touched."""
+    svc_key = ct_key(conn.client, conn.frontend, conn.client_port, conn.frontend_port, conn.proto, s.CT4_SVC)
+    entry = maps.connection_entry(svc_key)
+    if entry is not None and entry.state & s.CT4_S_REMAP:
+        wire_port = port_int(entry.snat_port)
+    else:
+        wire_port = conn.source_port if conn.port_remapped else conn.client_port
+    keys = [svc_key, ct_key(conn.backend, conn.client, conn.backend_port, wire_port, conn.proto, s.CT4_REV_DNAT)]
     if conn.masqueraded:
-        keys += [ct_key(conn.client, conn.backend, conn.client_port, conn.backend_port, conn.proto, s.CT4_SNAT),
+        keys += [ct_key(conn.client, conn.backend, wire_port, conn.backend_port, conn.proto, s.CT4_SNAT),
                  ct_key(conn.backend, conn.source, conn.backend_port, conn.source_port, conn.proto, s.CT4_REV_SNAT)]
     for key in keys:
         maps.delete_connection_entry(key)

@@ -390,6 +390,13 @@ def _rev_dnat_client_port(k: s.CT4Key, v: s.CT4Entry) -> int:
     return v.snat_port if v.state & s.CT4_S_REMAP else k.dport
 
 
+def _snat_client_port(k: s.CT4Key, v: s.CT4Entry) -> int:
+    """The client's own port of the connection a CT4_SNAT half (`k`, `v`) belongs to: the key's,
+    or for a remapped (and masqueraded) connection, keyed by its masquerade port, the one the half
+    keeps in snat_port (bpf/lib/ct4.h: ct4_snat_cport)."""
+    return v.snat_port if v.state & s.CT4_S_REMAP else k.sport
+
+
 def _wire_port(owner: s.CT4Entry, client_port: int) -> int:
     """The source port connection `owner` (a CT4_SVC entry of client port `client_port`) leaves
     with toward its backend, and so the port its CT4_REV_DNAT half is keyed by: snat_port when
@@ -403,7 +410,7 @@ def _owner_tuple(k: s.CT4Key, v: s.CT4Entry) -> tuple | None:
     if k.kind == s.CT4_REV_DNAT:  # backend -> client; owner: client -> frontend
         return (k.daddr, v.svc_addr, _rev_dnat_client_port(k, v), v.svc_port, k.proto)
     if k.kind == s.CT4_SNAT:  # client -> backend; owner: client -> frontend
-        return (k.saddr, v.svc_addr, k.sport, v.svc_port, k.proto)
+        return (k.saddr, v.svc_addr, _snat_client_port(k, v), v.svc_port, k.proto)
     if k.kind == s.CT4_REV_SNAT:  # backend -> masquerade addr:port; owner: client (nat_*) -> frontend
         return (v.nat_addr, v.svc_addr, v.nat_port, v.svc_port, k.proto)
     return None  # an unknown kind: nothing reads it
@@ -417,9 +424,10 @@ def _half_is_live(k: s.CT4Key, v: s.CT4Entry, owner: s.CT4Entry | None, now_ns: 
     if k.kind == s.CT4_REV_DNAT:  # the same backend, and keyed by the port the connection leaves with
         return (owner.nat_addr, owner.nat_port) == (k.saddr, k.sport) and \
             _wire_port(owner, _rev_dnat_client_port(k, v)) == k.dport
-    if k.kind == s.CT4_SNAT:
+    if k.kind == s.CT4_SNAT:  # masqueraded to the same backend, keyed by the port it leaves with
         return bool(owner.flags & s.CT4_F_MASQ) and \
-            (owner.nat_addr, owner.nat_port, owner.snat_port) == (k.daddr, k.dport, v.nat_port)
+            (owner.nat_addr, owner.nat_port, owner.snat_port) == (k.daddr, k.dport, v.nat_port) and \
+            _wire_port(owner, _snat_client_port(k, v)) == k.sport
     if k.kind == s.CT4_REV_SNAT:  # masqueraded: a remapped connection's snat_port is no masquerade port
         return bool(owner.flags & s.CT4_F_MASQ) and \
             (owner.nat_addr, owner.nat_port, owner.snat_port) == (k.saddr, k.sport, k.dport)

@@ -265,9 +265,10 @@ class CT4Entry(_Struct):
 CT4_S_ASSURED = 0x01  # ct4_entry.state
 CT4_S_HELD = 0x02  # ct4_entry.state: being moved by a mode switch (ebpf/handover.py)
 # ct4_entry.state: the client's port was taken toward the backend by another live connection, so this
-# one leaves with another source port, never masqueraded. CT4_SVC: snat_addr = the client, snat_port
-# = the port on the wire; its CT4_REV_DNAT half is keyed by that port and holds the client's own
-# port in snat_port (see maps._owner_tuple)
+# one leaves with another source port. CT4_SVC: snat_port = the port on the wire, snat_addr = the
+# client (masqueraded: the masquerade address, the port its masquerade port from DNAT on); its
+# CT4_REV_DNAT and CT4_SNAT halves are keyed by that port and hold the client's own port in
+# snat_port (see maps._owner_tuple)
 CT4_S_REMAP = 0x04
 
 # connection table pressure (struct ct4_ring)
