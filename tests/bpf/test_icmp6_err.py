@@ -36,7 +36,7 @@ from scapy.packet import Packet, Raw
 from ebpf_proxy.datapath.ebpf import structs as s
 from ebpf_proxy.datapath.ebpf.maps import Maps6
 from tests.bpf import world6 as w6
-from tests.bpf.packets import MAC_NODE, MAC_PEER, hop
+from tests.bpf.packets import MAC_NODE, MAC_PEER, counted, hop, run
 from tests.bpf.world6 import LB_IP6, NODE6, NODE_PORT, OUTSIDE6, POD6, VIP6, tcp6, udp6
 
 pytestmark = [pytest.mark.bpf, pytest.mark.root]
@@ -305,3 +305,41 @@ def test_errors_are_left_alone_while_the_ipv6_path_is_off(datapath, maps6):
     error = icmp6_error(ROUTER6, POD6, ptb(), at_backend)
     for prog in ("tc_ingress", "tc_egress"):
         assert hop(datapath, maps6, prog, error, R.PASS_IPV6_OFF) == error
+
+
+@pytest.mark.parametrize("masq", [False, True], ids=["pod-to-clusterIPs", "outside-to-nodePorts"])
+def test_errors_about_a_remapped_connection_name_the_port_each_end_knows(datapath, maps6, masq):
+    """IPv4's test_tc_icmp_errors twin: a connection whose client port clashed toward its backend
+    leaves with another port (CT4_S_REMAP; masqueraded: its masquerade port from DNAT on). An error
+    about its packet reaches the client quoting the client's own port, one about its reply reaches
+    the backend quoting the port the backend knows, byte for byte."""
+    if masq:
+        client, first_dst, other = OUTSIDE6, (NODE6, NODE_PORT), (NODE6, NODE_PORT + 1)
+        frontends = ((None, NODE_PORT + 1, w6.EXT),)
+    else:
+        client, first_dst, other = POD6, (VIP6, 80), ("fd00:96::11", 80)
+        frontends = ((other[0], 80, 0),)
+    w6.install6(maps6, w6.web6(id=1, cluster=(w6.REMOTE_EP6,), proto=w6.UDP_P),
+                w6.web6(id=2, frontends=frontends, cluster=(w6.REMOTE_EP6,), proto=w6.UDP_P))
+    connect(datapath, maps6, udp6(client, 5353, *first_dst), masq)
+    first = udp6(client, 5353, *other)
+    maps6.reset_stats()
+    out = run(datapath, "tc_ingress", first)
+    assert counted(maps6) == {R.FWD_NEW: 1, R.EV_CT_PORT_REMAP: 1}
+    dnat = ip6_bytes(out.raw)
+    at_backend = ip6_bytes(hop(datapath, maps6, "tc_egress", out.raw, R.SNAT if masq else R.PASS_NO_SERVICE))
+    sent = ip6_bytes(first)
+    seen_src, backend = src_dst(at_backend)
+
+    error = icmp6_error(backend, seen_src, port_unreach(), at_backend)
+    relayed = hop(datapath, maps6, "tc_ingress", error, R.ICMP_RELATED if masq else R.PASS_ICMP_NO_CT)
+    assert relayed == (icmp6_error(backend, client, port_unreach(), dnat) if masq else error)
+    relayed = hop(datapath, maps6, "tc_egress", relayed, R.ICMP_RELATED)
+    assert relayed == icmp6_error(other[0], client, port_unreach(), sent)
+
+    back, unmasq, at_client = answer(datapath, maps6, at_backend, masq)
+    error = icmp6_error(client, other[0], port_unreach(), at_client)
+    relayed = hop(datapath, maps6, "tc_ingress", error, R.ICMP_RELATED)
+    assert relayed == icmp6_error(client, backend, port_unreach(), unmasq)
+    relayed = hop(datapath, maps6, "tc_egress", relayed, R.ICMP_RELATED if masq else R.PASS_ICMP_NO_CT)
+    assert relayed == icmp6_error(seen_src, backend, port_unreach(), back)

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import pytest
 
+from ebpf_proxy.datapath.ebpf import pins
+from ebpf_proxy.datapath.ebpf import structs as s
 from ebpf_proxy.lab.cluster import Lab, destroy
 from tests.e2e.conftest import E2E_MODES
 
@@ -330,16 +332,36 @@ print(json.dumps({"opened": opened, "failed": failed}))
 """
 
 
-def test_one_client_port_through_two_frontends_to_one_backend(tt_lab):
+@pytest.mark.parametrize("frontends", ["clusterIPs", "nodePorts"])
+def test_one_client_port_through_two_frontends_to_one_backend(tt_lab, frontends):
     """connect() reuses a source port toward another destination: a pod's connections of one port
-    to two clusterIPs that pick the same backend are one tuple there, and netfilter's NAT gives the
+    to two frontends that pick the same backend are one tuple there, and netfilter's NAT gives the
     second another source port (nf_nat_core.c: get_unique_tuple). Both modes must answer every
-    connection. Before ebpf mode remapped (CT4_S_REMAP), 12 of 40 timed out here, and the truth
+    connection: through the two clusterIPs (neither masqueraded), and through its own node's two
+    NodePorts (eTP=Cluster masqueraded, eTP=Local not: a local pod is short-circuited). Before
+    ebpf mode remapped (CT4_S_REMAP), 12 of 40 timed out through the clusterIPs, and the truth
     table's bridged pod lost an attempt now and then to its own concurrent probes."""
     tt_lab.set_proxy_config(Config("ClusterCIDR").kube_proxy_configuration())
     tt_lab.wait_converged()
-    targets = ",".join(f"{SERVICES[policy][0]}:80" for policy in SERVICES)
+    if frontends == "clusterIPs":
+        targets = ",".join(f"{SERVICES[policy][0]}:80" for policy in SERVICES)
+    else:
+        targets = ",".join(f"{NODE_IPS['worker1']}:{SERVICES[policy][1]}" for policy in SERVICES)
+    remaps_before = _port_remaps(tt_lab)
     done = tt_lab.exec("client-a", [sys.executable, "-c", SHARED_PORT_PROBE, targets, "20"],
                        capture_output=True, text=True)
     report = json.loads(done.stdout)
     assert report["opened"] == 40 and not report["failed"], f"{tt_lab.mode}: {report['failed']}"
+    if tt_lab.mode == "ebpf":  # the rounds met the clash (each picks the same backend twice at 1 in 2)
+        assert _port_remaps(tt_lab) > remaps_before, "no round clashed: the test proved nothing"
+
+
+def _port_remaps(lab: Lab) -> int:
+    """EV_CT_PORT_REMAP as worker1's datapath counted it (0 in iptables mode: no maps)."""
+    if lab.mode != "ebpf":
+        return 0
+    maps = pins.open_maps(lab.dir / "bpffs" / "worker1")
+    try:
+        return maps.stats().get(s.Reason.EV_CT_PORT_REMAP, (0, 0))[0]
+    finally:
+        maps.close()
