@@ -35,8 +35,10 @@
  * backend, they would be one tuple there, and the second's CT4_REV_DNAT half would take the
  * first's replies. netfilter's NAT finds such a clash when it confirms the second connection
  * and gives it another source port; so does ct4_create: it leaves with a port from the
- * masquerade range (clear of the clients' ephemeral ports), CT4_S_REMAP (common.h), counted
- * under EPX_EV_CT_PORT_REMAP. A masqueraded connection leaves with its masquerade port: from
+ * masquerade range, CT4_S_REMAP (common.h), counted under EPX_EV_CT_PORT_REMAP. That range lies
+ * outside Linux's default ephemeral ports (32768-60999); a client whose own ports reach into it
+ * could hold the drawn port toward that backend in a connection no Service translates, which
+ * this table does not see (netfilter's sees every connection). A masqueraded connection leaves with its masquerade port: from
  * DNAT on (its SNAT half keyed by it) to the reply's, whose destination ct4's halves restore.
  */
 #ifndef EPX_CT4_H
@@ -139,15 +141,48 @@ static __always_inline struct ct4_entry *ct4_find_svc(struct ct4_key *key, __u64
 	return e && e->expires > now ? e : NULL;
 }
 
+/* The source port connection `e` (client port `cport`) leaves with toward its backend. */
+static __always_inline __be16 ct4_wire_port(const struct ct4_entry *e, __be16 cport)
+{
+	return (e->state & CT4_S_REMAP) ? e->snat_port : cport;
+}
+
+/* The client's own port of the connection a CT4_REV_DNAT half at `key` (backend -> client) answers:
+ * the key's, or for a remapped connection (CT4_S_REMAP) the one the half keeps. */
+static __always_inline __be16 ct4_rev_dnat_cport(const struct ct4_entry *half, const struct ct4_key *key)
+{
+	return (half->state & CT4_S_REMAP) ? half->snat_port : key->dport;
+}
+
+/* The client's own port of the connection a CT4_SNAT half at `key` (client -> backend) belongs
+ * to: the key's, or for a remapped connection the one the half keeps. */
+static __always_inline __be16 ct4_snat_cport(const struct ct4_entry *half, const struct ct4_key *key)
+{
+	return (half->state & CT4_S_REMAP) ? half->snat_port : key->sport;
+}
+
+/* The destination port a reply at the CT4_REV_SNAT half at `key` goes on with: the client's own,
+ * or for a remapped connection the masquerade port, which its CT4_REV_DNAT half is keyed by. */
+static __always_inline __be16 ct4_rev_snat_port(const struct ct4_entry *half, const struct ct4_key *key)
+{
+	return (half->state & CT4_S_REMAP) ? key->dport : half->nat_port;
+}
+
 /* Remove the half at `half` if connection `owner` (a CT4_SVC key) still owns it: a later
- * connection may have taken the tuple over, and its half stays. */
+ * connection may have taken the tuple over, and its half stays. Its frontend and client port must
+ * be the owner's: with remapped ports (CT4_S_REMAP) two connections through one frontend may have
+ * held one key in turn. */
 static __always_inline void ct4_forget_half(struct ct4_key *half, const struct ct4_key *owner)
 {
 	struct ct4_entry *h = epx_lookup(epx_ct4, half);
+	__be16 cport;
 
 	if (!h || h->svc_addr != owner->daddr || h->svc_port != owner->dport)
 		return;
 	if (half->kind == CT4_REV_SNAT && (h->nat_addr != owner->saddr || h->nat_port != owner->sport))
+		return;
+	cport = half->kind == CT4_REV_DNAT ? ct4_rev_dnat_cport(h, half) : ct4_snat_cport(h, half);
+	if (half->kind != CT4_REV_SNAT && cport != owner->sport)
 		return;
 	epx_delete(epx_ct4, half);
 }
@@ -261,33 +296,6 @@ static __always_inline struct ct4_entry *ct4_owner(__be32 client, __be16 cport, 
 	struct ct4_key key = ct4_key_make(client, half->svc_addr, cport, half->svc_port, proto, CT4_SVC);
 
 	return ro ? ct4_find_svc(&key, now) : ct4_lookup_svc(&key, now);
-}
-
-/* The source port connection `e` (client port `cport`) leaves with toward its backend. */
-static __always_inline __be16 ct4_wire_port(const struct ct4_entry *e, __be16 cport)
-{
-	return (e->state & CT4_S_REMAP) ? e->snat_port : cport;
-}
-
-/* The client's own port of the connection a CT4_REV_DNAT half at `key` (backend -> client) answers:
- * the key's, or for a remapped connection (CT4_S_REMAP) the one the half keeps. */
-static __always_inline __be16 ct4_rev_dnat_cport(const struct ct4_entry *half, const struct ct4_key *key)
-{
-	return (half->state & CT4_S_REMAP) ? half->snat_port : key->dport;
-}
-
-/* The client's own port of the connection a CT4_SNAT half at `key` (client -> backend) belongs
- * to: the key's, or for a remapped connection the one the half keeps. */
-static __always_inline __be16 ct4_snat_cport(const struct ct4_entry *half, const struct ct4_key *key)
-{
-	return (half->state & CT4_S_REMAP) ? half->snat_port : key->sport;
-}
-
-/* The destination port a reply at the CT4_REV_SNAT half at `key` goes on with: the client's own,
- * or for a remapped connection the masquerade port, which its CT4_REV_DNAT half is keyed by. */
-static __always_inline __be16 ct4_rev_snat_port(const struct ct4_entry *half, const struct ct4_key *key)
-{
-	return (half->state & CT4_S_REMAP) ? key->dport : half->nat_port;
 }
 
 /* Whether `owner` (client port `cport`) still owns the CT4_REV_DNAT half at `key`: the same

@@ -49,7 +49,32 @@ static __always_inline struct scratch6 *scratch6_get(void)
 	return epx_lookup(epx_scratch6, &zero);
 }
 
-/* Remove the half at s->half if connection `owner` (a CT4_SVC key) still owns it. */
+/* The source port connection `e` (client port `cport`) leaves with toward its backend (ct4_wire_port). */
+static __always_inline __be16 ct6_wire_port(const struct ct6_entry *e, __be16 cport)
+{
+	return (e->state & CT4_S_REMAP) ? e->snat_port : cport;
+}
+
+/* The client's own port of the connection a CT4_REV_DNAT half at `key` answers (ct4_rev_dnat_cport). */
+static __always_inline __be16 ct6_rev_dnat_cport(const struct ct6_entry *half, const struct ct6_key *key)
+{
+	return (half->state & CT4_S_REMAP) ? half->snat_port : key->dport;
+}
+
+/* The client's own port of the connection a CT4_SNAT half at `key` belongs to (ct4_snat_cport). */
+static __always_inline __be16 ct6_snat_cport(const struct ct6_entry *half, const struct ct6_key *key)
+{
+	return (half->state & CT4_S_REMAP) ? half->snat_port : key->sport;
+}
+
+/* The destination port a reply at the CT4_REV_SNAT half at `key` goes on with (ct4_rev_snat_port). */
+static __always_inline __be16 ct6_rev_snat_port(const struct ct6_entry *half, const struct ct6_key *key)
+{
+	return (half->state & CT4_S_REMAP) ? key->dport : half->nat_port;
+}
+
+/* Remove the half at s->half if connection `owner` (a CT4_SVC key) still owns it: its frontend
+ * and client port (ct4_forget_half). */
 static __always_inline void ct6_forget_half(struct scratch6 *s, const struct ct6_key *owner)
 {
 	struct ct6_entry *h = epx_lookup(epx_ct6, &s->half);
@@ -57,6 +82,11 @@ static __always_inline void ct6_forget_half(struct scratch6 *s, const struct ct6
 	if (!h || !in6_eq(&h->svc_addr, &owner->daddr) || h->svc_port != owner->dport)
 		return;
 	if (s->half.kind == CT4_REV_SNAT && (!in6_eq(&h->nat_addr, &owner->saddr) || h->nat_port != owner->sport))
+		return;
+	/* and its client port (ct4_forget_half) */
+	if (s->half.kind == CT4_REV_DNAT && ct6_rev_dnat_cport(h, &s->half) != owner->sport)
+		return;
+	if (s->half.kind == CT4_SNAT && ct6_snat_cport(h, &s->half) != owner->sport)
 		return;
 	epx_delete(epx_ct6, &s->half);
 }
@@ -111,30 +141,6 @@ static __always_inline struct ct6_entry *ct6_owner(struct scratch6 *s, const str
 {
 	s->owner = ct6_key_make(client, &half->svc_addr, cport, half->svc_port, proto, CT4_SVC);
 	return ro ? ct6_find_svc(&s->owner, now) : ct6_lookup_svc(s, &s->owner, now);
-}
-
-/* The source port connection `e` (client port `cport`) leaves with toward its backend (ct4_wire_port). */
-static __always_inline __be16 ct6_wire_port(const struct ct6_entry *e, __be16 cport)
-{
-	return (e->state & CT4_S_REMAP) ? e->snat_port : cport;
-}
-
-/* The client's own port of the connection a CT4_REV_DNAT half at `key` answers (ct4_rev_dnat_cport). */
-static __always_inline __be16 ct6_rev_dnat_cport(const struct ct6_entry *half, const struct ct6_key *key)
-{
-	return (half->state & CT4_S_REMAP) ? half->snat_port : key->dport;
-}
-
-/* The client's own port of the connection a CT4_SNAT half at `key` belongs to (ct4_snat_cport). */
-static __always_inline __be16 ct6_snat_cport(const struct ct6_entry *half, const struct ct6_key *key)
-{
-	return (half->state & CT4_S_REMAP) ? half->snat_port : key->sport;
-}
-
-/* The destination port a reply at the CT4_REV_SNAT half at `key` goes on with (ct4_rev_snat_port). */
-static __always_inline __be16 ct6_rev_snat_port(const struct ct6_entry *half, const struct ct6_key *key)
-{
-	return (half->state & CT4_S_REMAP) ? key->dport : half->nat_port;
 }
 
 /* Whether `owner` (client port `cport`) still owns the CT4_REV_DNAT half at `key` (ct4_rev_dnat_owns). */

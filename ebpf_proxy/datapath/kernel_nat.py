@@ -188,9 +188,10 @@ class KernelConntrack:
                                            conn.backend_port))
             self._delete(tuple_orig=_tuple(conn.backend, conn.source, conn.proto, conn.backend_port,
                                            conn.source_port))
-            if conn.masqueraded:  # the eBPF mode masquerades after netfilter: it saw the client's source
-                self._delete(tuple_orig=_tuple(conn.client, conn.backend, conn.proto, conn.client_port,
-                                               conn.backend_port))
+            if conn.masqueraded:  # the eBPF mode masquerades after netfilter: it saw the client's source,
+                # with the client's port or, remapped (CT4_S_REMAP), with the masquerade port already
+                for port in {conn.client_port, conn.source_port}:
+                    self._delete(tuple_orig=_tuple(conn.client, conn.backend, conn.proto, port, conn.backend_port))
             msg = nfct_msg.create_from(**attrs)
             msg["attrs"].append(["CTA_NAT_DST", _nat_attr(conn.backend, conn.backend_port)])
             if conn.source_translated:  # masqueraded, or only its port remapped (a clash)

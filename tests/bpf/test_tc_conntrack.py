@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 from ebpf_proxy.datapath.ebpf import structs as s
+from ebpf_proxy.datapath.ebpf.maps import be16, be32
 from tests.bpf import world as w
 from tests.bpf.packets import (
     TC_ACT_OK,
@@ -362,3 +363,24 @@ def test_masquerade_ports_differ_per_connection(datapath, maps):
         fwd = run(datapath, "tc_ingress", tcp(w.OUTSIDE, 1000 + i, w.VIP, 80)).pkt
         ports.add(endpoints(run(datapath, "tc_egress", fwd).pkt)[0][1])
     assert len(ports) == 50 and all(w.SNAT_MIN <= p <= w.SNAT_MAX for p in ports)
+
+
+def test_an_expired_remapped_connection_forgotten_later_leaves_the_half_another_took_over(datapath, maps):
+    """A remapped connection (client port 40000, leaving with port w) expires; a connection of the
+    client's port w through the same frontend then takes the reply half at w over. When the
+    expired one is forgotten (its client reconnects from 40000), only halves with its own client
+    port go: the newer connection keeps its replies (ct4_forget_half)."""
+    other = "10.96.0.11"
+    w.install(maps, w.web(id=1, cluster=(w.REMOTE_EP,)), w.web(id=2, frontends=((other, 80, 0),), cluster=(w.REMOTE_EP,)))
+    step(datapath, maps, "tc_ingress", tcp(w.POD_CLIENT, 40000, w.VIP, 80), R.FWD_NEW)
+    wire = endpoints(remapped(datapath, maps, tcp(w.POD_CLIENT, 40000, other, 80)))[0][1]
+    key = s.CT4Key(saddr=be32(w.POD_CLIENT), daddr=be32(other), sport=be16(40000), dport=be16(80), proto=w.TCP,
+                   kind=s.CT4_SVC)
+    entry = maps.connection_entry(key)
+    entry.expires = 1
+    maps.put_connection_entry(key, entry)
+    taken_over = step(datapath, maps, "tc_ingress", tcp(w.POD_CLIENT, wire, other, 80), R.FWD_NEW)
+    assert endpoints(taken_over) == ((w.POD_CLIENT, wire), w.REMOTE_EP)
+    remapped(datapath, maps, tcp(w.POD_CLIENT, 40000, other, 80))  # forgets the expired one first
+    back = step(datapath, maps, "tc_egress", reply_to(taken_over), R.REV_DNAT)
+    assert endpoints(back) == ((other, 80), (w.POD_CLIENT, wire))

@@ -276,3 +276,57 @@ def test_a_masqueraded_remapped_connection_hands_over_and_is_forgotten_by_its_ow
     assert maps.entry(BACKEND, CLIENT, 8080, PORT, s.CT4_REV_DNAT) is not None
     handover.forget(maps, going[VIP_A])
     assert maps.ct == {}
+
+
+@pytest.mark.parametrize("order", ["unmasqueraded-first", "masqueraded-first"])
+def test_a_kernel_masquerade_sharing_a_client_port_is_adopted_as_remapped_in_either_order(monkeypatch, order):
+    """netfilter keeps C:p -> VIP_A -> B unmasqueraded beside C:p -> VIP_B -> B masqueraded (their
+    reply tuples differ). adopt_connections takes the unmasqueraded first (the backend knows it by
+    the client's own port) and the masqueraded one gives way: keyed by its masquerade port
+    (CT4_S_REMAP), every half of both live, none overwritten."""
+    maps = FakeMaps()
+    node = NodeConfig(node_name="n1", node_ips=(MASQ_ADDR,))
+    dp = object.__new__(EbpfDatapath)
+    dp.family, dp.node, dp._maps = 4, node, maps
+    dp._shared = SimpleNamespace(settings=NodeSettings(snat_addr=MASQ_ADDR),
+                                 update_settings=lambda **kw: pytest.fail(f"settings changed: {kw}"))
+    monkeypatch.setattr(handover, "hold", lambda maps, conn, held=True: True)
+    masq = replace(PLAIN, frontend=VIP_B, source=MASQ_ADDR, source_port=61002)
+    conns = [PLAIN, masq] if order == "unmasqueraded-first" else [masq, PLAIN]
+    assert dp.adopt_connections(conns, lambda conn: None)["adopted"] == 2
+    svc = maps.entry(CLIENT, VIP_B, PORT, 80, s.CT4_SVC)
+    assert svc.state & s.CT4_S_REMAP and svc.flags & s.CT4_F_MASQ
+    assert maps.entry(CLIENT, BACKEND, 61002, 8080, s.CT4_SNAT) is not None
+    assert maps.entry(CLIENT, BACKEND, PORT, 8080, s.CT4_SNAT) is None
+    rev = maps.entry(BACKEND, CLIENT, 8080, PORT, s.CT4_REV_DNAT)
+    assert (rev.svc_addr, rev.state) == (be32(VIP_A), 0), "the unmasqueraded one keeps the client's port"
+    for k, v in maps.ct.values():
+        if k.kind != s.CT4_SVC:
+            assert mp.half_is_held(maps, k, NOW), (k.kind, k.sport, k.dport)
+
+
+def test_a_kernel_connection_whose_tuple_another_holds_is_left_to_the_kernel():
+    """Adopting never overwrites a live connection's half: one whose client port toward the
+    backend is held already, without a masquerade to step aside with, is refused with a reason."""
+    maps = FakeMaps()
+    handover.adopt(maps, PLAIN, handover.backend_ids(maps), set(), NOW)
+    other = replace(PLAIN, frontend=VIP_B)
+    why = handover.adopt(maps, other, handover.backend_ids(maps), set(), NOW)
+    assert why is not None and f"{BACKEND}:8080" in why and str(PORT) in why
+    assert maps.entry(CLIENT, VIP_B, PORT, 80, s.CT4_SVC) is None
+    assert maps.entry(BACKEND, CLIENT, 8080, PORT, s.CT4_REV_DNAT).svc_addr == be32(VIP_A)
+
+
+def test_forgetting_a_connection_whose_entry_is_gone_leaves_its_partners_halves():
+    """A masqueraded remapped connection whose CT4_SVC entry expired before the handover forgot it:
+    only halves it owns are deleted, not those its partner holds at the client's own port."""
+    maps = FakeMaps()
+    first = replace(PLAIN, source=MASQ_ADDR, source_port=61001)
+    handover.adopt(maps, first, handover.backend_ids(maps), set(), NOW)
+    _put_masqueraded_remap(maps, 61002)
+    gone = replace(PLAIN, frontend=VIP_B, source=MASQ_ADDR, source_port=61002)
+    maps.delete_connection_entry(ct_key(CLIENT, VIP_B, PORT, 80, TCP, s.CT4_SVC))
+    handover.forget(maps, gone)
+    assert maps.kinds() == [s.CT4_SVC, s.CT4_REV_DNAT, s.CT4_SNAT, s.CT4_REV_SNAT]
+    assert all(maps.entry(*t) is not None for t in (
+        (CLIENT, BACKEND, PORT, 8080, s.CT4_SNAT), (BACKEND, CLIENT, 8080, PORT, s.CT4_REV_DNAT)))

@@ -272,7 +272,9 @@ class EbpfDatapath(Datapath):
             return counts
         local = set(node_addresses(self.node))
         backends = handover.backend_ids(self._maps)
-        for conn in connections:
+        # the kernel's unmasqueraded connections first: the backend knows each by the client's own
+        # port, which a masqueraded one sharing it gives way from (handover.adopt: CT4_S_REMAP)
+        for conn in sorted(connections, key=lambda c: c.masqueraded):
             if conn.client in local:
                 counts["node"] += 1
                 continue

@@ -14,7 +14,7 @@ from __future__ import annotations
 import socket
 
 from ebpf_proxy.datapath.ebpf import structs as s
-from ebpf_proxy.datapath.ebpf.maps import Connection, Frontend, Maps, be16, be32, ct_key, port_int
+from ebpf_proxy.datapath.ebpf.maps import Connection, Frontend, Maps, be16, be32, ct_key, half_is_held, half_owner
 from ebpf_proxy.datapath.kernel_nat import (
     TCP_CLOSE,
     TCP_CLOSE_WAIT,
@@ -104,20 +104,20 @@ def forget(maps: Maps, conn: NatConnection) -> None:
     """Delete our entries of `conn`: the connection first, so that no packet finds a half
     without its owner (they would be ignored anyway, see maps._half_is_live). The client's halves
     (reply, and SNAT when masqueraded) are keyed by the port it leaves with: the client's own, or
-    for a remapped connection (CT4_S_REMAP) the one its entry names, the masquerade port when it
-    is masqueraded too (bpf/lib/ct4.h: ct4_forget). Another connection of the client's own port
-    may hold those keys then: they are not touched."""
+    for a remapped connection (CT4_S_REMAP) the remapped or masquerade port (bpf/lib/ct4.h:
+    ct4_forget). Both are looked at, whether or not the connection's entry is still there, and a
+    half is deleted only if it is this connection's: another connection of the client's port may
+    hold the other key."""
     svc_key = ct_key(conn.client, conn.frontend, conn.client_port, conn.frontend_port, conn.proto, s.CT4_SVC)
-    entry = maps.connection_entry(svc_key)
-    if entry is not None and entry.state & s.CT4_S_REMAP:
-        wire_port = port_int(entry.snat_port)
-    else:
-        wire_port = conn.source_port if conn.port_remapped else conn.client_port
-    keys = [svc_key, ct_key(conn.backend, conn.client, conn.backend_port, wire_port, conn.proto, s.CT4_REV_DNAT)]
+    wire_ports = {conn.client_port, conn.source_port}
+    halves = [ct_key(conn.backend, conn.client, conn.backend_port, w, conn.proto, s.CT4_REV_DNAT) for w in wire_ports]
     if conn.masqueraded:
-        keys += [ct_key(conn.client, conn.backend, wire_port, conn.backend_port, conn.proto, s.CT4_SNAT),
-                 ct_key(conn.backend, conn.source, conn.backend_port, conn.source_port, conn.proto, s.CT4_REV_SNAT)]
-    for key in keys:
+        halves += [ct_key(conn.client, conn.backend, w, conn.backend_port, conn.proto, s.CT4_SNAT) for w in wire_ports]
+        halves.append(ct_key(conn.backend, conn.source, conn.backend_port, conn.source_port, conn.proto,
+                             s.CT4_REV_SNAT))
+    owner = (svc_key.saddr, svc_key.daddr, svc_key.sport, svc_key.dport, svc_key.proto)
+    ours = [key for key in halves if (half := maps.connection_entry(key)) is not None and half_owner(key, half) == owner]
+    for key in (svc_key, *ours):
         maps.delete_connection_entry(key)
 
 
@@ -155,7 +155,9 @@ def adopt(maps: Maps, conn: NatConnection, backends: dict[tuple[str, int], int],
     cannot when its frontend or backend is not programmed here (a Service deleted meanwhile).
     One netfilter's NAT gave another source port only (a clash: the client's port toward that
     backend was another connection's) is written as ct4_create writes such a connection:
-    CT4_S_REMAP, not masqueraded, its reply half keyed by that port."""
+    CT4_S_REMAP, not masqueraded, its reply half keyed by that port; so is a masqueraded one whose
+    client port toward the backend another connection holds (keyed by its masquerade port). It
+    cannot either when the key it needs is another live connection's."""
     if _frontend_of(maps, conn, node_addrs) is None:
         return f"frontend {conn.frontend}:{conn.frontend_port} is not a service here"
     backend_id = backends.get((conn.backend, conn.backend_port))
@@ -175,17 +177,39 @@ def adopt(maps: Maps, conn: NatConnection, backends: dict[tuple[str, int], int],
     cport, bport, sport = conn.client_port, conn.backend_port, conn.source_port
     rev_dnat = half(conn.frontend, conn.frontend_port)
     wire_port = cport
-    if conn.port_remapped:
-        entry.state |= s.CT4_S_REMAP
-        entry.snat_addr, entry.snat_port = be32(client), be16(sport)
-        rev_dnat.state, rev_dnat.snat_port = s.CT4_S_REMAP, be16(cport)  # the reply's destination port
+    # The client's own port toward the backend held by another live connection (adopt_connections
+    # takes the unmasqueraded first): a masqueraded one leaves with its masquerade port from DNAT
+    # on, as ct4_create makes it; netfilter's remap is one already.
+    svc_key = ct_key(client, conn.frontend, cport, conn.frontend_port, p, s.CT4_SVC)
+    me = (svc_key.saddr, svc_key.daddr, svc_key.sport, svc_key.dport, svc_key.proto)
+
+    def taken(port: int) -> bool:
+        """Whether another live connection's reply half is keyed by the client and `port`."""
+        key = ct_key(backend, client, bport, port, p, s.CT4_REV_DNAT)
+        held = maps.connection_entry(key)
+        return held is not None and half_owner(key, held) != me and half_is_held(maps, key, now_ns)
+
+    remap = conn.port_remapped or (conn.masqueraded and taken(cport))
+    if remap:
         wire_port = sport
+        if taken(sport):
+            return f"its tuple toward {backend}:{bport} is another connection's, from port {cport} and {sport}"
+        entry.state |= s.CT4_S_REMAP
+        rev_dnat.state, rev_dnat.snat_port = s.CT4_S_REMAP, be16(cport)  # the reply's destination port
+    elif taken(cport):
+        return f"its tuple toward {backend}:{bport} is another connection's, from port {cport}"
+    if conn.port_remapped:
+        entry.snat_addr, entry.snat_port = be32(client), be16(sport)
     elif conn.masqueraded:
         entry.flags |= s.CT4_F_MASQ
         entry.snat_addr, entry.snat_port = be32(source), be16(sport)
-        maps.put_connection_entry(ct_key(backend, source, bport, sport, p, s.CT4_REV_SNAT), half(client, cport))
-        maps.put_connection_entry(ct_key(client, backend, cport, bport, p, s.CT4_SNAT), half(source, sport))
+        rev_snat, snat = half(client, cport), half(source, sport)
+        if remap:  # the reply goes on to the masquerade port; the SNAT half keeps the client's own port
+            rev_snat.state = s.CT4_S_REMAP
+            snat.state, snat.snat_port = s.CT4_S_REMAP, be16(cport)
+        maps.put_connection_entry(ct_key(backend, source, bport, sport, p, s.CT4_REV_SNAT), rev_snat)
+        maps.put_connection_entry(ct_key(client, backend, wire_port, bport, p, s.CT4_SNAT), snat)
     maps.put_connection_entry(ct_key(backend, client, bport, wire_port, p, s.CT4_REV_DNAT), rev_dnat)
     # the connection last, as ct4_create writes it: no packet finds it before its halves
-    maps.put_connection_entry(ct_key(client, conn.frontend, cport, conn.frontend_port, p, s.CT4_SVC), entry)
+    maps.put_connection_entry(svc_key, entry)
     return None

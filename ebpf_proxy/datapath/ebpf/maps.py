@@ -434,6 +434,24 @@ def _half_is_live(k: s.CT4Key, v: s.CT4Entry, owner: s.CT4Entry | None, now_ns: 
     return False
 
 
+def half_is_held(maps: "Maps", key: s.CT4Key, now_ns: int) -> bool:
+    """Whether the epx_ct4 half at `key` answers a live connection, by the datapath's owner checks
+    (_half_is_live): another connection must not take the key over then (bpf/lib/ct4.h:
+    ct4_rev_dnat_taken)."""
+    half = maps.connection_entry(key)
+    if half is None:
+        return False
+    owner_key = _owner_tuple(key, half)
+    owner = maps.connection_entry(_svc_key(owner_key)) if owner_key else None
+    return _half_is_live(key, half, owner, now_ns)
+
+
+def half_owner(key: s.CT4Key, half: s.CT4Entry) -> tuple | None:
+    """The CT4_SVC key (saddr, daddr, sport, dport, proto, raw fields) of the connection half
+    `key`, `half` belongs to, whether or not it is alive."""
+    return _owner_tuple(key, half)
+
+
 def _svc_key(t: tuple) -> s.CT4Key:
     return s.CT4Key(saddr=t[0], daddr=t[1], sport=t[2], dport=t[3], proto=t[4], kind=s.CT4_SVC)
 
