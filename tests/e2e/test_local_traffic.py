@@ -301,20 +301,37 @@ def test_truth_table(tt_lab, config: Config):
 # ---- one client port, two frontends, one backend ---------------------------------------------------
 
 SHARED_PORT_PROBE = r"""
-import json, random, select, socket, sys
+import errno, json, random, select, socket, sys
 targets = [(t.rsplit(":", 1)[0], int(t.rsplit(":", 1)[1])) for t in sys.argv[1].split(",")]
+rounds = int(sys.argv[2])
+# ports below the ephemeral range (the lab's earlier probes leave TIME_WAIT sockets there), each
+# used once (a bound socket cannot reconnect the 4-tuple of its own TIME_WAIT)
+ports = iter(random.sample(range(20000, 30000), rounds * 10))
 failed, opened = [], 0
-for _ in range(int(sys.argv[2])):
-    port = random.randint(40000, 50000)
-    socks = []
-    for target in targets:  # every socket of the round bound to the one port, connecting at once
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("0.0.0.0", port))
+
+def bound():
+    # every socket of a round bound to one port (SO_REUSEADDR): the next free port if one is busy
+    for port in ports:
+        socks = []
+        try:
+            for _ in targets:
+                socks.append(socket.socket())
+                socks[-1].setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                socks[-1].bind(("0.0.0.0", port))
+            return port, socks
+        except OSError as exc:
+            for sock in socks:
+                sock.close()
+            if exc.errno != errno.EADDRINUSE:
+                raise
+    raise SystemExit("no free port left")
+
+for _ in range(rounds):
+    port, socks = bound()
+    for sock, target in zip(socks, targets):  # connecting at once
         sock.setblocking(False)
         sock.connect_ex(target)
-        socks.append((sock, target))
-    for sock, target in socks:
+    for sock, target in zip(socks, targets):
         opened += 1
         _, writable, _ = select.select([], [sock], [], 1.5)
         if not writable or sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
@@ -350,6 +367,7 @@ def test_one_client_port_through_two_frontends_to_one_backend(tt_lab, frontends)
     remaps_before = _port_remaps(tt_lab)
     done = tt_lab.exec("client-a", [sys.executable, "-c", SHARED_PORT_PROBE, targets, "20"],
                        capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip(), f"the probe failed: {done.stderr[-2000:]}"
     report = json.loads(done.stdout)
     assert report["opened"] == 40 and not report["failed"], f"{tt_lab.mode}: {report['failed']}"
     if tt_lab.mode == "ebpf":  # the rounds met the clash (each picks the same backend twice at 1 in 2)
