@@ -101,7 +101,7 @@ enum epx_reason {
 	EPX_PASS_ICMP6_EXTHDRS = 46,     /* ICMPv6 error whose quoted packet has a longer extension header chain than the parser walks (pkt6.h): untouched, never translated */
 	EPX_PASS_ICMP6_FRAG = 47,        /* ICMPv6 error quoting a packet with a fragment header: untouched (no IPv6 fragment tracking: such a packet was never translated) */
 	EPX_DROP_LOCALHOST6_NO_LOCAL = 48, /* [::1]:<nodePort> of an externalTrafficPolicy=Local NodePort without a local endpoint, on the node's lo (kube-proxy's IPv6 rules never DNAT ::1; its INPUT rule "has no local endpoints" drops it) */
-	EPX_EV_CT_PORT_REMAP = 49,       /* not a verdict: a new connection's client port was taken toward its backend by another live connection (same client port, another frontend): it leaves with another source port, as netfilter's NAT remaps a clashing tuple (ct4.h: ct4_remap_alloc); counted once per connection */
+	EPX_EV_CT_PORT_REMAP = 49,       /* not a verdict: a new connection's client port was taken toward its backend by another live connection (same client port, another frontend): it leaves with another source port, as netfilter's NAT remaps a clashing tuple (ct4.h: ct4_port_alloc); counted once per connection */
 	EPX_REASON_MAX = 50,
 };
 #define EPX_DROP_FIRST EPX_DROP_MALFORMED_IP
@@ -546,7 +546,7 @@ struct ct6_entry {
 #define EPX_ICMP6_OPTS_MAX (EPX_IPV6_MAX_EXTLEN + EPX_ICMP6_PARTIAL_PAD)
 
 struct scratch6 {
-	struct ct6_key key;    /* the step's own key: lookups, ct6_create's and ct6_snat_alloc's writes */
+	struct ct6_key key;    /* the step's own key: lookups, ct6_create's and ct6_port_alloc's writes */
 	struct ct6_key owner;  /* ct6_owner: the CT4_SVC key of a half's connection */
 	struct ct6_key half;   /* ct6_forget: the halves it removes */
 	struct ct6_entry gone; /* ct6_forget: the connection removed, read before its entry goes */

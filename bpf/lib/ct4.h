@@ -346,6 +346,13 @@ static __always_inline int ct4_snat_claim(struct ct4_key *key, struct ct4_entry 
 	return epx_insert(epx_ct4, key, rev);
 }
 
+/* Whether the masquerade port range is usable (remapped ports come from it too). Returns 0 or
+ * EPX_DROP_SNAT_NO_PORT. */
+static __always_inline __u32 ct4_port_range_check(const struct lb4_config *cfg)
+{
+	return !cfg->snat_port_min || cfg->snat_port_max < cfg->snat_port_min ? EPX_DROP_SNAT_NO_PORT : 0;
+}
+
 /* Whether masquerade is possible at all: an address and a port range. Returns 0 or a drop reason
  * (the trace dry run's answer too: it allocates no port, so it cannot see SNAT_NO_PORT from a
  * range that is full). */
@@ -353,29 +360,24 @@ static __always_inline __u32 ct4_snat_check(const struct lb4_config *cfg)
 {
 	if (!cfg->snat_addr)
 		return EPX_DROP_SNAT_NO_ADDR;
-	if (!cfg->snat_port_min || cfg->snat_port_max < cfg->snat_port_min)
-		return EPX_DROP_SNAT_NO_PORT;
-	return 0;
+	return ct4_port_range_check(cfg);
 }
 
-/* Pick a masquerade port for (backend, snat addr) and insert the CT4_REV_SNAT entry `rev` (its
- * client and frontend filled in). Random start, then linear probing: an unused port, or one whose
- * holder is done with it, is taken at once; one the backend may still hold in TIME_WAIT only when
- * the probes found nothing better. Returns 0 with *port set, or a drop reason. */
-static __always_inline __u32 ct4_snat_alloc(const struct pkt4 *p, const struct lb4_config *cfg, __be32 be_addr,
-					    __be16 be_port, __u64 now, __be16 *port, struct ct4_entry *rev)
+/* Pick a port of the masquerade range (ct4_port_range_check: usable) for the half `rev` at
+ * saddr -> daddr of kind `kind` (the port its dport) and insert it there. Random start, then linear probing: a port
+ * nobody needs is taken at once. A masquerade port (CT4_REV_SNAT: backend -> snat addr) whose
+ * holder is done with it is free, one the backend may still hold in TIME_WAIT is taken only when
+ * the probes found nothing better; a remapped client port (CT4_REV_DNAT: backend -> client,
+ * CT4_S_REMAP) is free when it answers no live connection. Returns 0 with *port set, or a drop
+ * reason. */
+static __always_inline __u32 ct4_port_alloc(__be32 saddr, __be32 daddr, __be16 sport, __u8 proto, __u8 kind,
+					    const struct lb4_config *cfg, __u64 now, __be16 *port, struct ct4_entry *rev)
 {
-	struct ct4_key key = ct4_key_make(be_addr, cfg->snat_addr, be_port, 0, p->proto, CT4_REV_SNAT);
-	__u32 min = cfg->snat_port_min, max = cfg->snat_port_max;
-	__u32 range, start;
+	struct ct4_key key = ct4_key_make(saddr, daddr, sport, 0, proto, kind);
+	__u32 min = cfg->snat_port_min, range = cfg->snat_port_max - cfg->snat_port_min + 1;
+	__u32 start = bpf_get_prandom_u32();
 	__be16 last_resort = 0;
 
-	__u32 reason = ct4_snat_check(cfg);
-
-	if (reason)
-		return reason;
-	range = max - min + 1;
-	start = bpf_get_prandom_u32();
 #pragma unroll
 	for (int i = 0; i < CT4_SNAT_TRIES; i++) {
 		struct ct4_entry *old;
@@ -388,8 +390,12 @@ static __always_inline __u32 ct4_snat_alloc(const struct pkt4 *p, const struct l
 			goto claimed;
 		if (err == -CT4_E2BIG)
 			return EPX_DROP_CT_FULL; /* not the port range: the table */
-		old = epx_lookup(epx_ct4, &key);
-		use = old ? ct4_snat_port_use(old, &key, p->proto, now) : CT4_PORT_FREE;
+		if (kind == CT4_REV_SNAT) {
+			old = epx_lookup(epx_ct4, &key);
+			use = old ? ct4_snat_port_use(old, &key, proto, now) : CT4_PORT_FREE;
+		} else {
+			use = ct4_rev_dnat_taken(&key, now) ? CT4_PORT_BUSY : CT4_PORT_FREE;
+		}
 		if (use == CT4_PORT_FREE && ct4_snat_claim(&key, rev) == 0)
 			goto claimed;
 		if (use == CT4_PORT_TIME_WAIT && !last_resort)
@@ -400,39 +406,6 @@ static __always_inline __u32 ct4_snat_alloc(const struct pkt4 *p, const struct l
 	key.dport = last_resort;
 	if (ct4_snat_claim(&key, rev))
 		return EPX_DROP_SNAT_NO_PORT;
-claimed:
-	*port = key.dport;
-	return 0;
-}
-
-/* Pick the port a connection whose client port clashes toward be_addr:be_port leaves with
- * (CT4_S_REMAP) and insert its CT4_REV_DNAT half `rev` there: random start in the masquerade
- * range, then linear probing, for a port no live connection of this client answers on toward
- * that backend. Returns 0 with *port set, or a drop reason. */
-static __always_inline __u32 ct4_remap_alloc(const struct pkt4 *p, const struct lb4_config *cfg, __be32 be_addr,
-					     __be16 be_port, __u64 now, __be16 *port, struct ct4_entry *rev)
-{
-	struct ct4_key key = ct4_key_make(be_addr, p->saddr, be_port, 0, p->proto, CT4_REV_DNAT);
-	__u32 min = cfg->snat_port_min, max = cfg->snat_port_max;
-	__u32 range, start;
-
-	if (!min || max < min)
-		return EPX_DROP_SNAT_NO_PORT;
-	range = max - min + 1;
-	start = bpf_get_prandom_u32();
-#pragma unroll
-	for (int i = 0; i < CT4_SNAT_TRIES; i++) {
-		key.dport = epx_htons((__u16)(min + (start + i) % range));
-		long err = epx_insert(epx_ct4, &key, rev);
-
-		if (err == 0)
-			goto claimed;
-		if (err == -CT4_E2BIG)
-			return EPX_DROP_CT_FULL;
-		if (!ct4_rev_dnat_taken(&key, now) && ct4_snat_claim(&key, rev) == 0)
-			goto claimed;
-	}
-	return EPX_DROP_SNAT_NO_PORT;
 claimed:
 	*port = key.dport;
 	return 0;
@@ -471,7 +444,10 @@ static __always_inline __u32 ct4_create_once(const struct pkt4 *p, const struct 
 			s->rev_dnat.state = CT4_S_REMAP;
 			s->rev_dnat.snat_port = p->sport;
 		}
-		reason = ct4_snat_alloc(p, cfg, be_addr, be_port, now, &e.snat_port, &s->rev_snat);
+		reason = ct4_snat_check(cfg);
+		if (!reason)
+			reason = ct4_port_alloc(be_addr, cfg->snat_addr, be_port, p->proto, CT4_REV_SNAT, cfg, now,
+						&e.snat_port, &s->rev_snat);
 		if (reason)
 			return reason;
 		e.snat_addr = cfg->snat_addr;
@@ -503,7 +479,10 @@ static __always_inline __u32 ct4_create_once(const struct pkt4 *p, const struct 
 		if (ct4_rev_dnat_taken(&key, now)) {
 			s->rev_dnat.state = CT4_S_REMAP;
 			s->rev_dnat.snat_port = p->sport;
-			reason = ct4_remap_alloc(p, cfg, be_addr, be_port, now, &e.snat_port, &s->rev_dnat);
+			reason = ct4_port_range_check(cfg);
+			if (!reason)
+				reason = ct4_port_alloc(be_addr, p->saddr, be_port, p->proto, CT4_REV_DNAT, cfg, now,
+							&e.snat_port, &s->rev_dnat);
 			if (reason)
 				return reason;
 			e.snat_addr = p->saddr;

@@ -183,24 +183,21 @@ static __always_inline __u32 ct6_snat_check(const struct lb4_config *cfg, const 
 {
 	if (!cfg6 || in6_is_zero(&cfg6->snat_addr))
 		return EPX_DROP_SNAT_NO_ADDR;
-	if (!cfg->snat_port_min || cfg->snat_port_max < cfg->snat_port_min)
-		return EPX_DROP_SNAT_NO_PORT;
-	return 0;
+	return ct4_port_range_check(cfg);
 }
 
-/* Pick a masquerade port for (backend, snat addr) and insert the CT4_REV_SNAT entry s->val (its
- * client and frontend filled in), as ct4_snat_alloc: random start, linear probing, a TIME_WAIT
- * port only as a last resort. Uses s->key. Returns 0 with *port set, or a drop reason. The loop is
- * not unrolled: eight inlined copies of the owner lookup would not fit the stack either. */
-static __always_inline __u32 ct6_snat_alloc(struct scratch6 *s, const struct pkt6 *p, const struct lb4_config *cfg,
-					    const struct lb6_config *cfg6, const struct epx_in6 *be_addr, __be16 be_port,
-					    __u64 now, __be16 *port)
+/* Pick a port of the masquerade range (ct4_port_range_check: usable) for the half s->val keyed
+ * like s->key (its kind and addresses set: a masquerade port, CT4_REV_SNAT, or a remapped client
+ * port, CT4_REV_DNAT) and insert it there, as ct4_port_alloc: random start, linear probing, a
+ * TIME_WAIT masquerade port only as a last resort. Returns 0 with *port set, or a drop reason.
+ * The loop is not unrolled: eight inlined copies of the owner lookup would not fit the stack
+ * either. */
+static __always_inline __u32 ct6_port_alloc(struct scratch6 *s, const struct lb4_config *cfg, __u64 now, __be16 *port)
 {
 	__u32 min = cfg->snat_port_min, range = cfg->snat_port_max - cfg->snat_port_min + 1;
 	__u32 start = bpf_get_prandom_u32();
 	__be16 last_resort = 0;
 
-	s->key = ct6_key_make(be_addr, &cfg6->snat_addr, be_port, 0, p->proto, CT4_REV_SNAT);
 #pragma clang loop unroll(disable)
 	for (int i = 0; i < CT4_SNAT_TRIES; i++) {
 		struct ct6_entry *old;
@@ -213,8 +210,12 @@ static __always_inline __u32 ct6_snat_alloc(struct scratch6 *s, const struct pkt
 			goto claimed;
 		if (err == -CT4_E2BIG)
 			return EPX_DROP_CT_FULL;
-		old = epx_lookup(epx_ct6, &s->key);
-		use = old ? ct6_snat_port_use(s, old, &s->key, p->proto, now) : CT4_PORT_FREE;
+		if (s->key.kind == CT4_REV_SNAT) {
+			old = epx_lookup(epx_ct6, &s->key);
+			use = old ? ct6_snat_port_use(s, old, &s->key, s->key.proto, now) : CT4_PORT_FREE;
+		} else {
+			use = ct6_rev_dnat_taken(s, now) ? CT4_PORT_BUSY : CT4_PORT_FREE;
+		}
 		if (use == CT4_PORT_FREE) {
 			epx_delete(epx_ct6, &s->key);
 			if (epx_insert(epx_ct6, &s->key, &s->val) == 0)
@@ -229,42 +230,6 @@ static __always_inline __u32 ct6_snat_alloc(struct scratch6 *s, const struct pkt
 	epx_delete(epx_ct6, &s->key);
 	if (epx_insert(epx_ct6, &s->key, &s->val))
 		return EPX_DROP_SNAT_NO_PORT;
-claimed:
-	*port = s->key.dport;
-	return 0;
-}
-
-/* The port a connection whose client port clashes toward be_addr:be_port leaves with, and its
- * CT4_REV_DNAT half s->val inserted there (ct4_remap_alloc). Uses s->key. Returns 0 with *port
- * set, or a drop reason. Not unrolled, as ct6_snat_alloc. */
-static __always_inline __u32 ct6_remap_alloc(struct scratch6 *s, const struct pkt6 *p, const struct lb4_config *cfg,
-					     const struct epx_in6 *be_addr, __be16 be_port, __u64 now, __be16 *port)
-{
-	__u32 min = cfg->snat_port_min, max = cfg->snat_port_max;
-	__u32 range, start;
-
-	if (!min || max < min)
-		return EPX_DROP_SNAT_NO_PORT;
-	range = max - min + 1;
-	start = bpf_get_prandom_u32();
-	s->key = ct6_key_make(be_addr, &p->saddr, be_port, 0, p->proto, CT4_REV_DNAT);
-#pragma clang loop unroll(disable)
-	for (int i = 0; i < CT4_SNAT_TRIES; i++) {
-		long err;
-
-		s->key.dport = epx_htons((__u16)(min + (start + i) % range));
-		err = epx_insert(epx_ct6, &s->key, &s->val);
-		if (err == 0)
-			goto claimed;
-		if (err == -CT4_E2BIG)
-			return EPX_DROP_CT_FULL;
-		if (!ct6_rev_dnat_taken(s, now)) {
-			epx_delete(epx_ct6, &s->key);
-			if (epx_insert(epx_ct6, &s->key, &s->val) == 0)
-				goto claimed;
-		}
-	}
-	return EPX_DROP_SNAT_NO_PORT;
 claimed:
 	*port = s->key.dport;
 	return 0;
@@ -298,7 +263,8 @@ static __always_inline __u32 ct6_create(struct scratch6 *s, const struct pkt6 *p
 			s->val.snat_port = p->sport;
 		}
 		/* s->val is the REV_SNAT half: backend -> masq addr:port, nat = the client */
-		reason = ct6_snat_alloc(s, p, cfg, cfg6, be_addr, be_port, now, &snat_port);
+		s->key = ct6_key_make(be_addr, &cfg6->snat_addr, be_port, 0, p->proto, CT4_REV_SNAT);
+		reason = ct6_port_alloc(s, cfg, now, &snat_port);
 		if (reason)
 			return reason;
 		/* the masquerade port as the client's port toward the backend: taken (a client's own
@@ -326,7 +292,10 @@ static __always_inline __u32 ct6_create(struct scratch6 *s, const struct pkt6 *p
 			s->val.nat_port = p->dport;
 			s->val.state = CT4_S_REMAP;
 			s->val.snat_port = p->sport;
-			reason = ct6_remap_alloc(s, p, cfg, be_addr, be_port, now, &snat_port);
+			reason = ct4_port_range_check(cfg);
+			s->key = ct6_key_make(be_addr, &p->saddr, be_port, 0, p->proto, CT4_REV_DNAT);
+			if (!reason)
+				reason = ct6_port_alloc(s, cfg, now, &snat_port);
 			if (reason)
 				return reason;
 		}

@@ -135,7 +135,7 @@ REASON_DESCRIPTIONS: dict[Reason, str] = {
     Reason.PASS_ICMP6_EXTHDRS: "ICMPv6 error whose quoted packet has a longer extension header chain than the parser walks (pkt6.h): untouched, never translated",
     Reason.PASS_ICMP6_FRAG: "ICMPv6 error quoting a packet with a fragment header: untouched (no IPv6 fragment tracking: such a packet was never translated)",
     Reason.DROP_LOCALHOST6_NO_LOCAL: "[::1]:<nodePort> of an externalTrafficPolicy=Local NodePort without a local endpoint, on the node's lo (kube-proxy's IPv6 rules never DNAT ::1; its INPUT rule \"has no local endpoints\" drops it)",
-    Reason.EV_CT_PORT_REMAP: "not a verdict: a new connection's client port was taken toward its backend by another live connection (same client port, another frontend): it leaves with another source port, as netfilter's NAT remaps a clashing tuple (ct4.h: ct4_remap_alloc); counted once per connection",
+    Reason.EV_CT_PORT_REMAP: "not a verdict: a new connection's client port was taken toward its backend by another live connection (same client port, another frontend): it leaves with another source port, as netfilter's NAT remaps a clashing tuple (ct4.h: ct4_port_alloc); counted once per connection",
 }
 
 REASON_MAX = 50
