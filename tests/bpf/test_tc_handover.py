@@ -11,6 +11,7 @@ import pytest
 
 from ebpf_proxy.datapath.ebpf import handover
 from ebpf_proxy.datapath.ebpf import structs as s
+from ebpf_proxy.datapath.ebpf.maps import ct_key
 from tests.bpf import world as w
 from tests.bpf.packets import TC_ACT_SHOT, counted, endpoints, reply_to, run, step, tcp, udp
 
@@ -157,10 +158,15 @@ def test_a_masquerade_port_reused_while_the_old_connection_closes_goes_to_the_ne
     handover.forget(maps, old)
     ids, nodes = handover.backend_ids(maps), {w.NODE_IP, w.NODE_IP2}
     for state in (TCP_TIME_WAIT, TCP_CLOSE):
+        for c in maps.connections():
+            maps.delete_connection_entry(ct_key(c.saddr, c.daddr, c.sport, c.dport, c.proto, c.kind))
         assert handover.adopt(maps, replace(old, tcp_state=state), ids, nodes, now) is None
         assert handover.adopt(maps, replace(old, client_port=40061), ids, nodes, now) is None
         [kept] = handover.outgoing(maps, now)
         assert kept.client_port == 40061 and (kept.source, kept.source_port) == endpoints(fwd)[0], state
+        # the other way round the live one keeps its port: adopt never overwrites a live half
+        why = handover.adopt(maps, replace(old, tcp_state=state), ids, nodes, now)
+        assert why is not None and "masquerade port" in why, state
 
 
 def test_a_udp_flow_moved_out_and_back_in_is_the_same_flow(datapath, maps):
@@ -181,3 +187,35 @@ def test_a_udp_flow_moved_out_and_back_in_is_the_same_flow(datapath, maps):
     assert _table(maps) == before
     again = step(datapath, maps, "tc_ingress", udp(*client, *frontend), R.FWD_ESTABLISHED)
     assert endpoints(again) == endpoints(fwd)
+
+
+def test_a_masquerade_that_steps_aside_for_a_later_adopted_connection_keeps_translating(datapath, maps):
+    """The kernel holds a pod's port through a NodePort (masqueraded) and through a clusterIP (not),
+    to one backend; the masquerade is adopted first, the other later (its handshake was under
+    way). The masquerade moves to its masquerade port (handover._step_aside, CT4_S_REMAP) and the
+    programs translate both: each packet and reply as ct4_create's own layout would."""
+    from ebpf_proxy.datapath.kernel_nat import TCP_ESTABLISHED, NatConnection
+
+    w.install(maps, w.web(id=1, cluster=(w.REMOTE_EP,)),
+              w.web(id=2, frontends=((None, w.NODE_PORT + 1, w.EXT),), cluster=(w.REMOTE_EP,)))
+    now, backends, local = time.monotonic_ns(), handover.backend_ids(maps), {w.NODE_IP, w.NODE_IP2}
+    masq = NatConnection(w.TCP, w.POD_CLIENT, 40000, w.NODE_IP, w.NODE_PORT + 1, *w.REMOTE_EP, w.NODE_IP, 61234, 300,
+                         tcp_state=TCP_ESTABLISHED, seen_reply=True)
+    plain = NatConnection(w.TCP, w.POD_CLIENT, 40000, w.VIP, 80, *w.REMOTE_EP, w.POD_CLIENT, 40000, 300,
+                          tcp_state=TCP_ESTABLISHED, seen_reply=True)
+    assert handover.adopt(maps, masq, backends, local, now) is None
+    assert handover.adopt(maps, plain, backends, local, now) is None
+
+    out = step(datapath, maps, "tc_ingress", tcp(w.POD_CLIENT, 40000, w.NODE_IP, w.NODE_PORT + 1, flags="A"),
+               R.FWD_ESTABLISHED)
+    out = step(datapath, maps, "tc_egress", out, R.SNAT)
+    assert endpoints(out) == ((w.NODE_IP, 61234), w.REMOTE_EP)
+    back = step(datapath, maps, "tc_ingress", reply_to(out, "A"), R.REV_SNAT)
+    back = step(datapath, maps, "tc_egress", back, R.REV_DNAT)
+    assert endpoints(back) == ((w.NODE_IP, w.NODE_PORT + 1), (w.POD_CLIENT, 40000))
+
+    out = step(datapath, maps, "tc_ingress", tcp(w.POD_CLIENT, 40000, w.VIP, 80, flags="A"), R.FWD_ESTABLISHED)
+    out = step(datapath, maps, "tc_egress", out, R.PASS_NO_SERVICE)
+    assert endpoints(out) == ((w.POD_CLIENT, 40000), w.REMOTE_EP)
+    back = step(datapath, maps, "tc_egress", reply_to(out, "A"), R.REV_DNAT)
+    assert endpoints(back) == ((w.VIP, 80), (w.POD_CLIENT, 40000))

@@ -330,3 +330,38 @@ def test_forgetting_a_connection_whose_entry_is_gone_leaves_its_partners_halves(
     assert maps.kinds() == [s.CT4_SVC, s.CT4_REV_DNAT, s.CT4_SNAT, s.CT4_REV_SNAT]
     assert all(maps.entry(*t) is not None for t in (
         (CLIENT, BACKEND, PORT, 8080, s.CT4_SNAT), (BACKEND, CLIENT, 8080, PORT, s.CT4_REV_DNAT)))
+
+
+def test_a_masquerade_adopted_first_steps_aside_for_an_unmasqueraded_connection_of_its_client_port():
+    """The mode switch adopts a connection still in its handshake in a later batch: the
+    masqueraded one of the same client port may be ours already, at the client's own port. It
+    moves to its masquerade port (CT4_S_REMAP, as ct4_create lays it out) so that the
+    unmasqueraded one, which the backend knows by the client's port, gets that port's halves."""
+    maps = FakeMaps()
+    masq = replace(PLAIN, frontend=VIP_B, source=MASQ_ADDR, source_port=61002)
+    assert handover.adopt(maps, masq, handover.backend_ids(maps), set(), NOW) is None
+    assert maps.entry(CLIENT, BACKEND, PORT, 8080, s.CT4_SNAT) is not None  # plain: nothing clashed yet
+    assert handover.adopt(maps, PLAIN, handover.backend_ids(maps), set(), NOW) is None
+    svc = maps.entry(CLIENT, VIP_B, PORT, 80, s.CT4_SVC)
+    assert svc.state & s.CT4_S_REMAP and svc.flags & s.CT4_F_MASQ
+    assert maps.entry(CLIENT, BACKEND, PORT, 8080, s.CT4_SNAT) is None
+    assert maps.entry(CLIENT, BACKEND, 61002, 8080, s.CT4_SNAT).snat_port == be16(PORT)
+    moved = maps.entry(BACKEND, CLIENT, 8080, 61002, s.CT4_REV_DNAT)
+    assert moved.svc_addr == be32(VIP_B) and moved.snat_port == be16(PORT)
+    assert maps.entry(BACKEND, CLIENT, 8080, PORT, s.CT4_REV_DNAT).svc_addr == be32(VIP_A)
+    assert maps.entry(BACKEND, MASQ_ADDR, 8080, 61002, s.CT4_REV_SNAT).state & s.CT4_S_REMAP
+    for k, v in maps.ct.values():
+        if k.kind != s.CT4_SVC:
+            assert mp.half_is_held(maps, k, NOW), (k.kind, k.sport, k.dport)
+
+
+def test_a_masquerade_whose_port_another_connection_holds_is_left_to_the_kernel():
+    """Adopting never overwrites a live half, the masquerade port's reply half included (a
+    connection the programs made during the switch may hold it)."""
+    maps = FakeMaps()
+    first = replace(PLAIN, source=MASQ_ADDR, source_port=61001)
+    assert handover.adopt(maps, first, handover.backend_ids(maps), set(), NOW) is None
+    other_client = replace(PLAIN, client="10.244.1.6", frontend=VIP_B, source=MASQ_ADDR, source_port=61001)
+    why = handover.adopt(maps, other_client, handover.backend_ids(maps), set(), NOW)
+    assert why is not None and "61001" in why
+    assert maps.entry(BACKEND, MASQ_ADDR, 8080, 61001, s.CT4_REV_SNAT).nat_addr == be32(CLIENT)

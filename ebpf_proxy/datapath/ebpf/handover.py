@@ -148,6 +148,67 @@ def hold(maps: Maps, conn: NatConnection, held: bool = True) -> bool:
     return True
 
 
+def _step_aside(maps: Maps, rev_key: s.CT4Key, now_ns: int) -> bool:
+    """Move the live connection whose reply half is at `rev_key` (backend -> client:port) to its
+    masquerade port, as ct4_create lays out a masqueraded connection whose client port clashes
+    (CT4_S_REMAP): for an unmasqueraded connection of that client port, which the backend knows by
+    it, adopted after the masqueraded one (a handshake still under way when the masquerade was
+    taken over). Only a masqueraded, not yet remapped connection can; False when the holder
+    cannot or its masquerade port is held too. The new halves go first, the connection entry
+    after them, the old SNAT half last (the old reply half is the caller's to overwrite)."""
+    half = maps.connection_entry(rev_key)
+    owner_key = _svc_of(half_owner(rev_key, half)) if half is not None else None
+    owner = maps.connection_entry(owner_key) if owner_key is not None else None
+    if owner is None or not owner.flags & s.CT4_F_MASQ or owner.flags & s.CT4_F_SOCK_MASQ or \
+            owner.state & s.CT4_S_REMAP:
+        return False
+    moved_rev_key = _copy(rev_key, dport=owner.snat_port)
+    if maps.connection_entry(moved_rev_key) is not None and half_is_held(maps, moved_rev_key, now_ns):
+        return False
+    snat_key = _copy(rev_key, saddr=rev_key.daddr, daddr=rev_key.saddr, sport=rev_key.dport, dport=rev_key.sport,
+                     kind=s.CT4_SNAT)
+    rev_snat_key = _copy(rev_key, daddr=owner.snat_addr, dport=owner.snat_port, kind=s.CT4_REV_SNAT)
+    snat, rev_snat = maps.connection_entry(snat_key), maps.connection_entry(rev_snat_key)
+    if snat is None or rev_snat is None:
+        return False
+    for moved in (half, snat):  # keyed by the masquerade port, keeping the client's own
+        moved.state |= s.CT4_S_REMAP
+        moved.snat_port = rev_key.dport
+    rev_snat.state |= s.CT4_S_REMAP  # the reply goes on to the masquerade port
+    maps.put_connection_entry(moved_rev_key, half)
+    maps.put_connection_entry(_copy(snat_key, sport=owner.snat_port), snat)
+    maps.put_connection_entry(rev_snat_key, rev_snat)
+    owner.state |= s.CT4_S_REMAP
+    maps.put_connection_entry(owner_key, owner)
+    maps.delete_connection_entry(snat_key)
+    return True
+
+
+def _port_busy(maps: Maps, rev_snat_key: s.CT4Key, me: tuple, now_ns: int) -> bool:
+    """Whether another connection still needs the masquerade port of `rev_snat_key`: live and not
+    closing (the kernel lets a new connection have a closing one's port; so does the programs'
+    allocator once it is over, bpf/lib/ct4.h: ct4_snat_port_use)."""
+    held = maps.connection_entry(rev_snat_key)
+    if held is None or half_owner(rev_snat_key, held) == me or not half_is_held(maps, rev_snat_key, now_ns):
+        return False
+    owner = maps.connection_entry(_svc_of(half_owner(rev_snat_key, held)))
+    return owner is not None and not owner.flags & s.CT4_F_CLOSING
+
+
+def _copy(key: s.CT4Key, **fields: int) -> s.CT4Key:
+    out = s.CT4Key.from_buffer_copy(key)
+    for name, value in fields.items():
+        setattr(out, name, value)
+    return out
+
+
+def _svc_of(owner: tuple | None) -> s.CT4Key | None:
+    if owner is None:
+        return None
+    saddr, daddr, sport, dport, proto = owner
+    return s.CT4Key(saddr=saddr, daddr=daddr, sport=sport, dport=dport, proto=proto, kind=s.CT4_SVC)
+
+
 def adopt(maps: Maps, conn: NatConnection, backends: dict[tuple[str, int], int], node_addrs: set[str],
           now_ns: int, held: bool = False) -> str | None:
     """Write the epx_ct4 entries of a connection the kernel translated (`held`: CT4_S_HELD, until
@@ -156,8 +217,9 @@ def adopt(maps: Maps, conn: NatConnection, backends: dict[tuple[str, int], int],
     One netfilter's NAT gave another source port only (a clash: the client's port toward that
     backend was another connection's) is written as ct4_create writes such a connection:
     CT4_S_REMAP, not masqueraded, its reply half keyed by that port; so is a masqueraded one whose
-    client port toward the backend another connection holds (keyed by its masquerade port). It
-    cannot either when the key it needs is another live connection's."""
+    client port toward the backend another connection holds (keyed by its masquerade port), and a
+    masqueraded holder steps aside so for an unmasqueraded one adopted after it (_step_aside). It
+    cannot either when a key it needs is another live connection's: nothing is overwritten."""
     if _frontend_of(maps, conn, node_addrs) is None:
         return f"frontend {conn.frontend}:{conn.frontend_port} is not a service here"
     backend_id = backends.get((conn.backend, conn.backend_port))
@@ -196,8 +258,10 @@ def adopt(maps: Maps, conn: NatConnection, backends: dict[tuple[str, int], int],
             return f"its tuple toward {backend}:{bport} is another connection's, from port {cport} and {sport}"
         entry.state |= s.CT4_S_REMAP
         rev_dnat.state, rev_dnat.snat_port = s.CT4_S_REMAP, be16(cport)  # the reply's destination port
-    elif taken(cport):
+    elif taken(cport) and not _step_aside(maps, ct_key(backend, client, bport, cport, p, s.CT4_REV_DNAT), now_ns):
         return f"its tuple toward {backend}:{bport} is another connection's, from port {cport}"
+    if conn.masqueraded and _port_busy(maps, ct_key(backend, source, bport, sport, p, s.CT4_REV_SNAT), me, now_ns):
+        return f"its masquerade port {source}:{sport} toward {backend}:{bport} is another connection's"
     if conn.port_remapped:
         entry.snat_addr, entry.snat_port = be32(client), be16(sport)
     elif conn.masqueraded:
