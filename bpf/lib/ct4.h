@@ -38,8 +38,9 @@
  * masquerade range, CT4_S_REMAP (common.h), counted under EPX_EV_CT_PORT_REMAP. That range lies
  * outside Linux's default ephemeral ports (32768-60999); a client whose own ports reach into it
  * could hold the drawn port toward that backend in a connection no Service translates, which
- * this table does not see (netfilter's sees every connection). A masqueraded connection leaves with its masquerade port: from
- * DNAT on (its SNAT half keyed by it) to the reply's, whose destination ct4's halves restore.
+ * this table does not see (netfilter's sees every connection). A masqueraded connection leaves
+ * with its masquerade port: from DNAT on (its SNAT half keyed by it) to the reply's, whose
+ * destination ct4's halves restore.
  */
 #ifndef EPX_CT4_H
 #define EPX_CT4_H
@@ -181,6 +182,9 @@ static __always_inline void ct4_forget_half(struct ct4_key *half, const struct c
 		return;
 	if (half->kind == CT4_REV_SNAT && (h->nat_addr != owner->saddr || h->nat_port != owner->sport))
 		return;
+	/* one comparison of the client port for both kinds, not an `if` each: this is inlined
+	 * wherever a connection is forgotten, and tc_ingress fits the verifier's budget only so (two
+	 * `if`s, or ct4_forget's wire port read through ct4_wire_port, were E2BIG) */
 	cport = half->kind == CT4_REV_DNAT ? ct4_rev_dnat_cport(h, half) : ct4_snat_cport(h, half);
 	if (half->kind != CT4_REV_SNAT && cport != owner->sport)
 		return;
@@ -195,7 +199,7 @@ static __always_inline void ct4_forget(struct ct4_key *key, const struct ct4_ent
 	__be32 be_addr = e->nat_addr, snat_addr = e->snat_addr;
 	__be16 be_port = e->nat_port, snat_port = e->snat_port;
 	__u8 masq = e->flags & CT4_F_MASQ;
-	__be16 wire_port = (e->state & CT4_S_REMAP) ? snat_port : key->sport;
+	__be16 wire_port = (e->state & CT4_S_REMAP) ? snat_port : key->sport; /* from the copy read above */
 	__u32 zero = 0;
 	struct ct4_ring *ring = epx_lookup(epx_ct4_ring, &zero); /* its `half`: tc_ingress's stack is full */
 

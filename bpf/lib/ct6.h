@@ -96,13 +96,12 @@ static __always_inline void ct6_forget_half(struct scratch6 *s, const struct ct6
 static __always_inline void ct6_forget(struct scratch6 *s, struct ct6_key *key, const struct ct6_entry *e)
 {
 	s->gone = *e; /* read before any deletion: `e` is the map's element, which another CPU may then reuse */
-	s->half = ct6_key_make(&s->gone.nat_addr, &key->saddr, s->gone.nat_port,
-			       (s->gone.state & CT4_S_REMAP) ? s->gone.snat_port : key->sport, key->proto, CT4_REV_DNAT);
+	s->half = ct6_key_make(&s->gone.nat_addr, &key->saddr, s->gone.nat_port, ct6_wire_port(&s->gone, key->sport),
+			       key->proto, CT4_REV_DNAT);
 	ct6_forget_half(s, key);
 	if (s->gone.flags & CT4_F_MASQ) {
-		s->half = ct6_key_make(&key->saddr, &s->gone.nat_addr,
-				       (s->gone.state & CT4_S_REMAP) ? s->gone.snat_port : key->sport, s->gone.nat_port,
-				       key->proto, CT4_SNAT);
+		s->half = ct6_key_make(&key->saddr, &s->gone.nat_addr, ct6_wire_port(&s->gone, key->sport),
+				       s->gone.nat_port, key->proto, CT4_SNAT);
 		ct6_forget_half(s, key);
 		s->half = ct6_key_make(&s->gone.nat_addr, &s->gone.snat_addr, s->gone.nat_port, s->gone.snat_port, key->proto,
 				       CT4_REV_SNAT);
@@ -275,11 +274,12 @@ static __always_inline __u32 ct6_create(struct scratch6 *s, const struct pkt6 *p
 			epx_delete(epx_ct6, &s->key);
 			return EPX_DROP_SNAT_NO_PORT;
 		}
+		if (s->val.state & CT4_S_REMAP)
+			wire_port = snat_port;
 		/* forward: client -> backend leaves as snat_addr:snat_port -> backend */
 		s->val.nat_addr = cfg6->snat_addr;
 		s->val.nat_port = snat_port;
-		s->key = ct6_key_make(&p->saddr, be_addr, (s->val.state & CT4_S_REMAP) ? snat_port : p->sport, be_port,
-				      p->proto, CT4_SNAT);
+		s->key = ct6_key_make(&p->saddr, be_addr, wire_port, be_port, p->proto, CT4_SNAT);
 		err = epx_update(epx_ct6, &s->key, &s->val);
 		if (err)
 			goto undo_rev_snat;
@@ -298,13 +298,12 @@ static __always_inline __u32 ct6_create(struct scratch6 *s, const struct pkt6 *p
 				reason = ct6_port_alloc(s, cfg, now, &snat_port);
 			if (reason)
 				return reason;
+			wire_port = snat_port;
 		}
 		/* the new connection owns the client -> backend tuple now (see ct4_create_once) */
-		s->key = ct6_key_make(&p->saddr, be_addr, snat_port ? snat_port : p->sport, be_port, p->proto, CT4_SNAT);
+		s->key = ct6_key_make(&p->saddr, be_addr, wire_port, be_port, p->proto, CT4_SNAT);
 		epx_delete(epx_ct6, &s->key);
 	}
-	if (s->val.state & CT4_S_REMAP)
-		wire_port = snat_port;
 	/* reply: backend -> client leaves with the frontend as source (a remapped connection's
 	 * half is in place: snat_port without masquerade) */
 	if (masq || !snat_port) {

@@ -14,7 +14,17 @@ from __future__ import annotations
 import socket
 
 from ebpf_proxy.datapath.ebpf import structs as s
-from ebpf_proxy.datapath.ebpf.maps import Connection, Frontend, Maps, be16, be32, ct_key, half_is_held, half_owner
+from ebpf_proxy.datapath.ebpf.maps import (
+    Connection,
+    Frontend,
+    Maps,
+    be16,
+    be32,
+    ct_key,
+    half_is_held,
+    half_owner,
+    live_owner,
+)
 from ebpf_proxy.datapath.kernel_nat import (
     TCP_CLOSE,
     TCP_CLOSE_WAIT,
@@ -156,14 +166,14 @@ def _step_aside(maps: Maps, rev_key: s.CT4Key, now_ns: int) -> bool:
     taken over). Only a masqueraded, not yet remapped connection can; False when the holder
     cannot or its masquerade port is held too. The new halves go first, the connection entry
     after them, the old SNAT half last (the old reply half is the caller's to overwrite)."""
-    half = maps.connection_entry(rev_key)
-    owner_key = _svc_of(half_owner(rev_key, half)) if half is not None else None
-    owner = maps.connection_entry(owner_key) if owner_key is not None else None
-    if owner is None or not owner.flags & s.CT4_F_MASQ or owner.flags & s.CT4_F_SOCK_MASQ or \
-            owner.state & s.CT4_S_REMAP:
+    holder = live_owner(maps, rev_key, now_ns)
+    if holder is None:
+        return False
+    half, owner_key, owner = holder
+    if not owner.flags & s.CT4_F_MASQ or owner.flags & s.CT4_F_SOCK_MASQ or owner.state & s.CT4_S_REMAP:
         return False
     moved_rev_key = _copy(rev_key, dport=owner.snat_port)
-    if maps.connection_entry(moved_rev_key) is not None and half_is_held(maps, moved_rev_key, now_ns):
+    if half_is_held(maps, moved_rev_key, now_ns):
         return False
     snat_key = _copy(rev_key, saddr=rev_key.daddr, daddr=rev_key.saddr, sport=rev_key.dport, dport=rev_key.sport,
                      kind=s.CT4_SNAT)
@@ -184,15 +194,10 @@ def _step_aside(maps: Maps, rev_key: s.CT4Key, now_ns: int) -> bool:
     return True
 
 
-def _port_busy(maps: Maps, rev_snat_key: s.CT4Key, me: tuple, now_ns: int) -> bool:
-    """Whether another connection still needs the masquerade port of `rev_snat_key`: live and not
-    closing (the kernel lets a new connection have a closing one's port; so does the programs'
-    allocator once it is over, bpf/lib/ct4.h: ct4_snat_port_use)."""
-    held = maps.connection_entry(rev_snat_key)
-    if held is None or half_owner(rev_snat_key, held) == me or not half_is_held(maps, rev_snat_key, now_ns):
-        return False
-    owner = maps.connection_entry(_svc_of(half_owner(rev_snat_key, held)))
-    return owner is not None and not owner.flags & s.CT4_F_CLOSING
+def _other_holder(maps: Maps, key: s.CT4Key, me: s.CT4Key, now_ns: int) -> s.CT4Entry | None:
+    """The entry of the live connection other than `me` (a CT4_SVC key) whose half is at `key`."""
+    holder = live_owner(maps, key, now_ns)
+    return holder[2] if holder is not None and bytes(holder[1]) != bytes(me) else None
 
 
 def _copy(key: s.CT4Key, **fields: int) -> s.CT4Key:
@@ -200,13 +205,6 @@ def _copy(key: s.CT4Key, **fields: int) -> s.CT4Key:
     for name, value in fields.items():
         setattr(out, name, value)
     return out
-
-
-def _svc_of(owner: tuple | None) -> s.CT4Key | None:
-    if owner is None:
-        return None
-    saddr, daddr, sport, dport, proto = owner
-    return s.CT4Key(saddr=saddr, daddr=daddr, sport=sport, dport=dport, proto=proto, kind=s.CT4_SVC)
 
 
 def adopt(maps: Maps, conn: NatConnection, backends: dict[tuple[str, int], int], node_addrs: set[str],
@@ -243,13 +241,10 @@ def adopt(maps: Maps, conn: NatConnection, backends: dict[tuple[str, int], int],
     # takes the unmasqueraded first): a masqueraded one leaves with its masquerade port from DNAT
     # on, as ct4_create makes it; netfilter's remap is one already.
     svc_key = ct_key(client, conn.frontend, cport, conn.frontend_port, p, s.CT4_SVC)
-    me = (svc_key.saddr, svc_key.daddr, svc_key.sport, svc_key.dport, svc_key.proto)
 
     def taken(port: int) -> bool:
         """Whether another live connection's reply half is keyed by the client and `port`."""
-        key = ct_key(backend, client, bport, port, p, s.CT4_REV_DNAT)
-        held = maps.connection_entry(key)
-        return held is not None and half_owner(key, held) != me and half_is_held(maps, key, now_ns)
+        return _other_holder(maps, ct_key(backend, client, bport, port, p, s.CT4_REV_DNAT), svc_key, now_ns) is not None
 
     remap = conn.port_remapped or (conn.masqueraded and taken(cport))
     if remap:
@@ -260,7 +255,11 @@ def adopt(maps: Maps, conn: NatConnection, backends: dict[tuple[str, int], int],
         rev_dnat.state, rev_dnat.snat_port = s.CT4_S_REMAP, be16(cport)  # the reply's destination port
     elif taken(cport) and not _step_aside(maps, ct_key(backend, client, bport, cport, p, s.CT4_REV_DNAT), now_ns):
         return f"its tuple toward {backend}:{bport} is another connection's, from port {cport}"
-    if conn.masqueraded and _port_busy(maps, ct_key(backend, source, bport, sport, p, s.CT4_REV_SNAT), me, now_ns):
+    # another live connection's masquerade port, unless closing (the kernel lets a new connection
+    # have it; so does the programs' allocator once it is over, bpf/lib/ct4.h: ct4_snat_port_use)
+    port_holder = _other_holder(maps, ct_key(backend, source, bport, sport, p, s.CT4_REV_SNAT), svc_key, now_ns) \
+        if conn.masqueraded else None
+    if port_holder is not None and not port_holder.flags & s.CT4_F_CLOSING:
         return f"its masquerade port {source}:{sport} toward {backend}:{bport} is another connection's"
     if conn.port_remapped:
         entry.snat_addr, entry.snat_port = be32(client), be16(sport)

@@ -434,16 +434,23 @@ def _half_is_live(k: s.CT4Key, v: s.CT4Entry, owner: s.CT4Entry | None, now_ns: 
     return False
 
 
-def half_is_held(maps: "Maps", key: s.CT4Key, now_ns: int) -> bool:
-    """Whether the epx_ct4 half at `key` answers a live connection, by the datapath's owner checks
-    (_half_is_live): another connection must not take the key over then (bpf/lib/ct4.h:
-    ct4_rev_dnat_taken)."""
+def live_owner(maps: "Maps", key: s.CT4Key, now_ns: int) -> tuple[s.CT4Entry, s.CT4Key, s.CT4Entry] | None:
+    """(the epx_ct4 half at `key`, its connection's CT4_SVC key, that connection's entry) when the
+    half answers a live connection by the datapath's owner checks (_half_is_live), else None:
+    another connection must not take the key over then (bpf/lib/ct4.h: ct4_rev_dnat_taken). One
+    read of the half and one of its connection."""
     half = maps.connection_entry(key)
-    if half is None:
-        return False
-    owner_key = _owner_tuple(key, half)
-    owner = maps.connection_entry(_svc_key(owner_key)) if owner_key else None
-    return _half_is_live(key, half, owner, now_ns)
+    owner_key = _owner_tuple(key, half) if half is not None else None
+    if owner_key is None:
+        return None
+    svc_key = _svc_key(owner_key)
+    owner = maps.connection_entry(svc_key)
+    return (half, svc_key, owner) if _half_is_live(key, half, owner, now_ns) else None
+
+
+def half_is_held(maps: "Maps", key: s.CT4Key, now_ns: int) -> bool:
+    """Whether the epx_ct4 half at `key` answers a live connection (live_owner)."""
+    return live_owner(maps, key, now_ns) is not None
 
 
 def half_owner(key: s.CT4Key, half: s.CT4Entry) -> tuple | None:
