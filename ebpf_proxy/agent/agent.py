@@ -297,6 +297,7 @@ class Agent:
 
             api = make_api_client(self.config.kubeconfig, self.config.master)
             collections = agent_collections(api, self.node_name, idle_timeout=self.config.watch_idle_timeout)
+        turn = threading.Lock()  # the reflectors' lists are handed on in turns (Reflector `turn`)
         for kind, handler in self.handlers().items():
             # the handlers turn each object into the model at once: the cache needs only what a
             # delete after a relist names (keep_version), not ~50 MB of API objects at 10,000 Services
@@ -304,7 +305,8 @@ class Agent:
             # builds the model (heap.paused: ~10 of 26 s of a first list at 100,000 Services)
             reflector = Reflector(collections[kind], handler, backoff=self._backoff(), reporter=self.report_invalid,
                                   keep=keep_version, bulk=heap.paused if self._settle_heap else contextlib.nullcontext,
-                                  intern_keys=kind == "Service")  # the trackers' key too: held once
+                                  intern_keys=kind == "Service",  # the trackers' key too: held once
+                                  turn=turn)
             self.reflectors.append(reflector)
             reflector.start()
 

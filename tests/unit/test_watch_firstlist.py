@@ -13,7 +13,7 @@ import pytest
 
 from ebpf_proxy.agent.agent import Agent
 from ebpf_proxy.agent.config import load_config
-from ebpf_proxy.k8s import client
+from ebpf_proxy.k8s import client, watch
 from ebpf_proxy.k8s.client import KubeListWatch, ListError, ListPages, ListStream
 from ebpf_proxy.k8s.watch import Backoff, Reflector, keep_version
 from ebpf_proxy.model import Protocol, ServicePortName
@@ -84,6 +84,8 @@ class Decodes:
 
 
 def test_a_first_list_is_delivered_page_by_page_each_page_decoded_once(monkeypatch):
+    # chunks as long as the pages, as the agent's (PAGE_SIZE): a page is handed on before the next is asked for
+    monkeypatch.setattr(watch, "DELIVERY_CHUNK", 2)
     decodes = Decodes(monkeypatch)
     api = PagedApi([[page([service("a", rv="5"), service("b", rv="6")], token="t1"),
                      page([service("c", rv="7")])]])
@@ -102,6 +104,53 @@ def test_a_first_list_is_delivered_page_by_page_each_page_decoded_once(monkeypat
     assert reflector.synced.is_set() and reflector.lists == 1 and reflector.resource_version == "10"
     assert versions(reflector.cache) == {"default/a": "5", "default/b": "6", "default/c": "7"}
     assert api.calls[1]["_continue"] == "t1"
+
+
+class RecordingTurn:
+    """A `turn` lock that records, per turn, the objects handed on while it was held."""
+
+    def __init__(self) -> None:
+        self.turns: list[list[str]] = []
+        self.held = False
+
+    def __enter__(self):
+        assert not self.held
+        self.held = True
+        self.turns.append([])
+
+    def __exit__(self, *exc) -> None:
+        self.held = False
+
+
+def test_a_list_is_handed_on_in_turns_of_a_chunk_and_what_came_before_a_failed_page_too(monkeypatch):
+    """The agent's reflectors share one `turn` (agent.start_watches): each hands a list on a
+    DELIVERY_CHUNK at a time, holding the turn, never while it fetches a page. Items taken before
+    a page that fails are handed on too, as they were one by one."""
+    monkeypatch.setattr(watch, "DELIVERY_CHUNK", 2)
+    names = [service(n, rv=str(i)) for i, n in enumerate("abcde", 5)]
+    turn = RecordingTurn()
+    fetched_in_turn: list[bool] = []
+    added_in_turn: list[bool] = []
+
+    class Probe(Recorder):
+        def on_add(self, obj):  # records, not asserts: the Reflector logs a handler's exception away
+            added_in_turn.append(turn.held)
+            turn.turns[-1].append(obj["metadata"]["name"])
+            super().on_add(obj)
+
+    class Api(PagedApi):
+        def __call__(self, **kwargs):
+            fetched_in_turn.append(turn.held)
+            return super().__call__(**kwargs)
+
+    api = Api([[page(names[:3], token="t1"), page(names[3:], token="t2"), ConnectionResetError("reset")]])
+    reflector = Reflector(KubeListWatch("Service", api), Probe(), backoff=Backoff(rng=lambda: 0.5),
+                          clock=FakeClock(), wait=lambda s: False, keep=keep_version, turn=turn)
+    api.reflector = reflector
+    reflector.run()
+    assert turn.turns[:3] == [["a", "b"], ["c", "d"], ["e"]], "two per turn; e, taken before the failed page, too"
+    assert all(added_in_turn) and len(added_in_turn) >= 5, "every object is handed on inside a turn"
+    assert not any(fetched_in_turn), "no page is fetched while the turn is held"
 
 
 def test_a_relist_is_held_until_its_last_page_and_then_diffed(monkeypatch):

@@ -124,7 +124,8 @@ def test_backoff_cap_is_what_the_agent_is_given():
 
 
 def test_the_agent_hands_its_settings_to_every_watch(monkeypatch):
-    """--watch-idle-timeout reaches each list-watch, --watch-backoff-max each Reflector's backoff."""
+    """--watch-idle-timeout reaches each list-watch, --watch-backoff-max each Reflector's backoff;
+    the Reflectors share one `turn`, so their first lists are handed on in turns."""
     from ebpf_proxy.agent.agent import Agent
     from ebpf_proxy.agent.config import load_config
     from ebpf_proxy.k8s import client as k8s_client
@@ -137,5 +138,6 @@ def test_the_agent_hands_its_settings_to_every_watch(monkeypatch):
     assert sorted(r.kind for r in agent.reflectors) == ["EndpointSlice", "Node", "Service"]
     assert {r.lw.idle_timeout for r in agent.reflectors} == {7.0}
     assert {r.backoff.cap for r in agent.reflectors} == {2.0}
+    assert len({id(r._turn) for r in agent.reflectors}) == 1
     assert {lw.idle_timeout for lw in k8s_client.agent_collections(make_api_client(master="http://x"), "n1").values()} \
         == {k8s_client.WATCH_IDLE_TIMEOUT_SECONDS}
