@@ -303,6 +303,14 @@ def test_the_packed_records_answer_what_the_dict_they_replace_answered():
     assert 4 not in snap.frontends and snap.frontends.get(4) is None and "7" not in snap.frontends
 
 
+def test_record_keys_read_as_a_sequence_for_bisect():
+    rows = adopt._KeyRows(b"a" * adopt._KEY_SIZE + b"b" * adopt._KEY_SIZE)
+    assert len(rows) == 2 and rows[1] == b"b" * adopt._KEY_SIZE and list(rows) == [rows[0], rows[1]]
+    for past in (2, -1):
+        with pytest.raises(IndexError):
+            rows[past]
+
+
 def test_a_known_frontend_is_given_as_the_object_known():
     fe = Frontend("10.96.0.1", 80)
     snap = adopt.read(FakeMaps([(fe, Service(1, 2, 1, flags=s.LB4_F_HAS_ENDPOINTS))], SLOT_ROWS[:-1], BACKEND_ROWS))
@@ -325,6 +333,9 @@ def test_sparse_backend_ids_answer_as_dense_ones():
         assert list(table.values()) == [records[bid] for bid in sorted(records)]
         assert table.max_id() == max(records) and 13 not in table and -1 not in table and "11" not in table
     assert list(sparse.pick([(1 << 32) - 1, 11, 5])) == [(1 << 32) - 1, 11]
+    # the dense table's inline lookup: ids below, inside and past its range alike
+    assert list(dense.pick([77, 11, 5, 1000, 12, 11])) == [77, 11, 12]
+    assert list(dense.ids_except([11, 5, 99_999, 21])) == [12, 22, 77]
     assert list(sparse.ids_except([11, 3_000_000_000])) == [77, 1 << 20, (1 << 32) - 1]
     assert (adopt.BackendTable().max_id(), len(adopt.BackendTable()), list(adopt.BackendTable())) == (0, 0, [])
 

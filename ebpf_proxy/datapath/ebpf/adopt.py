@@ -528,19 +528,24 @@ class BackendTable(_Packed):
         return self._keys[-1] if self._keys else 0
 
     def _positions(self, ids: Iterable[int]) -> Iterator[tuple[int, int]]:
-        """(id, where its value is) of each of `ids` held (the others skipped)."""
-        position = self._position
-        for bid in ids:
-            pos = position(bid)
-            if pos is not None:
-                yield bid, pos
+        """(id, where its value is) of each of `ids` held (the others skipped), streamed. The
+        dense table's lookup is inline: a restart and every drift audit look up each of a million
+        backend ids twice (pick, ids_except), and a method call each was ~0.4 s of them at
+        100,000 Services."""
+        where = self._where
+        if not where:
+            position = self._position
+            return ((bid, pos) for bid in ids if (pos := position(bid)) is not None)
+        base, end = self._base, self._base + len(where)
+        return ((bid, pos) for bid in ids if base <= bid < end and (pos := where[bid - base]) != _NOWHERE)
 
     def pick(self, ids: Iterable[int]) -> Mapping[int, Backend]:
         """The backends of those of `ids` held, in the order given (each id once), as
         ServiceEntries keeps them (IPv4: packed maps.Backends, no record made)."""
         hits = list(self._positions(dict.fromkeys(ids)))
+        raw, size = self._raw, self._family.size
         return self._family.collect(array(_U32_ARRAY, [bid for bid, _ in hits]).tobytes(),
-                                    b"".join(self._raw_at(pos) for _, pos in hits))
+                                    b"".join([raw[pos * size:(pos + 1) * size] for _, pos in hits]))
 
     def ids_except(self, used: Iterable[int]) -> Iterator[int]:
         """The backend ids, in order, that `used` does not name: marked in a bytearray (a byte an
@@ -552,6 +557,7 @@ class BackendTable(_Packed):
 
 
 _RECORD_KEY = struct.Struct("!B16sHB")  # a frontend, sortable: address kind (0 node, 4, 6), address, port, proto
+_KEY_SIZE = _RECORD_KEY.size
 _RECORD_FIELDS = 5  # a Service's fields, each a u32 in Records._values
 _ADDR_KIND = {4: socket.AF_INET, 16: socket.AF_INET6}
 
@@ -581,9 +587,13 @@ class _KeyRows(Sequence):
         return len(self._blob) // _RECORD_KEY.size
 
     def __getitem__(self, i):  # type: ignore[override]
-        if not 0 <= i < len(self):
+        # bisect's ~17 reads a frontend, for each of a restart's and audit's 100,000: the slice
+        # tells an index past the end (empty), no len() each
+        start = i * _KEY_SIZE
+        row = self._blob[start:start + _KEY_SIZE] if i >= 0 else b""
+        if not row:
             raise IndexError(i)
-        return self._blob[i * _RECORD_KEY.size:(i + 1) * _RECORD_KEY.size]
+        return row
 
     def __iter__(self) -> Iterator[bytes]:
         size = _RECORD_KEY.size
