@@ -79,6 +79,27 @@ def test_backend_ids_by_address_are_those_of_the_records(rows):
         assert backends.ids_by_address() == {(be.addr, be.port): bid for bid, be in backends.items()}
 
 
+@settings(max_examples=300, deadline=None)
+@given(rows=ROWS, other=ROWS)
+def test_backend_ids_if_same_are_those_the_address_lookup_gives(rows, other):
+    """ids_if_same answers a resync's lookup of unchanged backends (ServicePrograms._entries)
+    without text keys: the ids by_address gives, in order, when the addresses and ports are the
+    same in the same order (keys distinct, as a service's are); None whenever they differ."""
+    rows = [(ip, port % (1 << 16), c, loc) for ip, port, c, loc in rows]
+    backends = Backends.of([(100 + i, ip, port, c, loc) for i, (ip, port, c, loc) in enumerate(rows)])
+    if not isinstance(backends, Backends):
+        return
+    for asked in (rows, [(ip, port % (1 << 17), c, loc) for ip, port, c, loc in other], rows[::-1], rows[1:]):
+        v4, ports = b"".join(socket.inet_aton(r[0]) for r in asked), [r[1] for r in asked]
+        same = [(r[0], r[1]) for r in asked] == [(r[0], r[1]) for r in rows]
+        got = backends.ids_if_same(v4, ports)
+        if same and len({(r[0], r[1]) for r in rows}) == len(rows):
+            known = backends.ids_by_address()
+            assert got == [known[(r[0], r[1])] for r in asked]
+        elif not same:
+            assert got is None
+
+
 @given(previous=st.lists(st.integers(min_value=1, max_value=(1 << 32) - 1), min_size=1, max_size=12, unique=True),
        seed=st.randoms(use_true_random=False))
 def test_the_same_backends_keep_their_slots_and_change_in_place(previous, seed):

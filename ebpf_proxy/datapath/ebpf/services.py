@@ -485,6 +485,9 @@ class ServicePrograms:
         n = len(sets.ports)
         if old is None or not old.backends:  # every backend new: ids in order, as next() hands them
             ids = list(itertools.islice(self._next_backend, n))
+        elif sets.v4 is not None and type(old.backends) is Backends \
+                and (same := old.backends.ids_if_same(sets.v4, sets.ports)) is not None:
+            ids = same  # the same backends in the same order: their ids as they are
         else:
             known = old.backends.ids_by_address() if type(old.backends) is Backends else \
                 {(be.addr, be.port): bid for bid, be in old.backends.items()}
