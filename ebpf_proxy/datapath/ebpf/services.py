@@ -204,13 +204,15 @@ def next_bank(old: ServiceEntries | None, cluster: tuple[int, ...], local: tuple
     return 1 - old.bank
 
 
-def stable_slots(previous: tuple[int, ...], wanted: Iterable[int]) -> tuple[int, ...]:
-    """Slot order for `wanted` that moves as few of `previous`'s backends as possible."""
+def stable_slots(previous: Sequence[int], wanted: Iterable[int]) -> Sequence[int]:
+    """Slot order for `wanted` that moves as few of `previous`'s backends as possible: a tuple,
+    or `previous` itself when it is packed (SlotIds, which reads as a tuple) and nothing moves."""
     wanted = set(wanted)
     if not previous:  # every one a newcomer: what the loops below make of them
         return tuple(sorted(wanted))
     if len(wanted) == len(previous) and wanted.issuperset(previous):  # the same backends: no hole, no newcomer
-        return tuple(previous)
+        # packed slots as they are (a restart's 200,000 unchanged scopes: no tuple made and packed again)
+        return previous if type(previous) is SlotIds else tuple(previous)
     newcomers = sorted(wanted.difference(previous))
     slots: list[int | None] = [b if b in wanted else None for b in previous]
     for i, b in enumerate(slots):
