@@ -211,8 +211,9 @@ class Reflector:
         # fetched or decoded: the agent gives its reflectors one lock, so that their first lists,
         # which start together, take turns a chunk at a time instead of interleaving object by
         # object through the locks every handler takes (the trackers', the sync runner's, the
-        # metrics'). Interleaved, two threads handing Services and slices on at once cost ~1.4 s
-        # more CPU than in turns at 100,000 Services (bench/cpscale.py, list+convert 8.0 -> 6.6 s)
+        # metrics'). Interleaved, two threads handing Services and slices on at once cost ~1.8 s
+        # more CPU than in turns at 100,000 Services (bench/cpscale.py, the agent's share of
+        # list+convert 7.6 -> 5.8 s)
         self._turn = turn if turn is not None else threading.Lock()
         self.kind = lw.kind
         self.handler = handler
@@ -428,9 +429,9 @@ class Reflector:
             for item in items:
                 chunk.append(item)
                 if len(chunk) == DELIVERY_CHUNK:
-                    self._deliver_chunk(chunk, start, old)
-                    start += len(chunk)
-                    chunk = []
+                    full, chunk = chunk, []  # out of `chunk` first: should it raise, it is not handed on twice
+                    self._deliver_chunk(full, start, old)
+                    start += len(full)
         finally:
             if chunk:
                 self._deliver_chunk(chunk, start, old)

@@ -153,6 +153,26 @@ def test_a_list_is_handed_on_in_turns_of_a_chunk_and_what_came_before_a_failed_p
     assert not any(fetched_in_turn), "no page is fetched while the turn is held"
 
 
+def test_a_chunk_whose_delivery_raises_is_not_handed_on_again(monkeypatch):
+    """Should handing a chunk on raise (here `keep`, on b), the objects of it already handed on
+    (a) are not handed on a second time on the way out."""
+    monkeypatch.setattr(watch, "DELIVERY_CHUNK", 2)
+    api = PagedApi([[page([service(n, rv=str(i)) for i, n in enumerate("abc", 5)])]])
+
+    def keep(obj):
+        if obj["metadata"]["name"] == "b":
+            raise RuntimeError("b cannot be kept")
+        return keep_version(obj)
+
+    rec = Recorder()
+    reflector = Reflector(KubeListWatch("Service", api), rec, backoff=Backoff(rng=lambda: 0.5), clock=FakeClock(),
+                          wait=lambda s: False, keep=keep)
+    api.reflector = reflector
+    with pytest.raises(RuntimeError):
+        reflector._list()
+    assert rec.events == [("add", "a", "5")]
+
+
 def test_a_relist_is_held_until_its_last_page_and_then_diffed(monkeypatch):
     api = PagedApi([[page([service("a", rv="5"), service("b", rv="6")])],
                     [page([service("a", rv="5")], rv="50", token="t"), page([service("c", rv="40")], rv="50")]],
