@@ -584,7 +584,7 @@ class _KeyRows(Sequence):
         self._blob = blob
 
     def __len__(self) -> int:
-        return len(self._blob) // _RECORD_KEY.size
+        return len(self._blob) // _KEY_SIZE
 
     def __getitem__(self, i):  # type: ignore[override]
         # bisect's ~17 reads a frontend, for each of a restart's and audit's 100,000: the slice
@@ -596,8 +596,7 @@ class _KeyRows(Sequence):
         return row
 
     def __iter__(self) -> Iterator[bytes]:
-        size = _RECORD_KEY.size
-        return (self._blob[i:i + size] for i in range(0, len(self._blob), size))
+        return (self._blob[i:i + _KEY_SIZE] for i in range(0, len(self._blob), _KEY_SIZE))
 
 
 class Records(_Packed):

@@ -246,14 +246,15 @@ def adopt(maps: Maps, conn: NatConnection, backends: dict[tuple[str, int], int],
         """Whether another live connection's reply half is keyed by the client and `port`."""
         return _other_holder(maps, ct_key(backend, client, bport, port, p, s.CT4_REV_DNAT), svc_key, now_ns) is not None
 
-    remap = conn.port_remapped or (conn.masqueraded and taken(cport))
+    clash = not conn.port_remapped and taken(cport)  # read once: both branches below ask it
+    remap = conn.port_remapped or (conn.masqueraded and clash)
     if remap:
         wire_port = sport
         if taken(sport):
             return f"its tuple toward {backend}:{bport} is another connection's, from port {cport} and {sport}"
         entry.state |= s.CT4_S_REMAP
         rev_dnat.state, rev_dnat.snat_port = s.CT4_S_REMAP, be16(cport)  # the reply's destination port
-    elif taken(cport) and not _step_aside(maps, ct_key(backend, client, bport, cport, p, s.CT4_REV_DNAT), now_ns):
+    elif clash and not _step_aside(maps, ct_key(backend, client, bport, cport, p, s.CT4_REV_DNAT), now_ns):
         return f"its tuple toward {backend}:{bport} is another connection's, from port {cport}"
     # another live connection's masquerade port, unless closing (the kernel lets a new connection
     # have it; so does the programs' allocator once it is over, bpf/lib/ct4.h: ct4_snat_port_use)

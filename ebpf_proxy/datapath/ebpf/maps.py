@@ -105,6 +105,18 @@ def _canonical_v4(addr: object) -> bool:
         return False
 
 
+def _network_ports(ports: Sequence[int]) -> array | None:
+    """`ports` as u16s in network order, as lb4_backend holds them (checked in C: None when one is
+    not an int in a u16)."""
+    try:
+        words = array("H", ports)
+    except (OverflowError, TypeError):
+        return None
+    if _LITTLE_ENDIAN:
+        words.byteswap()
+    return words
+
+
 def _backend_flags(in_cluster: bool, in_local: bool) -> int:
     return (s.LB4_BE_IN_CLUSTER if in_cluster else 0) | (s.LB4_BE_IN_LOCAL if in_local else 0)
 
@@ -204,20 +216,18 @@ class Backends(Mapping[int, Backend]):
         gives them: ids and ports ints, the flags bools (what of() would keep as a dict, ids or
         ports out of range or repeated ids, is made by of())."""
         n = len(ids)
-        raw_ids = None
+        raw_ids = port_words = None
         if n and len(v4) == 4 * n and len(ports) == len(in_cluster) == len(in_local) == n and len(set(ids)) == n:
-            try:  # ids in u32s and ports in u16s, checked in C (an OverflowError beyond)
-                port_words = array("H", ports)
+            port_words = _network_ports(ports)
+            try:  # ids in u32s, checked in C (an OverflowError beyond)
                 raw_ids = array(_ID, ids).tobytes()
             except (OverflowError, TypeError):
                 pass
-        if raw_ids is None:
+        if raw_ids is None or port_words is None:
             return cls.of(zip(ids, v4_texts(v4), ports, in_cluster, in_local))
         # the lb4_backend values filled field by field, each with one strided copy in C (a
         # struct pack per backend was ~30% more): addr (the 4 bytes as given) at 0, port in
         # network order at 4, flags at 6, pad 0
-        if _LITTLE_ENDIAN:
-            port_words.byteswap()
         values = bytearray(_LB4_BACKEND.size * n)
         view = memoryview(values)
         view.cast(_ID)[0::2] = memoryview(v4).cast(_ID)
@@ -281,16 +291,11 @@ class Backends(Mapping[int, Backend]):
         n = len(ids)
         if len(v4) != 4 * n or len(ports) != n:
             return None
-        view = memoryview(values)
+        view = memoryview(values)  # as of_v4 lays the values out: addr at 0, port at 4
         if view.cast(_ID)[0::2].tobytes() != v4:
             return None
-        try:
-            wanted = array("H", ports)
-        except (OverflowError, TypeError):
-            return None
-        if _LITTLE_ENDIAN:
-            wanted.byteswap()  # the map's ports are in network order
-        return ids.tolist() if view.cast("H")[2::4].tobytes() == wanted.tobytes() else None
+        wanted = _network_ports(ports)
+        return ids.tolist() if wanted is not None and view.cast("H")[2::4].tobytes() == wanted.tobytes() else None
 
     def ids_by_address(self) -> dict[tuple[str, int], int]:
         """{(addr, port): id for id, backend in items()}, without making the Backend records (a
