@@ -388,6 +388,7 @@ class Agent:
                          self._handover_from, extra={"from_mode": self._handover_from})
                 datapath.expect_handover()
         datapath.progress = self.metrics.sync_progress.set
+        datapath.prefetch()  # e.g. a restart's read-back of the pinned maps, while the list goes on
 
     def _handover_proxier(self) -> FamilyProxier:
         """The family a mode switch is made in: IPv4 where there is one (the kernel's connections

@@ -46,6 +46,11 @@ class Datapath(abc.ABC):
         asks it of the mode it replaces, agent/handover.py)."""
         return False
 
+    def prefetch(self) -> None:
+        """Called once the datapath exists, while the agent still lists: start, in the background,
+        what the first sync will read that does not depend on the Services (ebpf: a restart's
+        read-back of the pinned maps). Nothing by default."""
+
     def expect_handover(self) -> None:
         """Called before the first sync when the other mode's datapath is still in place and its
         connections will be moved over once this one is programmed (agent/handover.py)."""

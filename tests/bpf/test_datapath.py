@@ -130,7 +130,9 @@ def test_life_cycle(node):
     _traffic_ok(lab, cgroup)
 
     restarted = _datapath(lab, cgroup)
+    run_in_netns(lab.ns["node"], restarted.prefetch)  # as the agent does while it lists
     counts = _sync(lab, restarted, state)
+    assert counts["maps_read_ahead"] == 1, "the pins' read-back came from the helper process"
     assert counts["map_writes"] == 0, "a restart writes nothing when nothing changed"
     assert counts["programs_compiled"] == 0, "the same build's pinned programs are re-opened"
     maps = pins.open_maps(lab.bpffs)

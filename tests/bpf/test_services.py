@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import os
 import random
 from dataclasses import replace
 
@@ -9,7 +11,10 @@ import pytest
 
 from ebpf_proxy.datapath.ebpf import structs as s
 from ebpf_proxy.datapath.ebpf.maps import DETECT_CIDR, DETECT_IFACE, DETECT_NONE, Backend, Frontend
-from ebpf_proxy.datapath.ebpf.adopt import adopt
+from ebpf_proxy.datapath.ebpf import libbpf
+from ebpf_proxy.datapath.ebpf.adopt import adopt, read
+from ebpf_proxy.datapath.ebpf.maps import Maps
+from ebpf_proxy.datapath.ebpf.readback import ReadAhead
 from ebpf_proxy.datapath.ebpf.services import (
     ServicePrograms,
     detector_cidrs,
@@ -374,6 +379,50 @@ def test_restart_takes_over_without_writing(maps, programs):
         assert restarted.apply(name, restarted.entries(svc, state.endpoints_of(name))) == 0, name
         assert restarted.current[name] == programs.current[name], "same ids, same slots"
     assert _raw(maps) == before
+
+
+@pytest.mark.bpf
+@pytest.mark.root
+def test_restart_takes_over_a_helpers_read_back_without_writing(pin_dir, maps, programs, caplog):
+    """readback.py: the read-back a helper process made while the agent listed is adopt.read's
+    own, and a restart takes over from it as from its own read."""
+    web = replace(WEB, external_policy_local=True)
+    state = _state((web, (LOCAL, REMOTE, REMOTE2)), (OTHER, (REMOTE,)))
+    for svc, eps in ((web, (LOCAL, REMOTE, REMOTE2)), (OTHER, (REMOTE,))):
+        sync(programs, svc, eps)
+    maps.add_source_range(4000, "192.0.2.0/24")  # a stray: a range of no service
+    before = _raw(maps)
+
+    caplog.set_level("INFO", logger="ebpf_proxy.datapath.ebpf.readback")
+    snap = ReadAhead.start(pin_dir, 4).take(maps)
+    assert snap is not None, caplog.text
+    assert snap == read(maps) and snap.max_svc_id == 4000, "the same tables and ids as the agent's own read"
+    assert "read back by a helper process" in caplog.text
+    restarted = ServicePrograms(maps)
+    assert adopt(restarted, state, snap) == 1, "the stray range, nothing else"
+    for name in state.services:
+        assert restarted.current[name] == programs.current[name], "same ids, same slots"
+
+
+@pytest.mark.bpf
+@pytest.mark.root
+def test_a_read_back_of_other_maps_or_a_failed_helper_is_not_used(pin_dir, tmp_path, maps, caplog):
+    """A helper that read other maps than the loaded ones (pins replaced, a map recreated by the
+    load) or that failed is refused, naming why: the first sync then reads the maps itself."""
+    caplog.set_level("WARNING", logger="ebpf_proxy.datapath.ebpf.readback")
+    spec = s.MAPS["epx_svc"]
+    other_fd = libbpf.map_create(libbpf.map_info(maps._fd("epx_svc")).type, "epx_svc", ctypes.sizeof(spec.key),
+                                 ctypes.sizeof(spec.leaf), 16)
+    other = Maps({**maps._fds, "epx_svc": other_fd})
+    try:
+        assert ReadAhead.start(pin_dir, 4).take(other) is None
+    finally:
+        os.close(other_fd)
+    assert "read other maps than the ones loaded (epx_svc)" in caplog.text
+
+    caplog.clear()
+    assert ReadAhead.start(tmp_path, 4).take(maps) is None
+    assert f"exited with status 1: {tmp_path}/" in caplog.text and "No such file" in caplog.text
 
 
 @pytest.mark.bpf

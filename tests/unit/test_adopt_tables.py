@@ -3,6 +3,7 @@ epx_backend packed (issue 12: ~470 MiB at 100,000 Services x 10 endpoints as dic
 records). The packed tables must answer exactly what those dicts answered; the maps here are a
 fake with the readers adopt.read uses, so the comparison runs without the kernel."""
 
+import pickle
 import random
 import socket
 import sys
@@ -409,6 +410,18 @@ def test_a_read_back_from_raw_batches_is_the_one_from_rows():
     assert list(snap.slots.items()) == list(adopt.SlotTable.of(SLOT_ROWS).items())
     assert list(snap.backends.items()) == list(adopt.BackendTable.of(BACKEND_ROWS).items())
     assert snap.max_svc_id == (1 << 32) - 1 and snap.max_backend_id == (1 << 32) - 1
+
+
+@pytest.mark.parametrize("family", [BACKEND4, BACKEND6])
+def test_a_read_back_crosses_a_pickle_whole(family):
+    """readback.py hands a helper process's Snapshot over as a pickle: the same tables, the
+    family's value reader the module's own (its functions are not picklable by value)."""
+    services, backends = (SERVICES, BACKEND_ROWS) if family is BACKEND4 else (SERVICES6, BACKEND6_ROWS)
+    snap = adopt.read(FakeMaps(shuffled(services), shuffled(SLOT_ROWS), shuffled(backends), family=family))
+    copy = pickle.loads(pickle.dumps(snap, protocol=pickle.HIGHEST_PROTOCOL))
+    assert copy.backends._family is family
+    assert copy == snap and (copy.max_svc_id, copy.max_backend_id) == (snap.max_svc_id, snap.max_backend_id)
+    assert list(copy.backends.values()) == list(snap.backends.values())
 
 
 def random_slot_maps(rng):

@@ -59,10 +59,14 @@ class RecordingDatapath(FakeDatapath):
         super().__init__(node)
         self.opts = opts
         self.closed = 0
+        self.prefetched: list[int] = []  # syncs made before each prefetch()
         RecordingDatapath.created.append(self)
 
     def close(self) -> None:
         self.closed += 1
+
+    def prefetch(self) -> None:
+        self.prefetched.append(len(self.syncs))
 
     def fail_next(self, times: int) -> None:
         self._fail_times = times
@@ -614,6 +618,7 @@ class KernelModeDatapath(RecordingDatapath):
         return self.mode in self.installed_modes
 
     def expect_handover(self) -> None:
+        assert not self.prefetched, "told before it starts reading ahead (a handover has nothing to read)"
         self.expected_handover = True
 
 
@@ -636,6 +641,7 @@ def test_an_agent_finding_the_other_mode_in_place_takes_it_over_after_its_first_
     listed(agent, services=[web_service()], nodes=[node(NODE)])
     dp = agent.prepare_datapath()
     assert dp.mode == "ebpf" and dp.expected_handover and calls == []
+    assert dp.prefetched == [0], "once, before the first sync, after being told of the handover"
     agent.sync(full=True)
     agent.sync(full=False)
     assert calls == [("ebpf", "iptables", 1)], "once, right after the first sync"

@@ -841,11 +841,13 @@ def settle(programs: ServicePrograms, name, held: ServiceEntries) -> int:
                                                held.cluster_slots, held.local_slots, held.source_ranges, held.bank))
 
 
-def adopt(programs: ServicePrograms, state: ProxyState) -> int:
+def adopt(programs: ServicePrograms, state: ProxyState, snap: Snapshot | None = None) -> int:
     """Give `programs` the maps' current content for every service port of `state` it can match;
-    remove the rest. Returns the map writes made (deletions only)."""
+    remove the rest. Returns the map writes made (deletions only). `snap`: read(programs.maps),
+    read already (readback.py: by a helper, while the agent listed)."""
     maps = programs.maps
-    snap = read(maps)
+    if snap is None:
+        snap = read(maps)
     programs.reserve_ids(snap.max_svc_id, snap.max_backend_id)
     claimed = ById(snap.max_svc_id)
     writes = unsettled = 0

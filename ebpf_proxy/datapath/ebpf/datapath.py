@@ -43,6 +43,7 @@ from pathlib import Path
 
 from ebpf_proxy.datapath.base import Datapath, SyncResult
 from ebpf_proxy.datapath.ebpf import adopt, devices, handover, pins
+from ebpf_proxy.datapath.ebpf.readback import ReadAhead
 from ebpf_proxy.datapath.ebpf import structs as s
 from ebpf_proxy.datapath.ebpf.maps import ConntrackUsage, MapFull, Maps, Maps6
 from ebpf_proxy.datapath.ebpf.services import (
@@ -142,6 +143,18 @@ class EbpfDatapath(Datapath):
         self._snat6: str | None = None  # IPv6: epx_config6's masquerade address
         self._served6 = False  # IPv6: CFG6_F_ON set by this datapath's first sync
         self._noop6 = detector_is_noop(node)  # IPv6: CFG6_F_DETECT_NONE
+        self._read_ahead: ReadAhead | None = None  # prefetch(): the pins' read-back, by a helper
+        self._read_ahead_used = False  # the last first sync took a helper's read-back
+
+    def prefetch(self) -> None:
+        """Restarted over pinned maps: have a helper process read them back now (readback.py),
+        while the agent still lists, for the first sync's takeover. Nothing to read on a fresh
+        node, after the first sync, or when the other mode's datapath is to be handed over."""
+        if self._programs is not None or self._read_ahead is not None or self._shared.handover_in:
+            return
+        pin_dir = self.serving_pin_dir()
+        if pin_dir is not None:
+            self._read_ahead = ReadAhead.start(pin_dir, self.family)
 
     def family_maps(self) -> Maps | None:
         """This family's maps (Maps, or Maps6), None before the first sync."""
@@ -158,6 +171,7 @@ class EbpfDatapath(Datapath):
             loaded = self._shared.loaded
             counts["programs_compiled"] = int(loaded_here and loaded is not None and loaded.compiled)
             counts["programs_from_cache"] = int(loaded_here and loaded is not None and loaded.source == "cache")
+            counts["maps_read_ahead"] = int(self._read_ahead_used)
         assert self._programs is not None
         if changes.full or first:
             names = state.services.keys() | self._programs.current.keys()  # one set, not three
@@ -207,7 +221,10 @@ class EbpfDatapath(Datapath):
         assert shared.maps is not None
         maps = shared.maps if self.family == 4 else Maps6(shared.maps)
         programs = ServicePrograms(maps, self.node.node_ips, family=self.family)
-        writes = adopt.adopt(programs, state)
+        ahead, self._read_ahead = self._read_ahead, None
+        snap = ahead.take(maps) if ahead is not None else None
+        writes = adopt.adopt(programs, state, snap)
+        self._read_ahead_used = snap is not None
         writes += program_node(maps, self.node, None)
         if isinstance(maps, Maps6):
             assert shared.devices is not None
@@ -435,6 +452,9 @@ class EbpfDatapath(Datapath):
         """Release our handles (the last family to close stops following devices); programs stay
         attached, maps pinned."""
         self.forget_handles()
+        if self._read_ahead is not None:
+            self._read_ahead.stop()
+            self._read_ahead = None
         if not self._closed:
             self._closed = True
             self._shared.leave(self)

@@ -655,6 +655,11 @@ class BackendValues:
     record: Callable[[bytes], Backend]  # one raw value -> its Backend
     collect: Callable[[bytes, bytes], Mapping[int, Backend]]  # (u32 ids, raw values) -> as ServiceEntries keeps them
 
+    def __reduce__(self) -> str:
+        """Pickled as the module's constant it is (BACKEND4, BACKEND6): its functions are not
+        picklable, and a read-back crosses from a helper process (readback.py)."""
+        return _BACKEND_VALUES_NAMES[self.name]
+
 
 def _backend4_of(raw: bytes) -> Backend:
     addr, port, flags = _LB4_BACKEND.unpack(raw)
@@ -664,6 +669,7 @@ def _backend4_of(raw: bytes) -> Backend:
 
 # Backends holds the ids then the lb4_backend values as the map does: a read-back packs as it is.
 BACKEND4 = BackendValues("lb4_backend", _LB4_BACKEND.size, _backend4_of, lambda ids, values: Backends(ids + values))
+_BACKEND_VALUES_NAMES = {"lb4_backend": "BACKEND4", "lb6_backend": "BACKEND6"}  # BackendValues.__reduce__
 
 
 def pack_frontend(fe: Frontend) -> bytes:

@@ -1,0 +1,160 @@
+"""A restart's read-back of the pinned maps, done by a helper process while the agent lists.
+
+An agent restarted over pinned maps first reads back what they hold (adopt.read: every service
+record, slot and backend, ~1.9 s of CPU at 100,000 Services x 10 endpoints) before its first sync
+can take them over. Nothing in that read depends on the Services the agent is listing, and the
+list keeps the agent's one interpreter busy for seconds (its threads share one CPU through the
+GIL) while a node has others. So, as soon as the datapath is created (agent.prepare_datapath,
+before the list is done), `ReadAhead.start` runs `python -m ebpf_proxy.datapath.ebpf.readback`:
+a helper that opens the pins read-only, reads them (adopt.read), and writes the ids of the maps it
+read and the Snapshot (packed tables: ~22 MB, pickled and unpickled in ~15 ms each) to a pipe.
+
+The first sync takes it (`ReadAhead.take`) only if it is certainly what adopt.read would read
+there and then: the helper read the very maps the loaded programs use (the kernel's map ids, which
+are never reused while a map exists; a load that recreated a map, or pins replaced meanwhile, give
+other ids), and nothing wrote them since (this agent writes them only from its first sync on; the
+programs write only the connection and affinity maps, whose entries reference ids the read
+already counted). Anything else (the helper failed, timed out, or read other maps) is logged and
+the first sync reads the maps itself, as before: the read-ahead can only save time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from ebpf_proxy.datapath.ebpf import adopt, libbpf
+from ebpf_proxy.datapath.ebpf import structs as s
+from ebpf_proxy.datapath.ebpf.maps import Maps, Maps6
+
+log = logging.getLogger(__name__)
+
+# How long the first sync waits for a helper still reading (100,000 Services x 10 endpoints take
+# ~2 s); past it the helper is stopped and the sync reads the maps itself.
+WAIT_SECONDS = 60.0
+
+
+def map_ids(maps: Maps) -> dict[str, int]:
+    """The kernel's id of each of the datapath's maps, by name: which map objects `maps` are."""
+    return {name: libbpf.map_info(maps._fd(name)).id for name in s.MAPS}
+
+
+def _open_readonly(pin_dir: Path) -> Maps:
+    fds: dict[str, int] = {}
+    try:
+        for name in s.MAPS:
+            fds[name] = libbpf.obj_get_readonly(str(pin_dir / name))
+    except BaseException:
+        for fd in fds.values():
+            os.close(fd)
+        raise
+    return Maps(fds, owned=True)
+
+
+def read_pinned(pin_dir: Path, family: int) -> tuple[dict[str, int], adopt.Snapshot]:
+    """(map ids, adopt.read of family `family`'s view) of the maps pinned in `pin_dir`."""
+    maps = _open_readonly(pin_dir)
+    try:
+        view = maps if family == 4 else Maps6(maps)
+        return map_ids(maps), adopt.read(view)
+    finally:
+        maps.close()
+
+
+class ReadAhead:
+    """One helper's read-back of a family's pinned maps, started now, taken by the first sync."""
+
+    def __init__(self, pin_dir: Path, family: int) -> None:
+        self.pin_dir, self.family = pin_dir, family
+        self._output: bytes = b""
+        self._error = ""
+        self._proc: subprocess.Popen | None = None
+        self._done = threading.Event()
+
+    @classmethod
+    def start(cls, pin_dir: Path, family: int) -> ReadAhead:
+        ahead = cls(pin_dir, family)
+        try:
+            ahead._proc = subprocess.Popen(
+                [sys.executable, "-m", __name__, "--pin-dir", str(pin_dir), "--family", str(family)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        except OSError as exc:
+            ahead._error = f"cannot start: {exc}"
+            ahead._done.set()
+            return ahead
+        threading.Thread(target=ahead._collect, name=f"readback-ipv{family}", daemon=True).start()
+        return ahead
+
+    def _collect(self) -> None:
+        assert self._proc is not None
+        try:
+            out, err = self._proc.communicate()
+            if self._proc.returncode == 0:
+                self._output = out
+            else:
+                last = err.decode(errors="replace").strip().splitlines()[-1:] or [""]
+                self._error = f"exited with status {self._proc.returncode}: {last[0]}"
+        except Exception as exc:  # noqa: BLE001 - any failure means: read in the agent instead
+            self._error = f"failed: {exc}"
+        finally:
+            self._done.set()
+
+    def take(self, maps: Maps, wait: float = WAIT_SECONDS) -> adopt.Snapshot | None:
+        """The helper's Snapshot if it read `maps` themselves (see the module docstring); None,
+        logged, otherwise. Waits up to `wait` seconds for a helper still reading."""
+        started = time.monotonic()
+        if not self._done.wait(wait):
+            self.stop()
+            return self._refuse(f"still reading after {wait:g} s: stopped")
+        if self._error:
+            return self._refuse(self._error)
+        try:
+            ids, snap = pickle.loads(self._output)
+        except Exception as exc:  # noqa: BLE001
+            return self._refuse(f"sent what is not a read-back: {exc}")
+        finally:
+            self._output = b""
+        mine = map_ids(maps)
+        if ids != mine:
+            moved = sorted(name for name in mine if ids.get(name) != mine[name])
+            return self._refuse(f"read other maps than the ones loaded ({', '.join(moved)})")
+        log.info("IPv%d maps read back by a helper process while the agent listed (waited %.3f s for it)",
+                 self.family, time.monotonic() - started,
+                 extra={"pin_dir": str(self.pin_dir), "family": f"IPv{self.family}"})
+        return snap
+
+    def _refuse(self, why: str) -> None:
+        log.warning("read-ahead of the pinned IPv%d maps not used: the helper %s; the first sync reads "
+                    "them itself", self.family, why, extra={"pin_dir": str(self.pin_dir), "family": f"IPv{self.family}"})
+        return None
+
+    def stop(self) -> None:
+        """Stop the helper if it still runs (the datapath closes before its first sync)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=f"python -m {__name__}", description=__doc__.splitlines()[0])
+    parser.add_argument("--pin-dir", required=True, type=Path, help="the datapath's pin directory")
+    parser.add_argument("--family", required=True, type=int, choices=(4, 6), help="which family's maps")
+    args = parser.parse_args(argv)
+    try:
+        result = read_pinned(args.pin_dir, args.family)
+    except OSError as exc:
+        print(f"{exc.filename or args.pin_dir}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    sys.stdout.buffer.write(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
+    sys.stdout.buffer.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
