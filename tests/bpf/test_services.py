@@ -424,6 +424,10 @@ def test_a_read_back_of_other_maps_or_a_failed_helper_is_not_used(pin_dir, tmp_p
     assert ReadAhead.start(tmp_path, 4).take(maps) is None
     assert f"exited with status 1: {tmp_path}/" in caplog.text and "No such file" in caplog.text
 
+    unwanted = ReadAhead.start(pin_dir, 4)  # the datapath closed before its first sync
+    unwanted.stop()
+    assert unwanted._proc.returncode is not None and unwanted._proc.stdout.closed, "ended and reaped"
+
 
 @pytest.mark.bpf
 @pytest.mark.root

@@ -6,8 +6,10 @@ can take them over. Nothing in that read depends on the Services the agent is li
 list keeps the agent's one interpreter busy for seconds (its threads share one CPU through the
 GIL) while a node has others. So, as soon as the datapath is created (agent.prepare_datapath,
 before the list is done), `ReadAhead.start` runs `python -m ebpf_proxy.datapath.ebpf.readback`:
-a helper that opens the pins read-only, reads them (adopt.read), and writes the ids of the maps it
-read and the Snapshot (packed tables: ~22 MB, pickled and unpickled in ~15 ms each) to a pipe.
+a helper that opens the pins read-only, reads them (adopt.read) and says it is ready. It keeps
+what it read (in its own memory, not the agent's, where it would have added ~20 MiB to the peak
+of the list) until the first sync asks for it: then it writes the ids of the maps it read and the
+Snapshot (packed tables: ~22 MB, pickled and unpickled in ~15 ms each) to a pipe, and exits.
 
 The first sync takes it (`ReadAhead.take`) only if it is certainly what adopt.read would read
 there and then: the helper read the very maps the loaded programs use (the kernel's map ids, which
@@ -68,15 +70,18 @@ def read_pinned(pin_dir: Path, family: int) -> tuple[dict[str, int], adopt.Snaps
         maps.close()
 
 
+READY = b"ready\n"  # the helper, once it has read the maps
+SEND = b"send\n"  # the first sync, to the helper: write them
+
+
 class ReadAhead:
     """One helper's read-back of a family's pinned maps, started now, taken by the first sync."""
 
     def __init__(self, pin_dir: Path, family: int) -> None:
         self.pin_dir, self.family = pin_dir, family
-        self._output: bytes = b""
         self._error = ""
         self._proc: subprocess.Popen | None = None
-        self._done = threading.Event()
+        self._done = threading.Event()  # the helper is ready, or failed (_error says how)
 
     @classmethod
     def start(cls, pin_dir: Path, family: int) -> ReadAhead:
@@ -84,7 +89,7 @@ class ReadAhead:
         try:
             ahead._proc = subprocess.Popen(
                 [sys.executable, "-m", __name__, "--pin-dir", str(pin_dir), "--family", str(family)],
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         except OSError as exc:
             ahead._error = f"cannot start: {exc}"
             ahead._done.set()
@@ -93,18 +98,22 @@ class ReadAhead:
         return ahead
 
     def _collect(self) -> None:
-        assert self._proc is not None
+        """Wait for the helper's READY (or its end, and why)."""
+        proc = self._proc
+        assert proc is not None and proc.stdout is not None
         try:
-            out, err = self._proc.communicate()
-            if self._proc.returncode == 0:
-                self._output = out
-            else:
-                last = err.decode(errors="replace").strip().splitlines()[-1:] or [""]
-                self._error = f"exited with status {self._proc.returncode}: {last[0]}"
+            if proc.stdout.readline() != READY:
+                self._error = self._exit_reason(proc)
         except Exception as exc:  # noqa: BLE001 - any failure means: read in the agent instead
             self._error = f"failed: {exc}"
         finally:
             self._done.set()
+
+    @staticmethod
+    def _exit_reason(proc: subprocess.Popen) -> str:
+        _, err = proc.communicate()
+        last = err.decode(errors="replace").strip().splitlines()[-1:] or [""]
+        return f"exited with status {proc.returncode}: {last[0]}"
 
     def take(self, maps: Maps, wait: float = WAIT_SECONDS) -> adopt.Snapshot | None:
         """The helper's Snapshot if it read `maps` themselves (see the module docstring); None,
@@ -115,12 +124,16 @@ class ReadAhead:
             return self._refuse(f"still reading after {wait:g} s: stopped")
         if self._error:
             return self._refuse(self._error)
+        proc = self._proc
+        assert proc is not None and proc.stdin is not None and proc.stdout is not None
         try:
-            ids, snap = pickle.loads(self._output)
+            proc.stdin.write(SEND)
+            proc.stdin.close()
+            ids, snap = pickle.load(proc.stdout)  # streamed: no copy of the whole pickle held
         except Exception as exc:  # noqa: BLE001
-            return self._refuse(f"sent what is not a read-back: {exc}")
+            return self._refuse(f"sent what is not a read-back ({exc})")
         finally:
-            self._output = b""
+            self.stop()
         mine = map_ids(maps)
         if ids != mine:
             moved = sorted(name for name in mine if ids.get(name) != mine[name])
@@ -136,9 +149,17 @@ class ReadAhead:
         return None
 
     def stop(self) -> None:
-        """Stop the helper if it still runs (the datapath closes before its first sync)."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
+        """End the helper (done, or no longer wanted: the datapath closed before its first sync)
+        and release its pipes."""
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,8 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(f"{exc.filename or args.pin_dir}: {exc.strerror or exc}", file=sys.stderr)
         return 1
-    sys.stdout.buffer.write(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
-    sys.stdout.buffer.flush()
+    out = sys.stdout.buffer
+    out.write(READY)
+    out.flush()
+    if sys.stdin.buffer.readline() == SEND:  # else the agent went away (EOF): nothing to send
+        pickle.dump(result, out, protocol=pickle.HIGHEST_PROTOCOL)
+        out.flush()
     return 0
 
 
