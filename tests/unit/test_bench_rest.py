@@ -5,7 +5,9 @@ import pytest
 from ebpf_proxy.apiserver import Store
 from ebpf_proxy.apiserver.server import ApiServer
 from ebpf_proxy.bench.rest import Rest
-from ebpf_proxy.bench.runner import api_list_seconds
+import os
+
+from ebpf_proxy.bench.runner import api_list_cost
 from ebpf_proxy.k8s.client import PROXY_LABEL_SELECTOR
 
 
@@ -33,4 +35,7 @@ def test_count_all_follows_continue_across_namespaces_with_the_agents_selector(r
     assert rest.count_all("Service", page=3) == 8  # three pages, both namespaces
     assert rest.count_all("Service", PROXY_LABEL_SELECTOR, page=3) == 7  # another proxy's is not listed
     assert rest.count_all("EndpointSlice") == 0
-    assert api_list_seconds(rest) > 0
+    cost = api_list_cost(rest, os.getpid())  # the server runs in this process here
+    assert cost["list_first_s"] > 0 and cost["list_later_s"] > 0 and cost["list_seconds"] == cost["list_first_s"]
+    assert cost["api_cpu_first_s"] >= 0 and cost["api_cpu_later_s"] >= 0
+    assert "api_cpu_first_s" not in api_list_cost(rest), "no pid: no CPU figure, not a zero"

@@ -67,7 +67,8 @@ def synthetic_doc(modes=("direct", "iptables", "ebpf"), sizes=(1, 1000)):
     r.doc["kernel_state"] = [{"mode": "iptables", "services": n, "node": "worker1",
                               "counts": {"iptables_rules_nat": 10 * n + 20, "total": 10 * n + 30}} for n in sizes]
     r.doc["installs"] = [{"services": n, "created": max(0, n - 5), "deleted": 0, "seconds": 0.01 * n + 0.1,
-                          "list_seconds": 0.002 * n + 0.05}
+                          "list_seconds": 0.002 * n + 0.05, "list_first_s": 0.002 * n + 0.05,
+                          "list_later_s": 0.001 * n + 0.05, "api_cpu_first_s": 0.001 * n, "api_cpu_later_s": 0.0005 * n}
                          for n in sizes]
     r.finish()
     return r.doc
