@@ -15,7 +15,9 @@ First sync (per process; the steps marked * happen once, for every family):
      process that pins them (kernel headers prepared first; LLVM never enters the agent) -- or,
      after a restart of the same build, the pinned programs re-opened (loader.py); epx_config;
   2. take over what the family's maps hold (adopt.py): after an agent restart nothing is flushed
-     or renumbered, connections and affinity survive, and only differences are written;
+     or renumbered, connections and affinity survive, and only differences are written (the
+     maps' read-back made by a helper process while the agent listed, see prefetch() and
+     readback.py);
   3. the family's node facts into the maps (addresses, cluster CIDRs; IPv6: the masquerade
      address in epx_config6), then the services;
   4*. only then programs onto devices (devices.py: TC on pod and external devices, XDP on the

@@ -1,7 +1,7 @@
 """A restart's read-back of the pinned maps, done by a helper process while the agent lists.
 
 An agent restarted over pinned maps first reads back what they hold (adopt.read: every service
-record, slot and backend, ~1.9 s of CPU at 100,000 Services x 10 endpoints) before its first sync
+record, slot and backend, 1.3-1.9 s of CPU at 100,000 Services x 10 endpoints) before its first sync
 can take them over. Nothing in that read depends on the Services the agent is listing, and the
 list keeps the agent's one interpreter busy for seconds (its threads share one CPU through the
 GIL) while a node has others. So, as soon as the datapath is created (agent.prepare_datapath,
@@ -10,13 +10,15 @@ a helper that opens the pins read-only, reads them (adopt.read) and says it is r
 what it read (in its own memory, not the agent's, where it would have added ~20 MiB to the peak
 of the list) until the first sync asks for it: then it writes the ids of the maps it read and the
 Snapshot (packed tables: ~22 MB, pickled and unpickled in ~15 ms each) to a pipe, and exits.
+(A pickle: the helper is the agent's own child, the pipe private to the two.)
 
 The first sync takes it (`ReadAhead.take`) only if it is certainly what adopt.read would read
 there and then: the helper read the very maps the loaded programs use (the kernel's map ids, which
 are never reused while a map exists; a load that recreated a map, or pins replaced meanwhile, give
 other ids), and nothing wrote them since (this agent writes them only from its first sync on; the
 programs write only the connection and affinity maps, whose entries reference ids the read
-already counted). Anything else (the helper failed, timed out, or read other maps) is logged and
+already counted; the agent before this one has exited, as a DaemonSet replaces its pod: two
+agents over the same maps would race with any read-back, the first sync's own included). Anything else (the helper failed, timed out, or read other maps) is logged and
 the first sync reads the maps itself, as before: the read-ahead can only save time.
 """
 
