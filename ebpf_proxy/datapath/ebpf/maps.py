@@ -733,6 +733,13 @@ class MapFull(OSError):
                          f"{what}BPF map {name} is full ({capacity:,} entries): raise its capacity with {how}")
 
 
+def _packed_pairs(packed: bytearray, key_size: int, value_size: int) -> Iterator[tuple[bytes, bytes]]:
+    """(key, value) of each entry of `packed`, entries held as a key then its value, back to back."""
+    step = key_size + value_size
+    for at in range(0, len(packed), step):
+        yield bytes(packed[at:at + key_size]), bytes(packed[at + key_size:at + step])
+
+
 class Maps:
     """The datapath's maps by name -> fd (from loader.Loaded, or opened from pins)."""
 
@@ -1195,8 +1202,10 @@ class Maps:
         ksz, vsz, kind_at = layout.key_size, layout.entry_size, layout.kind
         live = ctscan.LiveHalves()
         halves_k, halves_v = bytearray(), bytearray()  # every half read, packed, judged below
-        gone: list[tuple[bytes, bytes]] = []  # expired connections
-        closing: list[tuple[bytes, bytes]] = []  # closing TCP/SCTP ones: early-dropped when pressed
+        # connections as key then entry, packed too: under a connection load most are closing
+        # (TCP's close timeout), and a tuple of two bytes objects each was ~200 bytes a connection
+        gone = bytearray()  # expired connections
+        closing = bytearray()  # closing TCP/SCTP ones: early-dropped when pressed
         entries = owners = 0
         for keys, values, n in self._ct_batches():
             entries += n
@@ -1209,9 +1218,11 @@ class Maps:
                     continue
                 owners += 1
                 if layout.expires.unpack_from(v)[0] <= now_ns:
-                    gone.append((k, v))
+                    gone += k
+                    gone += v
                 elif k[layout.proto] in _CLOSABLE and v[layout.flags] & s.CT4_F_CLOSING:
-                    closing.append((k, v))
+                    closing += k
+                    closing += v
                 else:
                     for identity in layout.owner_identities(k, v):
                         live.add(identity)
@@ -1221,13 +1232,13 @@ class Maps:
         if entries >= PRESSURE_FILL * capacity:
             gone += closing
         else:
-            for k, v in closing:
+            for k, v in _packed_pairs(closing, ksz, vsz):
                 for identity in layout.owner_identities(k, v):
                     live.add(identity)
         del closing
         live.seal()
         collected = 0
-        for k, v in gone:
+        for k, v in _packed_pairs(gone, ksz, vsz):
             if self._delete_if_unchanged(table.key.from_buffer_copy(k), v):
                 collected += 1
         flat = table.flat
@@ -1250,8 +1261,8 @@ class Maps:
             if self._delete_if_unchanged(key, entry):
                 collected += 1
         self._orphans = suspects
-        return ConntrackUsage(entries=entries - collected, capacity=capacity, connections=owners - len(gone),
-                              collected=collected)
+        return ConntrackUsage(entries=entries - collected, capacity=capacity,
+                              connections=owners - len(gone) // (ksz + vsz), collected=collected)
 
     def _delete_if_unchanged(self, key: s.CT4Key, seen: s.CT4Entry) -> bool:
         """Delete connection-table entry `key` if it still holds `seen`: one written again since the
