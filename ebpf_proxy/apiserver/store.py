@@ -589,6 +589,13 @@ class Store:
             objects = [obj for kind in self._objects for obj in self._objects[kind].values()]
             return str(self._rv), objects
 
+    def export_encoded(self) -> tuple[str, list[bytes]]:
+        """export_objects(), each object as its JSON (encoded(): made once per version)."""
+        with self._lock:
+            pairs = [(kind, obj) for kind in self._objects for obj in self._objects[kind].values()]
+            rv = str(self._rv)
+        return rv, [self.encoded(kind, obj) for kind, obj in pairs]
+
     def restore_objects(self, objects: Iterable[dict[str, Any]]) -> None:
         """Replace the stored objects by `objects` (a persisted state), as an etcd restore does.
 

@@ -49,6 +49,29 @@ def test_round_trip_keeps_objects_and_versions_increase(tmp_path):
         new.close()
 
 
+def test_a_save_is_the_state_document_byte_for_byte_from_the_kept_encodings(tmp_path):
+    """persist.save joins the objects' kept JSON (Store.encoded) instead of encoding them again:
+    the file is json.dumps of the state document exactly, and an object changed since its bytes
+    were kept is written as it is now."""
+    path = tmp_path / "state.json"
+    store = Store()
+    try:
+        store.create("Service", svc("a"))
+        b = store.create("Service", svc("b", type="NodePort"))
+        for obj in store.list("Service")[0]:
+            store.encoded("Service", obj)  # kept, as a list keeps them
+        b["metadata"]["labels"] = {"changed": "yes"}
+        store.update("Service", b)
+        rv = persist.save(store, path)
+        assert rv == store.resource_version
+        text = path.read_bytes()
+        assert text == json.dumps(persist.state_document(store), separators=(",", ":")).encode()
+        saved = {o["metadata"]["name"]: o for o in json.loads(text)["objects"] if o["kind"] == "Service"}
+        assert saved["b"]["metadata"]["labels"] == {"changed": "yes"}
+    finally:
+        store.close()
+
+
 def test_watch_from_a_version_of_the_old_instance_is_410_expired(tmp_path):
     """What kube-apiserver answers a watch whose resourceVersion is older than its watch cache
     (etcd compacted, or a restore): 410 with reason Expired. client-go's Reflector relists on it."""
