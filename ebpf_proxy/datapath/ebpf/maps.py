@@ -760,11 +760,13 @@ class Maps:
         return cls(dict(loaded.map_fds))
 
     @classmethod
-    def open_pinned(cls, pin_dir: Path) -> Maps:
+    def open_pinned(cls, pin_dir: Path, readonly: bool = False) -> Maps:
+        """Every map pinned in `pin_dir`; `readonly`: through fds that cannot write them."""
+        get = libbpf.obj_get_readonly if readonly else libbpf.obj_get
         fds: dict[str, int] = {}
         try:
             for name in s.MAPS:
-                fds[name] = libbpf.obj_get(str(pin_dir / name))
+                fds[name] = get(str(pin_dir / name))
         except OSError:
             for fd in fds.values():
                 os.close(fd)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import pickle
 import subprocess
 import sys
@@ -50,21 +49,9 @@ def map_ids(maps: Maps) -> dict[str, int]:
     return {name: libbpf.map_info(maps._fd(name)).id for name in s.MAPS}
 
 
-def _open_readonly(pin_dir: Path) -> Maps:
-    fds: dict[str, int] = {}
-    try:
-        for name in s.MAPS:
-            fds[name] = libbpf.obj_get_readonly(str(pin_dir / name))
-    except BaseException:
-        for fd in fds.values():
-            os.close(fd)
-        raise
-    return Maps(fds, owned=True)
-
-
 def read_pinned(pin_dir: Path, family: int) -> tuple[dict[str, int], adopt.Snapshot]:
     """(map ids, adopt.read of family `family`'s view) of the maps pinned in `pin_dir`."""
-    maps = _open_readonly(pin_dir)
+    maps = Maps.open_pinned(pin_dir, readonly=True)
     try:
         view = maps if family == 4 else Maps6(maps)
         return map_ids(maps), adopt.read(view)
