@@ -78,7 +78,9 @@ class ReadAhead:
         try:
             ahead._proc = subprocess.Popen(
                 [sys.executable, "-m", __name__, "--pin-dir", str(pin_dir), "--family", str(family)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                # its messages (a warning, why it failed) come before READY on the one pipe, read
+                # as they come: a helper never blocks on a full pipe nobody reads
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         except OSError as exc:
             ahead._error = f"cannot start: {exc}"
             ahead._done.set()
@@ -87,22 +89,20 @@ class ReadAhead:
         return ahead
 
     def _collect(self) -> None:
-        """Wait for the helper's READY (or its end, and why)."""
+        """Wait for the helper's READY; or its end, and its last message as the reason."""
         proc = self._proc
         assert proc is not None and proc.stdout is not None
+        last = ""
         try:
-            if proc.stdout.readline() != READY:
-                self._error = self._exit_reason(proc)
+            for line in proc.stdout:
+                if line == READY:
+                    return
+                last = line.decode(errors="replace").strip() or last
+            self._error = f"exited with status {proc.wait()}: {last}"
         except Exception as exc:  # noqa: BLE001 - any failure means: read in the agent instead
             self._error = f"failed: {exc}"
         finally:
             self._done.set()
-
-    @staticmethod
-    def _exit_reason(proc: subprocess.Popen) -> str:
-        _, err = proc.communicate()
-        last = err.decode(errors="replace").strip().splitlines()[-1:] or [""]
-        return f"exited with status {proc.returncode}: {last[0]}"
 
     def take(self, maps: Maps, wait: float = WAIT_SECONDS) -> adopt.Snapshot | None:
         """The helper's Snapshot if it read `maps` themselves (see the module docstring); None,
@@ -146,7 +146,7 @@ class ReadAhead:
         if proc.poll() is None:
             proc.kill()
         proc.wait()
-        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+        for pipe in (proc.stdin, proc.stdout):
             if pipe is not None:
                 pipe.close()
 
