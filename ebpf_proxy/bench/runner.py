@@ -111,15 +111,22 @@ def api_list_cost(rest: Rest, server_pid: int | None = None) -> dict[str, float]
     decoding included; `api_cpu_<first|later>_s`, the server process's CPU seconds (utime +
     stime of `server_pid`, left out when it is not known). `list_seconds`: the first list's wall
     (what earlier results.json files hold)."""
+    def server_cpu() -> float | None:
+        try:
+            return procstat.read(server_pid).cpu_seconds if server_pid else None
+        except OSError:  # the server is not (or no longer) that process: no figure, not a wrong one
+            return None
+
     cost: dict[str, float] = {}
     for which in ("first", "later"):
-        cpu = procstat.read(server_pid).cpu_seconds if server_pid else None
+        before = server_cpu()
         started = time.monotonic()
         for kind in ("Service", "EndpointSlice"):
             rest.count_all(kind, PROXY_LABEL_SELECTOR, page=PAGE_SIZE)
         cost[f"list_{which}_s"] = round(time.monotonic() - started, 4)
-        if cpu is not None:
-            cost[f"api_cpu_{which}_s"] = round(procstat.read(server_pid).cpu_seconds - cpu, 3)  # type: ignore[arg-type]
+        after = server_cpu()
+        if before is not None and after is not None:
+            cost[f"api_cpu_{which}_s"] = round(after - before, 3)
     cost["list_seconds"] = cost["list_first_s"]
     return cost
 

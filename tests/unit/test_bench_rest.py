@@ -39,3 +39,5 @@ def test_count_all_follows_continue_across_namespaces_with_the_agents_selector(r
     assert cost["list_first_s"] > 0 and cost["list_later_s"] > 0 and cost["list_seconds"] == cost["list_first_s"]
     assert cost["api_cpu_first_s"] >= 0 and cost["api_cpu_later_s"] >= 0
     assert "api_cpu_first_s" not in api_list_cost(rest), "no pid: no CPU figure, not a zero"
+    gone = api_list_cost(rest, 2**22 + 12345)  # above pid_max: no such process
+    assert "api_cpu_first_s" not in gone and gone["list_later_s"] > 0, "a pid that is not there: no CPU figure"

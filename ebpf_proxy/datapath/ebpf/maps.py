@@ -1205,7 +1205,7 @@ class Maps:
         live = ctscan.LiveHalves()
         halves_k, halves_v = bytearray(), bytearray()  # every half read, packed, judged below
         # connections as key then entry, packed too: under a connection load most are closing
-        # (TCP's close timeout), and a tuple of two bytes objects each was ~200 bytes a connection
+        # (TCP's close timeout), and a tuple of two bytes objects each was ~180 bytes a connection
         gone = bytearray()  # expired connections
         closing = bytearray()  # closing TCP/SCTP ones: early-dropped when pressed
         entries = owners = 0
