@@ -45,9 +45,9 @@ from pathlib import Path
 
 from ebpf_proxy.datapath.base import Datapath, SyncResult
 from ebpf_proxy.datapath.ebpf import adopt, devices, handover, pins
-from ebpf_proxy.datapath.ebpf.readback import ReadAhead
 from ebpf_proxy.datapath.ebpf import structs as s
 from ebpf_proxy.datapath.ebpf.maps import ConntrackUsage, MapFull, Maps, Maps6
+from ebpf_proxy.datapath.ebpf.readback import ReadAhead
 from ebpf_proxy.datapath.ebpf.services import (
     ServiceEntries,
     ServicePrograms,
@@ -146,7 +146,6 @@ class EbpfDatapath(Datapath):
         self._served6 = False  # IPv6: CFG6_F_ON set by this datapath's first sync
         self._noop6 = detector_is_noop(node)  # IPv6: CFG6_F_DETECT_NONE
         self._read_ahead: ReadAhead | None = None  # prefetch(): the pins' read-back, by a helper
-        self._read_ahead_used = False  # the last first sync took a helper's read-back
 
     def prefetch(self) -> None:
         """Restarted over pinned maps: have a helper process read them back now (readback.py),
@@ -168,12 +167,12 @@ class EbpfDatapath(Datapath):
         first = self._programs is None
         counts = {"full_sync": int(changes.full or first), "map_writes": 0, "conntrack_deleted": 0}
         if first:
-            writes, loaded_here = self._load(state)
+            writes, loaded_here, read_ahead = self._load(state)
             counts["map_writes"] += writes
             loaded = self._shared.loaded
             counts["programs_compiled"] = int(loaded_here and loaded is not None and loaded.compiled)
             counts["programs_from_cache"] = int(loaded_here and loaded is not None and loaded.source == "cache")
-            counts["maps_read_ahead"] = int(self._read_ahead_used)
+            counts["maps_read_ahead"] = int(read_ahead)
         assert self._programs is not None
         if changes.full or first:
             names = state.services.keys() | self._programs.current.keys()  # one set, not three
@@ -212,9 +211,10 @@ class EbpfDatapath(Datapath):
     def _is_lead(self) -> bool:
         return self._shared.lead == self.family
 
-    def _load(self, state: ProxyState) -> tuple[int, bool]:
-        """Steps 1-3 of the first sync. Returns the map writes made, and whether this call loaded
-        the programs (the first family to sync in this process does, for all)."""
+    def _load(self, state: ProxyState) -> tuple[int, bool, bool]:
+        """Steps 1-3 of the first sync. Returns the map writes made, whether this call loaded
+        the programs (the first family to sync in this process does, for all), and whether the
+        takeover used a helper's read-back (prefetch())."""
         if self._closed:  # closed, then synced again (a test's restart): back in the shared node
             self._closed = False
             self._shared = SharedNode.join(self, self._shared.options)
@@ -226,7 +226,6 @@ class EbpfDatapath(Datapath):
         ahead, self._read_ahead = self._read_ahead, None
         snap = ahead.take(maps) if ahead is not None else None
         writes = adopt.adopt(programs, state, snap)
-        self._read_ahead_used = snap is not None
         writes += program_node(maps, self.node, None)
         if isinstance(maps, Maps6):
             assert shared.devices is not None
@@ -245,7 +244,7 @@ class EbpfDatapath(Datapath):
                 "node_ips": ",".join(self.node.node_ips), "cluster_cidrs": ",".join(self.node.cluster_cidrs),
                 "detect_local": str(self.node.detector)})
         self._maps, self._programs = maps, programs
-        return writes, loaded_here
+        return writes, loaded_here, snap is not None
 
     # -- a mode switch (agent/handover.py) --------------------------------------------------
 

@@ -1,8 +1,8 @@
 """A restart's read-back of the pinned maps, done by a helper process while the agent lists.
 
 An agent restarted over pinned maps first reads back what they hold (adopt.read: every service
-record, slot and backend, 1.3-1.9 s of CPU at 100,000 Services x 10 endpoints) before its first sync
-can take them over. Nothing in that read depends on the Services the agent is listing, and the
+record, slot and backend, 1.3-1.9 s of CPU at 100,000 Services x 10 endpoints) before its
+first sync can take them over. Nothing in that read depends on the Services the agent is listing, and the
 list keeps the agent's one interpreter busy for seconds (its threads share one CPU through the
 GIL) while a node has others. So, as soon as the datapath is created (agent.prepare_datapath,
 before the list is done), `ReadAhead.start` runs `python -m ebpf_proxy.datapath.ebpf.readback`:
@@ -18,8 +18,9 @@ are never reused while a map exists; a load that recreated a map, or pins replac
 other ids), and nothing wrote them since (this agent writes them only from its first sync on; the
 programs write only the connection and affinity maps, whose entries reference ids the read
 already counted; the agent before this one has exited, as a DaemonSet replaces its pod: two
-agents over the same maps would race with any read-back, the first sync's own included). Anything else (the helper failed, timed out, or read other maps) is logged and
-the first sync reads the maps itself, as before: the read-ahead can only save time.
+agents over the same maps would race with any read-back, the first sync's own included).
+Anything else (the helper failed, timed out, or read other maps) is logged and the first sync
+reads the maps itself, as before: the read-ahead can only save time.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import threading
 import time
 from pathlib import Path
 
-from ebpf_proxy.datapath.ebpf import adopt, libbpf
+from ebpf_proxy.datapath.ebpf import adopt
 from ebpf_proxy.datapath.ebpf import structs as s
 from ebpf_proxy.datapath.ebpf.maps import Maps, Maps6
 
@@ -46,7 +47,7 @@ WAIT_SECONDS = 60.0
 
 def map_ids(maps: Maps) -> dict[str, int]:
     """The kernel's id of each of the datapath's maps, by name: which map objects `maps` are."""
-    return {name: libbpf.map_info(maps._fd(name)).id for name in s.MAPS}
+    return {name: maps.map_id(name) for name in s.MAPS}
 
 
 def read_pinned(pin_dir: Path, family: int) -> tuple[dict[str, int], adopt.Snapshot]:
