@@ -42,11 +42,6 @@ class StateFileError(ValueError):
     """The state file cannot be used; the message names the file and the field."""
 
 
-def state_document(store: Store) -> dict[str, Any]:
-    rv, objects = store.export_objects()
-    return {"apiVersion": API_VERSION, "kind": KIND, "resourceVersion": rv, "objects": objects}
-
-
 def write_atomically(path: str | Path, text: str | bytes) -> None:
     """Write `text` to `path` so that readers (and a crash) see the old or the new file, never half."""
     path = str(path)
@@ -68,11 +63,12 @@ def write_atomically(path: str | Path, text: str | bytes) -> None:
 def save(store: Store, path: str | Path) -> str:
     """Write the store's objects to `path`; returns the resourceVersion written.
 
-    The text is json.dumps(state_document(store), separators=(",", ":")), byte for byte, but
-    its objects are joined from the store's per-version encodings (Store.encoded, what a list
-    serves) rather than encoded again: at 100,000 Services and their slices a save encoding all
-    of them held the server's GIL ~3 s, and an endpoint change written meanwhile waited for it
-    (2.8 s in the 100k bench of 2026-11-27, whose changes the agent had in the kernel in ~7 ms)."""
+    The text is json.dumps of {"apiVersion", "kind", "resourceVersion", "objects"} (the module
+    docstring's format) with separators (",", ":"), byte for byte, but its objects are joined
+    from the store's per-version encodings (Store.encoded, what a list serves) rather than
+    encoded again: at 100,000 Services and their slices a save encoding all of them held the
+    server's GIL ~3 s, and an endpoint change written meanwhile waited for it (2.8 s in the 100k
+    bench of 2026-11-27, whose changes the agent had in the kernel in ~7 ms)."""
     rv, objects = store.export_encoded()
     head = json.dumps({"apiVersion": API_VERSION, "kind": KIND, "resourceVersion": rv}, separators=(",", ":"))
     write_atomically(path, head[:-1].encode() + b',"objects":[' + b",".join(objects) + b"]}")

@@ -580,20 +580,23 @@ class Store:
             self._compacted_rv = self._rv
             return str(self._rv)
 
-    def export_objects(self) -> tuple[str, list[dict[str, Any]]]:
-        """The current resourceVersion and every stored object, for persist.py.
+    def _committed(self) -> tuple[str, list[tuple[str, dict[str, Any]]]]:
+        """The current resourceVersion and every stored object with its kind, taken at once.
 
         Committed objects are never mutated (a write replaces them), so the list can be
         serialised after the lock is released without a deep copy."""
         with self._lock:
-            objects = [obj for kind in self._objects for obj in self._objects[kind].values()]
-            return str(self._rv), objects
+            return str(self._rv), [(kind, obj) for kind in self._objects for obj in self._objects[kind].values()]
+
+    def export_objects(self) -> tuple[str, list[dict[str, Any]]]:
+        """The current resourceVersion and every stored object (see _committed)."""
+        rv, pairs = self._committed()
+        return rv, [obj for _kind, obj in pairs]
 
     def export_encoded(self) -> tuple[str, list[bytes]]:
-        """export_objects(), each object as its JSON (encoded(): made once per version)."""
-        with self._lock:
-            pairs = [(kind, obj) for kind in self._objects for obj in self._objects[kind].values()]
-            rv = str(self._rv)
+        """export_objects(), each object as its JSON (encoded(): made once per version), for
+        persist.py."""
+        rv, pairs = self._committed()
         return rv, [self.encoded(kind, obj) for kind, obj in pairs]
 
     def restore_objects(self, objects: Iterable[dict[str, Any]]) -> None:

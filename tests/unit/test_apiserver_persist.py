@@ -65,7 +65,9 @@ def test_a_save_is_the_state_document_byte_for_byte_from_the_kept_encodings(tmp_
         rv = persist.save(store, path)
         assert rv == store.resource_version
         text = path.read_bytes()
-        assert text == json.dumps(persist.state_document(store), separators=(",", ":")).encode()
+        rv_now, objects = store.export_objects()
+        document = {"apiVersion": persist.API_VERSION, "kind": persist.KIND, "resourceVersion": rv_now, "objects": objects}
+        assert text == json.dumps(document, separators=(",", ":")).encode()
         saved = {o["metadata"]["name"]: o for o in json.loads(text)["objects"] if o["kind"] == "Service"}
         assert saved["b"]["metadata"]["labels"] == {"changed": "yes"}
     finally:
