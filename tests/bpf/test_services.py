@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import pickle
 import random
 from dataclasses import replace
 
@@ -12,9 +13,9 @@ import pytest
 from ebpf_proxy.datapath.ebpf import structs as s
 from ebpf_proxy.datapath.ebpf.maps import DETECT_CIDR, DETECT_IFACE, DETECT_NONE, Backend, Frontend
 from ebpf_proxy.datapath.ebpf import libbpf
-from ebpf_proxy.datapath.ebpf.adopt import adopt, read
+from ebpf_proxy.datapath.ebpf.adopt import adopt, entries_of, made_ahead, read
 from ebpf_proxy.datapath.ebpf.maps import Maps
-from ebpf_proxy.datapath.ebpf.readback import ReadAhead
+from ebpf_proxy.datapath.ebpf.readback import SEND, ReadAhead, make_until_asked
 from ebpf_proxy.datapath.ebpf.services import (
     ServicePrograms,
     detector_cidrs,
@@ -402,6 +403,57 @@ def test_restart_takes_over_a_helpers_read_back_without_writing(pin_dir, maps, p
     assert adopt(restarted, state, snap) == 1, "the stray range, nothing else"
     for name in state.services:
         assert restarted.current[name] == programs.current[name], "same ids, same slots"
+
+
+PLAIN = replace(OTHER, name=replace(NAME, name="plain"), cluster_ip="10.96.0.30", node_port=0)  # one frontend
+
+
+@pytest.mark.bpf
+@pytest.mark.root
+def test_a_restart_takes_entries_made_ahead_as_its_own(maps, programs):
+    """readback.py: the entries a helper made ahead (adopt.made_ahead: a service's one frontend
+    left for the agent to give) are what adopt would make. A restart given them takes over the
+    same entries, writes nothing, and its one-frontend service's frontend is the agent's own
+    object, its address the model's own text (no second copy of either kept)."""
+    state = _state((WEB, (LOCAL, REMOTE)), (PLAIN, (REMOTE, REMOTE2)))
+    for svc, eps in ((WEB, (LOCAL, REMOTE)), (PLAIN, (REMOTE, REMOTE2))):
+        sync(programs, svc, eps)
+    before = _raw(maps)
+
+    snap = read(maps)
+    made = {svc_id: made_ahead(snap, svc_id) for svc_id in snap.frontends}
+    plain_id = programs.current[PLAIN.name].svc_id
+    assert list(made[plain_id].frontends) == [None], "the one frontend left out"
+    assert made[programs.current[NAME].svc_id] == entries_of(snap, programs.current[NAME].svc_id), "several: all given"
+    snap.made = [made.get(i) for i in range(snap.max_svc_id + 1)]
+    restarted = ServicePrograms(maps)
+    assert adopt(restarted, state, snap) == 0
+    assert snap.made == [], "what was made ahead is not kept once taken"
+    for name in state.services:
+        assert restarted.current[name] == programs.current[name], "same ids, same slots"
+    (fe,) = restarted.current[PLAIN.name].frontends
+    assert fe.addr is PLAIN.cluster_ip, "the frontend made by the agent, on the model's address text"
+    for name, svc in state.services.items():
+        assert restarted.apply(name, restarted.entries(svc, state.endpoints_of(name))) == 0, name
+    assert _raw(maps) == before
+
+
+@pytest.mark.bpf
+@pytest.mark.root
+def test_the_helper_makes_entries_until_the_first_sync_asks(maps, programs):
+    """readback.make_until_asked: every service id's entries, a chunk at a time, while nothing
+    asks; none more once the first sync's SEND (or EOF) is there to read."""
+    for i in range(5):
+        sync(programs, replace(PLAIN, name=replace(NAME, name=f"p{i}"), cluster_ip=f"10.96.1.{i}"), (REMOTE,))
+    snap = read(maps)
+    read_end, write_end = os.pipe()
+    with os.fdopen(read_end, "rb") as ask, os.fdopen(write_end, "wb") as send:
+        chunks = [pickle.loads(c) for c in make_until_asked(snap, ask, chunk=2)]
+        assert [len(c) for c in chunks] == [2, 2, 1]
+        assert [e for c in chunks for e in c] == [made_ahead(snap, i) for i in snap.frontends]
+        send.write(SEND)
+        send.flush()
+        assert make_until_asked(snap, ask, chunk=2) == [], "asked: nothing more made"
 
 
 @pytest.mark.bpf

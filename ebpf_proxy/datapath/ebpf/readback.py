@@ -12,6 +12,13 @@ of the list) until the first sync asks for it: then it writes the ids of the map
 Snapshot (packed tables: ~22 MB, pickled and unpickled in ~15 ms each) to a pipe, and exits.
 (A pickle: the helper is the agent's own child, the pipe private to the two.)
 
+While it waits, the helper also makes what adopt() would make of each service id it read
+(adopt.made_ahead: ~1.5 s of CPU at 100,000 Services, the larger part of a restart's takeover),
+a chunk at a time, each chunk pickled at once, until the first sync asks (make_until_asked). It
+sends what it made after the Snapshot; adopt() takes each as its own and makes the rest itself.
+The agent only unpickles them (~0.3 s at 100,000 Services); measured on a lab restart at 100,000
+Services x 10 endpoints: the first sync 4.4 -> 2.9 s, the restart 14.2 -> 12.8 s (medians of 4).
+
 The first sync takes it (`ReadAhead.take`) only if it is certainly what adopt.read would read
 there and then: the helper read the very maps the loaded programs use (the kernel's map ids, which
 are never reused while a map exists; a load that recreated a map, or pins replaced meanwhile, give
@@ -26,13 +33,16 @@ reads the maps itself, as before: the read-ahead can only save time.
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import pickle
+import select
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import BinaryIO
 
 from ebpf_proxy.datapath.ebpf import adopt
 from ebpf_proxy.datapath.ebpf import structs as s
@@ -59,6 +69,10 @@ def read_pinned(pin_dir: Path, family: int) -> tuple[dict[str, int], adopt.Snaps
     finally:
         maps.close()
 
+
+# ServiceEntries the helper makes (adopt.entries_of) and pickles at a time while it waits for
+# SEND: ~10 ms of its CPU, and no more of them held unpickled
+MADE_CHUNK = 1000
 
 READY = b"ready\n"  # the helper, once it has read the maps
 SEND = b"send\n"  # the first sync, to the helper: write them
@@ -120,17 +134,23 @@ class ReadAhead:
             proc.stdin.write(SEND)
             proc.stdin.close()
             ids, snap = pickle.load(proc.stdout)  # streamed: no copy of the whole pickle held
+            snap.made = [None] * (snap.max_svc_id + 1)  # the highest id of any record: made's too
+            while (made := pickle.load(proc.stdout)) is not None:
+                for entries in made:
+                    snap.made[entries.svc_id] = entries
         except Exception as exc:  # noqa: BLE001
             return self._refuse(f"sent what is not a read-back ({exc})")
         finally:
             self.stop()
+        made = sum(entries is not None for entries in snap.made)
         mine = map_ids(maps)
         if ids != mine:
             moved = sorted(name for name in mine if ids.get(name) != mine[name])
             return self._refuse(f"read other maps than the ones loaded ({', '.join(moved)})")
-        log.info("IPv%d maps read back by a helper process while the agent listed (waited %.3f s for it)",
-                 self.family, time.monotonic() - started,
-                 extra={"pin_dir": str(self.pin_dir), "family": f"IPv{self.family}"})
+        log.info("IPv%d maps read back by a helper process while the agent listed (waited %.3f s for it; "
+                 "the entries of %d of %d service ids made ahead)", self.family, time.monotonic() - started,
+                 made, snap.records.service_count(),
+                 extra={"pin_dir": str(self.pin_dir), "family": f"IPv{self.family}", "made_ahead": made})
         return snap
 
     def _refuse(self, why: str) -> None:
@@ -162,13 +182,31 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(f"{exc.filename or args.pin_dir}: {exc.strerror or exc}", file=sys.stderr)
         return 1
-    out = sys.stdout.buffer
+    out, ask = sys.stdout.buffer, sys.stdin.buffer
     out.write(READY)
     out.flush()
-    if sys.stdin.buffer.readline() == SEND:  # else the agent went away (EOF): nothing to send
+    made = make_until_asked(result[1], ask)
+    if ask.readline() == SEND:  # else the agent went away (EOF): nothing to send
         pickle.dump(result, out, protocol=pickle.HIGHEST_PROTOCOL)
+        for chunk in made:
+            out.write(chunk)
+        pickle.dump(None, out)
         out.flush()
     return 0
+
+
+def make_until_asked(snap: adopt.Snapshot, ask: BinaryIO, chunk: int = MADE_CHUNK) -> list[bytes]:
+    """adopt.made_ahead of every service id of `snap`, `chunk` ids at a time, each chunk pickled
+    (a list of ServiceEntries), until they are all made or `ask` has something to read (the
+    first sync's SEND, or EOF): what is made by then is sent, the first sync makes the rest."""
+    ids = snap.records.service_ids()
+    made: list[bytes] = []
+    while not select.select([ask], [], [], 0)[0]:
+        entries = [adopt.made_ahead(snap, svc_id) for svc_id in itertools.islice(ids, chunk)]
+        if not entries:
+            break
+        made.append(pickle.dumps(entries, protocol=pickle.HIGHEST_PROTOCOL))
+    return made
 
 
 if __name__ == "__main__":
