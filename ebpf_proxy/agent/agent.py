@@ -322,13 +322,17 @@ class Agent:
         logged = False
         reflectors = [r for r in self.reflectors if kinds is None or r.kind in kinds]
         while not self._stop.is_set():
-            if all(r.synced.is_set() for r in reflectors):
+            pending = [r for r in reflectors if not r.synced.is_set()]
+            if not pending:
                 return True
             if not logged and time.monotonic() - waiting_since > 5:
-                pending = [r.kind for r in reflectors if not r.synced.is_set()]
-                log.info("waiting for the first list of %s", ", ".join(pending), extra={"pending": ",".join(pending)})
+                kinds_pending = [r.kind for r in pending]
+                log.info("waiting for the first list of %s", ", ".join(kinds_pending),
+                         extra={"pending": ",".join(kinds_pending)})
                 logged = True
-            self._stop.wait(poll)
+            # woken the moment that list is in (the datapath's start and the first sync wait
+            # for it: polling added ~0.1 s to each on average); `poll` is how soon a stop is seen
+            pending[0].synced.wait(poll)
         return False
 
     def _read_local_addresses(self) -> list[str]:

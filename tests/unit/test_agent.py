@@ -416,6 +416,38 @@ def threaded_agent():
                  datapath_factory=lambda mode, n, **o: RecordingDatapath(n))
 
 
+class _Listing:
+    """What wait_until_listed reads of a Reflector: its kind, and whether its first list is in."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind, self.synced = kind, threading.Event()
+
+
+def test_waiting_for_the_lists_ends_when_the_last_one_is_in_not_at_the_next_poll(agent_parts):
+    """The datapath's start waits for the Node list and the first sync for every list: each
+    wait ends as the list it waits for is in, not up to a poll period later (`poll` is only how
+    soon a stop is seen)."""
+    make, _, _ = agent_parts
+    agent = make()
+    agent.reflectors = [_Listing("Node"), _Listing("Service"), _Listing("EndpointSlice")]
+    agent.reflectors[0].synced.set()
+    assert agent.wait_until_listed(poll=600, kinds=("Node",))
+    later = [threading.Timer(0.05 * i, r.synced.set) for i, r in enumerate(agent.reflectors[1:], 1)]
+    for timer in later:
+        timer.start()
+    started = time.monotonic()
+    assert agent.wait_until_listed(poll=600)
+    assert time.monotonic() - started < 60, "woken by the lists, not by the 600 s poll"
+
+
+def test_waiting_for_the_lists_ends_when_the_agent_stops(agent_parts):
+    make, _, _ = agent_parts
+    agent = make()
+    agent.reflectors = [_Listing("Service")]
+    threading.Timer(0.05, agent.stop).start()
+    assert agent.wait_until_listed(poll=0.01) is False
+
+
 def test_run_until_stopped_leaves_the_datapath_in_place():
     agent = threaded_agent()
     thread, result = run_in_thread(agent)
