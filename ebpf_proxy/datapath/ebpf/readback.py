@@ -70,8 +70,8 @@ def read_pinned(pin_dir: Path, family: int) -> tuple[dict[str, int], adopt.Snaps
         maps.close()
 
 
-# ServiceEntries the helper makes (adopt.entries_of) and pickles at a time while it waits for
-# SEND: ~10 ms of its CPU, and no more of them held unpickled
+# ServiceEntries the helper makes (adopt.made_ahead) and pickles at a time while it waits for
+# SEND: ~30 ms of its CPU, the most it answers SEND late, and no more of them held unpickled
 MADE_CHUNK = 1000
 
 READY = b"ready\n"  # the helper, once it has read the maps
@@ -147,7 +147,7 @@ class ReadAhead:
         if ids != mine:
             moved = sorted(name for name in mine if ids.get(name) != mine[name])
             return self._refuse(f"read other maps than the ones loaded ({', '.join(moved)})")
-        log.info("IPv%d maps read back by a helper process while the agent listed (waited %.3f s for it; "
+        log.info("IPv%d maps read back by a helper process while the agent listed (taken in %.3f s; "
                  "the entries of %d of %d service ids made ahead)", self.family, time.monotonic() - started,
                  made, snap.records.service_count(),
                  extra={"pin_dir": str(self.pin_dir), "family": f"IPv{self.family}", "made_ahead": made})
