@@ -16,8 +16,9 @@ While it waits, the helper also makes what adopt() would make of each service id
 (adopt.made_ahead: ~1.5 s of CPU at 100,000 Services, the larger part of a restart's takeover),
 a chunk at a time, each chunk pickled at once, until the first sync asks (make_until_asked). It
 sends what it made after the Snapshot; adopt() takes each as its own and makes the rest itself.
-The agent only unpickles them (~0.3 s at 100,000 Services); measured on a lab restart at 100,000
-Services x 10 endpoints: the first sync 4.4 -> 2.9 s, the restart 14.2 -> 12.8 s (medians of 4).
+The agent only unpickles them (~0.3 s at 100,000 Services). Restarts alternating on one lab at
+100,000 Services x 10 endpoints, 5 each: the first sync 4.5 -> 2.8 s, the restart (start to
+healthy) 14.2 -> 12.4 s, medians (docs/benchmarks/2026-11-27-100k-madeahead).
 
 The first sync takes it (`ReadAhead.take`) only if it is certainly what adopt.read would read
 there and then: the helper read the very maps the loaded programs use (the kernel's map ids, which
