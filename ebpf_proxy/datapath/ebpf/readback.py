@@ -2,9 +2,9 @@
 
 An agent restarted over pinned maps first reads back what they hold (adopt.read: every service
 record, slot and backend, 1.3-1.9 s of CPU at 100,000 Services x 10 endpoints) before its
-first sync can take them over. Nothing in that read depends on the Services the agent is listing, and the
-list keeps the agent's one interpreter busy for seconds (its threads share one CPU through the
-GIL) while a node has others. So, as soon as the datapath is created (agent.prepare_datapath,
+first sync can take them over. Nothing in that read depends on the Services the agent is
+listing, and the list keeps the agent's one interpreter busy for seconds (its threads share one
+CPU through the GIL) while a node has others. So, as soon as the datapath is created (agent.prepare_datapath,
 before the list is done), `ReadAhead.start` runs `python -m ebpf_proxy.datapath.ebpf.readback`:
 a helper that opens the pins read-only, reads them (adopt.read) and says it is ready. It keeps
 what it read (in its own memory, not the agent's, where it would have added ~20 MiB to the peak
