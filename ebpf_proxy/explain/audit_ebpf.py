@@ -151,14 +151,22 @@ def audit(datapath: EbpfDatapath, repair: bool = False) -> AuditReport:
     believed = datapath.believed()
     if believed is None:
         raise AuditUnavailable("ebpf datapath: no sync has completed yet, nothing to compare")
+    with datapath.whole_map_pass():
+        return _audit(datapath, believed, repair)
+
+
+def _audit(datapath: EbpfDatapath, believed: Believed, repair: bool) -> AuditReport:
     snap = adopt.read(believed.maps)
     report = AuditReport(mode="ebpf")
+    # the service ports in the order the syncs keep them, not a sorted copy (100,000 pairs: 6 MiB
+    # of objects, traced); only what drifted is sorted
+    found_by_name = [(name, found) for name, want in believed.services.items()
+                     if (found := service_drift(name, want, snap))]
+    found_by_name.sort(key=lambda pair: pair[0])
     drifted: dict[ServicePortName, ServiceEntries] = {}
-    for name, want in sorted(believed.services.items()):
-        found = service_drift(name, want, snap)
-        if found:
-            report.drifts += found
-            drifted[name] = adopt.entries_of(snap, want.svc_id)
+    for name, found in found_by_name:
+        report.drifts += found
+        drifted[name] = adopt.entries_of(snap, believed.services[name].svc_id)
     strays = adopt.strays(snap, adopt.ById(snap.max_svc_id, believed.services.values()))
     report.drifts += stray_drift(strays)
     devs = believed.devices  # None: the lead family's audit checks the devices (both families' programs)

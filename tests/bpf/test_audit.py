@@ -5,15 +5,18 @@ flows again, and the ids (so the connections) stay."""
 from __future__ import annotations
 
 import subprocess
+import time
 
 import pytest
 
-from ebpf_proxy.datapath.ebpf import pins
+from ebpf_proxy.datapath.ebpf import EbpfDatapath, pins
 from ebpf_proxy.datapath.ebpf import structs as s
 from ebpf_proxy.datapath.ebpf.maps import Backend, Frontend, NodeSettings, Service
 from ebpf_proxy.explain.audit import EXTRA, MISSING, STALE, audit
 from ebpf_proxy.lab._setns import run_in_netns
-from tests.bpf.test_datapath import NODE_PORT, VIP, _datapath, _state, _sync, _traffic_ok, node  # noqa: F401
+from ebpf_proxy.model import ProxyState
+from tests.bpf.conftest import SMALL_MAPS
+from tests.bpf.test_datapath import NODE, NODE_PORT, VIP, _datapath, _state, _sync, _traffic_ok, node  # noqa: F401
 from tests.netns_util import nsenter
 
 pytestmark = [pytest.mark.bpf, pytest.mark.root]
@@ -86,3 +89,55 @@ def test_no_audit_before_the_first_sync(node):
     dp = _datapath(node, node.cgroup())
     with pytest.raises(AuditUnavailable, match="no sync has completed"):
         audit(dp)
+
+
+def test_drifts_come_in_service_port_order_whatever_order_the_syncs_keep(node):
+    """The audit walks the service ports as the syncs keep them (no sorted copy of 100,000);
+    what drifted is still reported by service port name."""
+    lab = node
+    dp = _datapath(lab, lab.cgroup())
+    both = _state()
+    tcp, udp = names = sorted(both.services)  # default/web:tcp, default/web:udp
+    _sync(lab, dp, ProxyState(services={udp: both.services[udp]}, endpoints={udp: both.endpoints[udp]}))
+    _sync(lab, dp, both)  # tcp joins after udp
+    assert list(dp.believed().services) == [udp, tcp]
+    maps = pins.open_maps(lab.bpffs)
+    try:
+        services = dict(maps.services())
+        for fe in (Frontend(VIP, 80, 6), Frontend(VIP, 80, 17)):
+            maps.delete_slot(services[fe].id, s.LB4_SCOPE_CLUSTER, 0)
+    finally:
+        maps.close()
+    report = _audit(lab, dp)
+    assert [d.key.split(" (id")[0] for d in report.drifts] == [str(n) for n in names], "\n".join(report.lines())
+    dp.close()
+
+
+def test_the_connection_gc_waits_while_an_audit_reads_whole_maps(node):
+    """An audit's read-back and a GC pass each hold whole tables in memory: they take turns
+    (whole_map_pass), so their peaks never add up. A pass due meanwhile is skipped, the next one
+    collects."""
+    lab, cgroup = node, node.cgroup()
+    dp = EbpfDatapath(NODE, cgroup_path=str(cgroup), bpffs=str(lab.bpffs), pod_device_patterns=("vpod", "vbe"),
+                      max_entries=SMALL_MAPS, ct_gc_period=0.1)
+    try:
+        _sync(lab, dp, _state())
+        _traffic_ok(lab, cgroup)
+        maps = pins.open_maps(lab.bpffs)
+        try:
+            made = maps.connections(kind=s.CT4_SVC)
+            assert made
+            with dp.whole_map_pass():
+                for c in made:
+                    maps.set_connection_expiry(c, 1)
+                time.sleep(1.0)  # ten GC periods
+                assert len(maps.connections(kind=s.CT4_SVC)) == len(made), "no pass while the audit reads"
+            deadline = time.monotonic() + 5
+            while maps.connections() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert maps.connections() == [], "the next pass collects"
+        finally:
+            maps.close()
+    finally:
+        run_in_netns(lab.ns["node"], dp.cleanup)
+        dp.close()

@@ -36,6 +36,7 @@ own); call `cleanup()` from that namespace too.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import time
@@ -432,6 +433,11 @@ class EbpfDatapath(Datapath):
         if usage is None:  # the pass ran before this family's first sync: collect it now
             usage = self._shared.collect_conntrack(force=True)[self.family]
         return usage
+
+    def whole_map_pass(self) -> contextlib.AbstractContextManager[None]:
+        """Held while the caller reads whole maps into memory: the connection GC (every family's)
+        waits its turn (SharedNode.whole_map_pass)."""
+        return self._shared.whole_map_pass()
 
     def counters(self) -> dict[s.Reason, tuple[int, int]]:
         """(packets, bytes) per reason since the maps were created (every program, every CPU, both
