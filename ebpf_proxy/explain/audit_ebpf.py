@@ -9,6 +9,11 @@ audit, shared.py), epx_iface and our TC filters and XDP program on every device 
 attached to. Not compared: the
 connection, affinity and masquerade-port tables, which the programs themselves write.
 
+The service maps are first only summed, streamed, against the same sums of what the last sync
+wrote (digest.py); only when they differ are they read back whole (adopt.read: ~22 MiB at
+100,000 Services x 10 endpoints) to name every difference. A clean audit there: 1.4 s and +1 MiB
+of the agent's RSS, where reading back was 3.6 s and +25 MiB (a lab node, both families).
+
 Repair writes only what differs: a drifted service port is taken over as the maps hold it and
 moved back to what it should be (the same delta writer every sync uses, so its ids, slots and
 connections stay), strays are deleted, node facts rewritten where they differ, and devices that
@@ -19,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ebpf_proxy.datapath.ebpf import adopt
+from ebpf_proxy.datapath.ebpf import adopt, digest
 from ebpf_proxy.datapath.ebpf import structs as s
 from ebpf_proxy.datapath.ebpf.datapath import Believed, EbpfDatapath
 from ebpf_proxy.datapath.ebpf.maps import Backend, Frontend, Service
@@ -147,17 +152,14 @@ def device_drift(lost: Mapping[int, list[str]], believed: Believed) -> list[Drif
             for i, progs in sorted(lost.items()) for prog in progs]
 
 
-def audit(datapath: EbpfDatapath, repair: bool = False) -> AuditReport:
-    believed = datapath.believed()
-    if believed is None:
-        raise AuditUnavailable("ebpf datapath: no sync has completed yet, nothing to compare")
-    with datapath.whole_map_pass():
-        return _audit(datapath, believed, repair)
-
-
-def _audit(datapath: EbpfDatapath, believed: Believed, repair: bool) -> AuditReport:
+def _service_drifts(believed: Believed, report: AuditReport) -> tuple[dict[ServicePortName, ServiceEntries], adopt.Strays]:
+    """Add to `report` what the service maps hold other than what `believed` says; return what
+    the drifted service ports hold and the strays (for a repair). The maps are first only summed
+    (digest.py: nothing held, the clean case); read back whole only when the sums differ."""
+    want = digest.of_entries(believed.services.values(), believed.maps)
+    if want is not None and want == digest.of_maps(believed.maps):
+        return {}, adopt.Strays()
     snap = adopt.read(believed.maps)
-    report = AuditReport(mode="ebpf")
     # the service ports in the order the syncs keep them, not a sorted copy (100,000 pairs: 6 MiB
     # of objects, traced); only what drifted is sorted
     found_by_name = [(name, found) for name, want in believed.services.items()
@@ -169,6 +171,20 @@ def _audit(datapath: EbpfDatapath, believed: Believed, repair: bool) -> AuditRep
         drifted[name] = adopt.entries_of(snap, believed.services[name].svc_id)
     strays = adopt.strays(snap, adopt.ById(snap.max_svc_id, believed.services.values()))
     report.drifts += stray_drift(strays)
+    return drifted, strays
+
+
+def audit(datapath: EbpfDatapath, repair: bool = False) -> AuditReport:
+    believed = datapath.believed()
+    if believed is None:
+        raise AuditUnavailable("ebpf datapath: no sync has completed yet, nothing to compare")
+    with datapath.whole_map_pass():
+        return _audit(datapath, believed, repair)
+
+
+def _audit(datapath: EbpfDatapath, believed: Believed, repair: bool) -> AuditReport:
+    report = AuditReport(mode="ebpf")
+    drifted, strays = _service_drifts(believed, report)
     devs = believed.devices  # None: the lead family's audit checks the devices (both families' programs)
     node = node_drift(believed, devs.iface_flags() if devs is not None else None)
     report.drifts += node

@@ -12,6 +12,7 @@ import pytest
 from ebpf_proxy.datapath.ebpf import EbpfDatapath, pins
 from ebpf_proxy.datapath.ebpf import structs as s
 from ebpf_proxy.datapath.ebpf.maps import Backend, Frontend, NodeSettings, Service
+from ebpf_proxy.explain import audit_ebpf
 from ebpf_proxy.explain.audit import EXTRA, MISSING, STALE, audit
 from ebpf_proxy.lab._setns import run_in_netns
 from ebpf_proxy.model import ProxyState
@@ -141,3 +142,51 @@ def test_the_connection_gc_waits_while_an_audit_reads_whole_maps(node):
     finally:
         run_in_netns(lab.ns["node"], dp.cleanup)
         dp.close()
+
+
+def _tamper_record(maps, tcp, udp):
+    fe = Frontend(VIP, 80, 6)
+    maps.set_service(fe, Service(tcp.id, tcp.count, tcp.local_count, tcp.affinity_timeout + 5, tcp.flags))
+    return STALE, "service frontend"
+
+
+def _tamper_slot(maps, tcp, udp):
+    maps.set_slot(tcp.id, s.LB4_SCOPE_CLUSTER, 0, 999)  # a backend id nobody has
+    return STALE, "slot"
+
+
+def _tamper_backend(maps, tcp, udp):
+    maps.set_backend(maps.slot(tcp.id, s.LB4_SCOPE_CLUSTER, 0), Backend("10.99.0.3", 8080, in_cluster=True))
+    return STALE, "backend"
+
+
+def _tamper_range(maps, tcp, udp):
+    maps.add_source_range(tcp.id, "198.51.100.0/24")
+    return EXTRA, "source range"
+
+
+@pytest.mark.parametrize("tamper", [_tamper_record, _tamper_slot, _tamper_backend, _tamper_range],
+                         ids=["record", "slot", "backend", "range"])
+def test_one_changed_entry_of_any_service_table_is_found(node, tamper, monkeypatch):
+    """The audit first only sums the service maps (digest.py) and reads them back only when the
+    sums differ from the last sync's: a clean audit reads nothing back, and one entry changed
+    in any of the four tables, with its count unchanged, still makes them differ."""
+    lab = node
+    dp = _datapath(lab, lab.cgroup())
+    _sync(lab, dp, _state())
+    reads = []
+    real_read = audit_ebpf.adopt.read
+    monkeypatch.setattr(audit_ebpf.adopt, "read", lambda maps: reads.append(maps) or real_read(maps))
+    assert _audit(lab, dp).clean and reads == [], "clean: summed, nothing read back"
+    maps = pins.open_maps(lab.bpffs)
+    try:
+        services = dict(maps.services())
+        expected = tamper(maps, services[Frontend(VIP, 80, 6)], services[Frontend(VIP, 80, 17)])
+    finally:
+        maps.close()
+    report = _audit(lab, dp)
+    assert [(d.kind, d.what) for d in report.drifts] == [expected], "\n".join(report.lines())
+    assert len(reads) == 1, "read back to name it"
+    assert _audit(lab, dp, repair=True).repaired
+    assert _audit(lab, dp).clean
+    dp.close()

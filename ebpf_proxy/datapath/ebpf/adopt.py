@@ -563,12 +563,18 @@ _RECORD_FIELDS = 5  # a Service's fields, each a u32 in Records._values
 _ADDR_KIND = {4: socket.AF_INET, 16: socket.AF_INET6}
 
 
-def _record_key(fe: Frontend) -> bytes:
+def record_key_of(fe: Frontend) -> bytes:
+    """Records' key of frontend `fe`."""
     if fe.addr is None:
         return _RECORD_KEY.pack(0, b"", fe.port, fe.proto)
     family = socket.AF_INET6 if ":" in fe.addr else socket.AF_INET
     addr = socket.inet_pton(family, fe.addr)
     return _RECORD_KEY.pack(len(addr), addr, fe.port, fe.proto)
+
+
+def record_key_of_row(addr: bytes, port: int, proto: int) -> bytes:
+    """Records' key of a frontend as Maps.service_rows gives it (the same as record_key_of's)."""
+    return _RECORD_KEY.pack(len(addr), addr, port, proto)
 
 
 def _record_frontend(key: bytes) -> Frontend:
@@ -610,15 +616,15 @@ class Records(_Packed):
     __slots__ = ("_values", "_owners", "_ids")
 
     def __init__(self, rows: Iterable[tuple[Frontend, Service]] = ()) -> None:
-        self._fill((_record_key(fe), (svc.id, svc.count, svc.local_count, svc.affinity_timeout, svc.flags))
+        self._fill((record_key_of(fe), (svc.id, svc.count, svc.local_count, svc.affinity_timeout, svc.flags))
                    for fe, svc in rows)
 
     @classmethod
     def of_rows(cls, rows: Iterable[tuple[bytes, int, int, Sequence[int]]]) -> "Records":
         """From (address bytes, b"" for a nodePort's; port; proto; the record's five fields) rows
         (Maps.service_rows): keyed straight from the address bytes, no Frontend and no address
-        text made for each (_record_key's key for the same frontend)."""
-        pack = _RECORD_KEY.pack
+        text made for each (record_key_of's key for the same frontend)."""
+        pack = _RECORD_KEY.pack  # record_key_of_row's, inline: a restart reads 100,000 rows
         records = cls.__new__(cls)
         records._fill((pack(len(addr), addr, port, proto), record) for addr, port, proto, record in rows)
         return records
@@ -646,7 +652,7 @@ class Records(_Packed):
         if not isinstance(fe, Frontend):
             raise TypeError(fe)
         try:
-            return _record_key(fe)
+            return record_key_of(fe)
         except (OSError, struct.error) as exc:  # not an address, a port beyond 16 bits
             raise ValueError(fe) from exc
 
