@@ -151,7 +151,7 @@ def _tamper_record(maps, tcp, udp):
 
 
 def _tamper_slot(maps, tcp, udp):
-    maps.set_slot(tcp.id, s.LB4_SCOPE_CLUSTER, 0, 999)  # a backend id nobody has
+    maps.set_slot(tcp.id, s.LB4_SCOPE_CLUSTER, 0, maps.slot(udp.id, s.LB4_SCOPE_CLUSTER, 0))  # udp's backend
     return STALE, "slot"
 
 
@@ -188,5 +188,6 @@ def test_one_changed_entry_of_any_service_table_is_found(node, tamper, monkeypat
     assert [(d.kind, d.what) for d in report.drifts] == [expected], "\n".join(report.lines())
     assert len(reads) == 1, "read back to name it"
     assert _audit(lab, dp, repair=True).repaired
-    assert _audit(lab, dp).clean
+    after = _audit(lab, dp)
+    assert after.clean, "repaired without touching the other port's backend: " + "\n".join(after.lines())
     dp.close()
