@@ -304,6 +304,28 @@ def test_the_packed_records_answer_what_the_dict_they_replace_answered():
     assert 4 not in snap.frontends and snap.frontends.get(4) is None and "7" not in snap.frontends
 
 
+def test_an_ipv4_frontend_is_found_as_the_bytes_search_finds_it():
+    """Records._index looks IPv4 frontends up in an array of u64 keys (bisect in C): the same
+    index as the search of the 20-byte keys for every frontend held, nothing for one not held,
+    whatever the nodePorts and IPv6 frontends around them."""
+    rng = random.Random(11)
+    v4 = [Frontend(f"{rng.randrange(256)}.{rng.randrange(256)}.{rng.randrange(256)}.{rng.randrange(256)}",
+                   rng.choice((0, 53, 80, 65535)), rng.choice((6, 17, 132))) for _ in range(3000)]
+    others = [Frontend(None, 30000 + i, 6) for i in range(50)] + [Frontend(f"fd00::{i:x}", 80, 6) for i in range(50)]
+    held = list(dict.fromkeys(v4 + others))
+    records = adopt.Records([(fe, Service(i + 1, 1)) for i, fe in enumerate(held)])
+    bytes_search = super(adopt.Records, records)._index  # _Packed's: a bisection of the 20-byte keys
+    for fe in held:
+        assert records._index(fe) == bytes_search(fe) is not None
+        assert records.owner_of(fe) == held.index(fe) + 1
+    absent = [Frontend("10.0.0.1", 81, 6), Frontend("255.255.255.255", 65535, 255), Frontend("0.0.0.0", 0, 0),
+              Frontend("1.2.3", 80, 6), Frontend("10.0.0.1", 1 << 16, 6)]
+    for fe in absent:
+        if fe not in held:
+            assert records._index(fe) is None and records.owner_of(fe) is None
+    assert adopt.Records([])._index(Frontend("10.0.0.1", 80, 6)) is None
+
+
 def test_record_keys_read_as_a_sequence_for_bisect():
     rows = adopt._KeyRows(b"a" * adopt._KEY_SIZE + b"b" * adopt._KEY_SIZE)
     assert len(rows) == 2 and rows[1] == b"b" * adopt._KEY_SIZE and list(rows) == [rows[0], rows[1]]

@@ -559,6 +559,7 @@ class BackendTable(_Packed):
 
 _RECORD_KEY = struct.Struct("!B16sHB")  # a frontend, sortable: address kind (0 node, 4, 6), address, port, proto
 _KEY_SIZE = _RECORD_KEY.size
+_RECORD_KEY_V4 = struct.Struct("!BI12xHB")  # the same key, its address read as an IPv4 one (Records._v4_keys)
 _RECORD_FIELDS = 5  # a Service's fields, each a u32 in Records._values
 _ADDR_KIND = {4: socket.AF_INET, 16: socket.AF_INET6}
 
@@ -613,7 +614,7 @@ class Records(_Packed):
     by service id) took ~35 MiB at 100,000 Services, at the peak of every restart and drift
     audit; this ~4 MiB. Frontends and Services are made on access."""
 
-    __slots__ = ("_values", "_owners", "_ids")
+    __slots__ = ("_values", "_owners", "_ids", "_v4")
 
     def __init__(self, rows: Iterable[tuple[Frontend, Service]] = ()) -> None:
         self._fill((record_key_of(fe), (svc.id, svc.count, svc.local_count, svc.affinity_timeout, svc.flags))
@@ -647,6 +648,31 @@ class Records(_Packed):
         ids = self._values[::f]
         self._owners = array("Q", sorted(svc_id << 32 | i for i, svc_id in enumerate(ids)))
         self._ids = len(set(ids))  # how many service ids
+        self._v4: tuple[int, array] | None = None  # _v4_keys(), made at the first IPv4 lookup
+
+    def _v4_keys(self) -> tuple[int, array]:
+        """(where the IPv4 frontends start, their keys as u64s: address << 24 | port << 8 | proto,
+        in the same order). Sorted keys put the nodePorts' (kind 0) first, then every IPv4
+        frontend's (kind 4), whose bytes sort as these ints do; a bisection of the array runs in
+        C, where one of _KeyRows reads each step through Python: 0.30 -> 0.10 s for a restart's
+        100,000 lookups (owner_of). 8 bytes a frontend, made in ~25 ms at that size."""
+        if self._v4 is None:
+            rows = list(_RECORD_KEY_V4.iter_unpack(self._keys._blob))
+            start = sum(1 for row in rows if row[0] == 0)
+            self._v4 = start, array("Q", [addr << 24 | port << 8 | proto for kind, addr, port, proto in rows if kind == 4])
+        return self._v4
+
+    def _index(self, key: object) -> int | None:
+        if type(key) is Frontend and key.addr and ":" not in key.addr and 0 <= key.port < 1 << 16 and 0 <= key.proto < 256:
+            try:
+                addr = int.from_bytes(socket.inet_pton(socket.AF_INET, key.addr), "big")
+            except OSError:  # not an address: none of ours
+                return None
+            start, keys = self._v4_keys()
+            packed = addr << 24 | key.port << 8 | key.proto
+            j = bisect_left(keys, packed)
+            return start + j if j < len(keys) and keys[j] == packed else None
+        return super()._index(key)
 
     def _pack_key(self, fe: object) -> bytes:
         if not isinstance(fe, Frontend):
