@@ -156,8 +156,7 @@ def _service_drifts(believed: Believed, report: AuditReport) -> tuple[dict[Servi
     """Add to `report` what the service maps hold other than what `believed` says; return what
     the drifted service ports hold and the strays (for a repair). The maps are first only summed
     (digest.py: nothing held, the clean case); read back whole only when the sums differ."""
-    want = digest.of_entries(believed.services.values(), believed.maps)
-    if want is not None and want == digest.of_maps(believed.maps):
+    if digest.of_entries(believed.services.values(), believed.maps) == digest.of_maps(believed.maps):
         return {}, adopt.Strays()
     snap = adopt.read(believed.maps)
     # the service ports in the order the syncs keep them, not a sorted copy (100,000 pairs: 6 MiB

@@ -19,7 +19,8 @@ import pytest
 
 from ebpf_proxy.datapath.ebpf import EbpfDatapath, pins
 from ebpf_proxy.datapath.ebpf import structs as s
-from ebpf_proxy.datapath.ebpf.maps import Maps6, ip6_str
+from ebpf_proxy.datapath.ebpf.maps import Backend, Maps6, ip6_str
+from ebpf_proxy.explain import audit_ebpf
 from ebpf_proxy.lab._setns import run_in_netns
 from ebpf_proxy.model import ChangeSet, Endpoint, NodeConfig, Protocol, ProxyState, ServicePort, ServicePortName
 from tests.bpf import netlab
@@ -261,11 +262,27 @@ def test_an_ipv4_only_agent_switches_ipv6_off_and_removes_what_an_earlier_one_le
         alone.close()
 
 
-def test_the_ipv6_datapath_drift_audit_reports_and_repairs_its_maps(lab):
+def test_the_ipv6_datapath_drift_audit_reports_and_repairs_its_maps(lab, monkeypatch):
     cgroup = lab.cgroup()
     dp = _datapath(lab, NODE6, cgroup)
     try:
         _sync(lab, dp, _state(6))
+        reads = []
+        real_read = audit_ebpf.adopt.read
+        monkeypatch.setattr(audit_ebpf.adopt, "read", lambda maps: reads.append(maps) or real_read(maps))
+        _audit_clean(lab, dp)
+        assert reads == [], "clean: the IPv6 maps summed (digest.py), nothing read back"
+        maps, maps6 = _maps6(lab)
+        try:
+            svc_id = next(svc.id for fe, svc in maps6.services() if fe.addr == VIP6)
+            bid = next(b for s_id, _bank, _scope, _slot, b in maps6.slots() if s_id == svc_id)
+            maps6.set_backend(bid, Backend("fd00:99::5", 8080, in_cluster=True))
+        finally:
+            maps.close()
+        report = _audit(lab, dp, repair=True)
+        assert [(d.kind, d.what, d.key) for d in report.drifts] == [("stale", "backend", str(bid))], report.lines()
+        assert len(reads) == 1
+        _audit_clean(lab, dp)
         maps, maps6 = _maps6(lab)
         try:
             fe = next(fe for fe, _svc in maps6.services() if fe.addr == VIP6)

@@ -66,24 +66,31 @@ def of_maps(maps: Maps) -> Digest:
     return d
 
 
-def of_entries(entries: Iterable[ServiceEntries], maps: Maps) -> Digest | None:
+def of_entries(entries: Iterable[ServiceEntries], maps: Maps) -> Digest:
     """The digest of what `entries` (every service port's, as the syncs keep them) put in the
-    maps; None when some port's backends are not kept packed as the map holds them (IPv6's, an
-    address Backends cannot pack): then only a read-back can compare them."""
+    maps (`maps`, the family's, says how its backends pack)."""
     d = Digest()
     value = struct.Struct(f"{maps.BACKEND_VALUES.size}s")
     for e in entries:
-        if type(e.backends) is not Backends:
-            return None
         d.records.add(hash((record_key_of(fe), _fields(e, flags))) for fe, flags in e.frontends.items())
         base = e.svc_id << 32 | e.bank << 24
         for scope, slots in ((s.LB4_SCOPE_CLUSTER, e.cluster_slots), (s.LB4_SCOPE_LOCAL, e.local_slots)):
             start = base | scope << 16
             d.slots.add(map(hash, zip(range(start, start + len(slots)), slots)))
-        packed = e.backends.map_entries()
-        d.backends.add(map(hash, zip(memoryview(packed.keys).cast(_BACKEND_ID), value.iter_unpack(packed.values))))
+        ids, values = _packed_backends(e, maps)
+        d.backends.add(map(hash, zip(memoryview(ids).cast(_BACKEND_ID), value.iter_unpack(values))))
         d.ranges.add(hash((e.svc_id, cidr)) for cidr in e.source_ranges)
     return d
+
+
+def _packed_backends(e: ServiceEntries, maps: Maps) -> tuple[bytes, bytes]:
+    """`e`'s backend ids and values, each back to back, as the map holds them: IPv4's as Backends
+    keeps them; others (IPv6's, an address Backends cannot pack) packed as the sync writes them."""
+    if type(e.backends) is Backends:
+        packed = e.backends.map_entries()
+        return packed.keys, packed.values
+    rows = [maps.backend_entry(bid, be) for bid, be in e.backends.items()]
+    return b"".join(k for k, _ in rows), b"".join(v for _, v in rows)
 
 
 def _fields(e: ServiceEntries, flags: int) -> tuple[int, int, int, int, int]:
