@@ -17,4 +17,5 @@ k8s/), and explains or compares; nothing below it imports it.
 - audit.py         drift of the kernel from the last sync (Drift, AuditReport); picks one of:
 - audit_iptables.py  iptables-save against the applied ruleset, in one canonical spelling
 - audit_ebpf.py    the maps and devices against the service entries and node facts last written
+                   (the service maps first summed: datapath/ebpf/digest.py)
 """
