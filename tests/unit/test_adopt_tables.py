@@ -315,9 +315,9 @@ def test_an_ipv4_frontend_is_found_as_the_bytes_search_finds_it():
     held = list(dict.fromkeys(v4 + others))
     records = adopt.Records([(fe, Service(i + 1, 1)) for i, fe in enumerate(held)])
     bytes_search = super(adopt.Records, records)._index  # _Packed's: a bisection of the 20-byte keys
-    for fe in held:
+    for i, fe in enumerate(held):
         assert records._index(fe) == bytes_search(fe) is not None
-        assert records.owner_of(fe) == held.index(fe) + 1
+        assert records.owner_of(fe) == i + 1
     absent = [Frontend("10.0.0.1", 81, 6), Frontend("255.255.255.255", 65535, 255), Frontend("0.0.0.0", 0, 0),
               Frontend("1.2.3", 80, 6), Frontend("10.0.0.1", 1 << 16, 6)]
     for fe in absent:

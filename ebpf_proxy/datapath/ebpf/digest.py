@@ -46,6 +46,8 @@ class Tally:
 
 @dataclass
 class Digest:
+    """A family's service maps, a Tally per table; equal digests, equal tables (see above)."""
+
     records: Tally = field(default_factory=Tally)
     slots: Tally = field(default_factory=Tally)
     backends: Tally = field(default_factory=Tally)
