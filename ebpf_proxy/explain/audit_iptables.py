@@ -3,7 +3,8 @@
 The kernel never prints a rule as we wrote it: `-d 10.96.0.10` comes back `-d 10.96.0.10/32`
 (`-d fd00::10` as `-d fd00::10/128` from ip6tables-save),
 `-m tcp -p tcp --dport 80` as `-p tcp -m tcp --dport 80`, `--or-mark 0x004000` as
-`--set-xmark 0x4000/0x4000`, `--probability 0.5000000000` with eleven decimals, the recent match
+`--set-xmark 0x4000/0x4000`, `--probability 0.1000000000` as the fixed-point value the kernel
+holds, printed with eleven decimals (`0.10000000009`: _probability), the recent match
 with its defaults (`--mask 255.255.255.255 --rsource`, or `--mask ffff:...:ffff` for IPv6) spelled
 out, IPv6 addresses in their one canonical spelling (also in DNAT's `--to-destination [addr]:port`),
 and the legacy and nft backends agree on none of this by contract. So both sides are reduced to a canonical form (the
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import difflib
 import ipaddress
+import math
 import shlex
 
 from ebpf_proxy.datapath.iptables import chains as ch
@@ -33,10 +35,13 @@ from ebpf_proxy.datapath.iptables.ruleset import TABLE_ORDER, Ruleset, parse_sav
 from ebpf_proxy.explain.audit import EXTRA, MISSING, STALE, AuditReport, AuditUnavailable, Drift
 from ebpf_proxy.explain.iptables_rules import MODULE_OPTIONS, RulesError, split_words
 
-# (table, chain) -> (our lines, the kernel's lines) last proven equal: a chain whose text is
-# unchanged on both sides is not canonicalised again (100,000 rules take ~2 s to canonicalise;
-# in steady state an audit then costs the iptables-save and one comparison of text per chain)
-Proven = dict[tuple[str, str], tuple[tuple[str, ...], tuple[str, ...]]]
+# (table, chain) -> (our lines, the hash of the kernel's lines) last proven equal: a chain whose
+# text is unchanged on both sides is not canonicalised again (100,000 rules take ~2 s to
+# canonicalise; in steady state an audit then costs the iptables-save and one comparison per
+# chain). The kernel's side is kept as a hash, not its lines: those were a second copy of the
+# whole iptables-save text held between audits (~80 MiB of the agent at 10,000 Services x 10
+# endpoints); a changed chain hashing as before (once in 2^64) would go unseen until it changes again
+Proven = dict[tuple[str, str], tuple[tuple[str, ...], int]]
 
 _GENERIC = {"-s": "-s", "--source": "-s", "-d": "-d", "--destination": "-d", "-p": "-p", "--protocol": "-p",
             "-i": "-i", "--in-interface": "-i", "-o": "-o", "--out-interface": "-o"}
@@ -77,11 +82,23 @@ def _dnat_destination(value: str) -> str:
     return f"[{addr}]:{port}" if addr.version == 6 else f"{addr}:{port}"
 
 
+def _probability(value: str) -> str:
+    """The statistic match's probability as the kernel holds it: libxt_statistic parses it into
+    lround(p * 2^31), a u32, and prints that back over 2^31 with eleven decimals. kube-proxy's
+    ten-decimal 1/n meets the kernel's print only in that integer: 0.1000000000 comes back
+    0.10000000009, 0.3333333333 as 0.33333333349 (rounded to ten decimals they differ, and every
+    service with 3 or more endpoints audited as drifted, its chain rewritten at each audit)."""
+    try:
+        return str(math.floor(float(value) * 0x80000000 + 0.5))  # lround, for p >= 0
+    except ValueError:  # not a number: compared as written
+        return value
+
+
 def _option_value(module: str, opt: str, value: str) -> str:
     if opt == "--mark":
         return "%#x/%#x" % _mark(value)
     if opt == "--probability":
-        return f"{float(value):.10f}"
+        return _probability(value)
     if opt == "--ctstate":
         return ",".join(sorted(value.split(",")))
     return value
@@ -232,7 +249,7 @@ def drift(applied: Ruleset, saved: dict[str, str], proven: Proven | None = None,
                 out.append(Drift(MISSING, "iptables chain", f"{table} {chain}", f"with {len(rules)} rules"))
                 rewrite[table].add(chain)
                 continue
-            pair = (tuple(rules), tuple(held[chain]))
+            pair = (tuple(rules), hash(tuple(held[chain])))
             if proven.get((table, chain)) == pair:
                 continue
             try:

@@ -8,10 +8,12 @@ is found, named, and repaired by rewriting only what drifted.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
 from ebpf_proxy.explain.audit import EXTRA, MISSING, STALE, audit
+from ebpf_proxy.datapath.iptables.render import probability
 from ebpf_proxy.explain.audit_iptables import canonical
 from ebpf_proxy.model import ChangeSet, LocalDetector, LocalMode, NodeConfig
 from tests.lab.test_ip6tables_apply import FLAVOURS6, NODE6, datapath6, rich_state6
@@ -110,6 +112,36 @@ def test_tampering_is_found_named_and_repaired(netns, flavour):
     after = audit(dp, memo=memo)
     assert after.clean, "\n".join(after.lines())
     assert "KUBE-SEP-STRAYSTRAYSTRAY1" not in in_ns(ns, FLAVOURS[flavour]["iptables_save"][0], "-t", "nat")
+
+
+def test_probabilities_compare_as_the_fixed_point_value_the_kernel_holds():
+    """kube-proxy's ten decimals of 1/n against what the kernel prints back: libxt_statistic
+    holds lround(p * 2^31) and prints it over 2^31 with eleven decimals (0.1000000000 comes back
+    0.10000000009). Equal for every endpoint count; a probability one step of the u32 away is not."""
+    for n in range(1, 1001):
+        ours = probability(n)
+        held = math.floor(float(ours) * 0x80000000 + 0.5)
+        kernel = f"{held / 0x80000000:.11f}"
+        rule = "-m statistic --mode random --probability {} -j X"
+        assert canonical(rule.format(ours).split()) == canonical(rule.format(kernel).split()), (n, ours, kernel)
+        if held > 1:
+            other = f"{(held - 1) / 0x80000000:.11f}"
+            assert canonical(rule.format(ours).split()) != canonical(rule.format(other).split()), (n, ours, other)
+
+
+def test_a_service_with_many_endpoints_audits_clean(netns):
+    """Against the real kernel (the nft backend): 1/n for every n up to 12 endpoints is the
+    probability the kernel prints back, absorbed (with 3 or more, every audit found drift)."""
+    ns = netns("aud")
+    dp = datapath(ns, "nft")
+    state = rich_state()
+    web = next(name for name in state.endpoints if len(state.endpoints[name]) == 2)
+    many = tuple(dataclasses.replace(state.endpoints[web][0], ip=f"10.244.1.{10 + i}") for i in range(12))
+    state = dataclasses.replace(state, endpoints={**state.endpoints, web: many})
+    dp.sync(state, ChangeSet())
+    report = audit(dp)
+    assert report.clean, "\n".join(report.lines())
+    assert report.checked["rules"] > 50
 
 
 def test_canonical_form_equates_the_kernels_spellings_only():
