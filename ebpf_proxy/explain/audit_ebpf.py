@@ -152,23 +152,26 @@ def device_drift(lost: Mapping[int, list[str]], believed: Believed) -> list[Drif
             for i, progs in sorted(lost.items()) for prog in progs]
 
 
-def _service_drifts(believed: Believed, report: AuditReport) -> tuple[dict[ServicePortName, ServiceEntries], adopt.Strays]:
+def _service_drifts(datapath: EbpfDatapath, believed: Believed,
+                    report: AuditReport) -> tuple[dict[ServicePortName, ServiceEntries], adopt.Strays]:
     """Add to `report` what the service maps hold other than what `believed` says; return what
     the drifted service ports hold and the strays (for a repair). The maps are first only summed
-    (digest.py: nothing held, the clean case); read back whole only when the sums differ."""
+    (digest.py: nothing held, the clean case); read back whole only when the sums differ, while
+    the connection GC, which holds a whole table too, waits its turn (whole_map_pass)."""
     if digest.of_entries(believed.services.values(), believed.maps) == digest.of_maps(believed.maps):
         return {}, adopt.Strays()
-    snap = adopt.read(believed.maps)
-    # the service ports in the order the syncs keep them, not a sorted copy (100,000 pairs: 6 MiB
-    # of objects, traced); only what drifted is sorted
-    found_by_name = [(name, found) for name, want in believed.services.items()
-                     if (found := service_drift(name, want, snap))]
-    found_by_name.sort(key=lambda pair: pair[0])
-    drifted: dict[ServicePortName, ServiceEntries] = {}
-    for name, found in found_by_name:
-        report.drifts += found
-        drifted[name] = adopt.entries_of(snap, believed.services[name].svc_id)
-    strays = adopt.strays(snap, adopt.ById(snap.max_svc_id, believed.services.values()))
+    with datapath.whole_map_pass():
+        snap = adopt.read(believed.maps)
+        # the service ports in the order the syncs keep them, not a sorted copy (100,000 pairs:
+        # 6 MiB of objects, traced); only what drifted is sorted
+        found_by_name = [(name, want, found) for name, want in believed.services.items()
+                         if (found := service_drift(name, want, snap))]
+        found_by_name.sort(key=lambda row: row[0])
+        drifted: dict[ServicePortName, ServiceEntries] = {}
+        for name, want, found in found_by_name:
+            report.drifts += found
+            drifted[name] = adopt.entries_of(snap, want.svc_id)
+        strays = adopt.strays(snap, adopt.ById(snap.max_svc_id, believed.services.values()))
     report.drifts += stray_drift(strays)
     return drifted, strays
 
@@ -177,13 +180,8 @@ def audit(datapath: EbpfDatapath, repair: bool = False) -> AuditReport:
     believed = datapath.believed()
     if believed is None:
         raise AuditUnavailable("ebpf datapath: no sync has completed yet, nothing to compare")
-    with datapath.whole_map_pass():
-        return _audit(datapath, believed, repair)
-
-
-def _audit(datapath: EbpfDatapath, believed: Believed, repair: bool) -> AuditReport:
     report = AuditReport(mode="ebpf")
-    drifted, strays = _service_drifts(believed, report)
+    drifted, strays = _service_drifts(datapath, believed, report)
     devs = believed.devices  # None: the lead family's audit checks the devices (both families' programs)
     node = node_drift(believed, devs.iface_flags() if devs is not None else None)
     report.drifts += node

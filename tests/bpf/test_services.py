@@ -397,8 +397,8 @@ def test_restart_takes_over_a_helpers_read_back_without_writing(pin_dir, maps, p
     caplog.set_level("INFO", logger="ebpf_proxy.datapath.ebpf.readback")
     snap = ReadAhead.start(pin_dir, 4).take(maps)
     assert snap is not None, caplog.text
-    assert snap == read(maps) and snap.max_svc_id == 4000, "the same tables and ids as the agent's own read"
     own = read(maps)
+    assert snap == own and snap.max_svc_id == 4000, "the same tables and ids as the agent's own read"
     made = {svc_id: entries for svc_id, entries in enumerate(snap.made) if entries is not None}
     assert made == {svc_id: made_ahead(own, svc_id) for svc_id in made}, "what it made ahead (if any yet) is adopt's"
     assert "read back by a helper process" in caplog.text

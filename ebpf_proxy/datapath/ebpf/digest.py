@@ -20,7 +20,7 @@ bytes is fixed for a process's life, so both sides, made in one process, agree.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from ebpf_proxy.datapath.ebpf import structs as s
@@ -61,9 +61,9 @@ def of_maps(maps: Maps) -> Digest:
     d.records.add(hash((record_key_of_row(addr, port, proto), record)) for addr, port, proto, record in maps.service_rows())
     for keys, ids in maps.slot_batches():
         d.slots.add(map(hash, zip(keys, ids)))
-    value = struct.Struct(f"{maps.BACKEND_VALUES.size}s")
+    value = _backend_value(maps)
     for ids, values in maps.backend_batches():
-        d.backends.add(map(hash, zip(memoryview(ids).cast(_BACKEND_ID), value.iter_unpack(values))))
+        d.backends.add(_backend_hashes(ids, values, value))
     d.ranges.add(map(hash, maps.source_ranges()))
     return d
 
@@ -72,17 +72,27 @@ def of_entries(entries: Iterable[ServiceEntries], maps: Maps) -> Digest:
     """The digest of what `entries` (every service port's, as the syncs keep them) put in the
     maps (`maps`, the family's, says how its backends pack)."""
     d = Digest()
-    value = struct.Struct(f"{maps.BACKEND_VALUES.size}s")
+    value = _backend_value(maps)
     for e in entries:
         d.records.add(hash((record_key_of(fe), _fields(e, flags))) for fe, flags in e.frontends.items())
         base = e.svc_id << 32 | e.bank << 24
         for scope, slots in ((s.LB4_SCOPE_CLUSTER, e.cluster_slots), (s.LB4_SCOPE_LOCAL, e.local_slots)):
             start = base | scope << 16
             d.slots.add(map(hash, zip(range(start, start + len(slots)), slots)))
-        ids, values = _packed_backends(e, maps)
-        d.backends.add(map(hash, zip(memoryview(ids).cast(_BACKEND_ID), value.iter_unpack(values))))
+        d.backends.add(_backend_hashes(*_packed_backends(e, maps), value))
         d.ranges.add(hash((e.svc_id, cidr)) for cidr in e.source_ranges)
     return d
+
+
+def _backend_value(maps: Maps) -> struct.Struct:
+    """One raw epx_backend value of the family (lb4_backend or lb6_backend), as bytes."""
+    return struct.Struct(f"{maps.BACKEND_VALUES.size}s")
+
+
+def _backend_hashes(ids: bytes, values: bytes, value: struct.Struct) -> Iterator[int]:
+    """The hash of each (backend id, raw value) of ids and values packed back to back: the maps'
+    batches and the syncs' entries hash alike."""
+    return map(hash, zip(memoryview(ids).cast(_BACKEND_ID), value.iter_unpack(values)))
 
 
 def _packed_backends(e: ServiceEntries, maps: Maps) -> tuple[bytes, bytes]:

@@ -264,7 +264,8 @@ class SharedNode:
     @contextlib.contextmanager
     def whole_map_pass(self) -> Iterator[None]:
         """Hold off the connection GC while the caller reads whole tables into memory (the drift
-        audit: ~25 MiB more at 100,000 Services x 10 endpoints, measured). A GC pass over a full
+        audit's read-back, when the sums differ: ~25 MiB more at 100,000 Services x 10 endpoints,
+        measured). A GC pass over a full
         connection table holds its 262,144 entries' bytes too (~13 MB as IPv4 halves and
         connections): were the two to overlap, their peaks would add up. A GC pass due
         meanwhile is skipped, as when one is already running: the next comes a period later."""
