@@ -114,6 +114,13 @@ class JumpRule:
     def rule_args(self) -> tuple[str, ...]:
         return (*self.args, "-j", self.target)
 
+    @property
+    def saved_line(self) -> str:
+        """The rule as iptables-save prints it (both backends: our options in this order, a value
+        with spaces in double quotes). Finding this line in a save proves the jump is there; not
+        finding it proves nothing (another iptables may spell it otherwise): `iptables -C` decides."""
+        return " ".join(("-A", self.chain, *(f'"{w}"' if " " in w else w for w in self.rule_args)))
+
 
 def _jump(table: str, chain: str, target: str, comment: str | None, *extra: str) -> JumpRule:
     args = (*extra, "-m", "comment", "--comment", comment) if comment else tuple(extra)

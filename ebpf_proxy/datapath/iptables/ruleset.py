@@ -8,7 +8,7 @@ by chain is then what makes a partial sync: only chains whose text changed are s
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from ebpf_proxy.datapath.iptables.chains import FILTER, NAT, is_service_chain
@@ -113,3 +113,70 @@ def parse_save(text: str) -> dict[str, dict[str, list[str]]]:
             chain = line.split()[1]
             current.setdefault(chain, []).append(line)
     return tables
+
+
+class SaveNotGrouped(ValueError):
+    """iptables-save printed one chain's rules in two places (neither backend does): the caller
+    reads that table with parse_save instead."""
+
+
+def _lines(text: str) -> Iterator[str]:
+    """The lines of `text` one at a time: splitlines() would hold every line of a 10 MB
+    iptables-save (~110,000 str objects at 10,000 Services) at once."""
+    start, end = 0, len(text)
+    while start < end:
+        stop = text.find("\n", start)
+        if stop < 0:
+            stop = end
+        yield text[start:stop]
+        start = stop + 1
+
+
+def _rule_chain(line: str) -> str:
+    """The chain of an "-A CHAIN ..." line."""
+    stop = line.find(" ", 3)
+    return line[3:] if stop < 0 else line[3:stop]
+
+
+def chain_runs(text: str) -> Iterator[tuple[str, list[str]]]:
+    """Each chain of one table's iptables-save text with its "-A" lines, one chain at a time, so
+    that a reader holds one chain, not the table: the chains with rules as their rules come
+    (both backends print a chain's rules together, in chain order), then the declared chains
+    without rules, with []. Raises SaveNotGrouped when a chain's rules come in two places."""
+    has_rules: dict[str, bool] = {}  # every chain named so far: declared (False) or its rules read (True)
+    chain: str | None = None
+    rules: list[str] = []
+    for line in _lines(text):
+        if line.startswith("-A "):
+            name = _rule_chain(line)
+            if name != chain:
+                if chain is not None:
+                    yield chain, rules
+                if has_rules.get(name):
+                    raise SaveNotGrouped(f"iptables-save: the rules of chain {name} come in two places")
+                has_rules[name] = True
+                chain, rules = name, []
+            rules.append(line)
+        elif line.startswith(":"):
+            has_rules.setdefault(line[1:].split(None, 1)[0], False)
+    if chain is not None:
+        yield chain, rules
+    for name, read in has_rules.items():
+        if not read:
+            yield name, []
+
+
+def saved_chains(text: str, keep_rules: Collection[str]) -> dict[str, list[str]]:
+    """Every chain of one table's iptables-save text, with the "-A" lines of the chains in
+    `keep_rules` only ([] for the others): what a full sync needs (which chains exist, to delete
+    stale ones, and the built-in chains our jumps go in), without a list of every rule line."""
+    chains: dict[str, list[str]] = {}
+    for line in _lines(text):
+        if line.startswith("-A "):
+            name = _rule_chain(line)
+            rules = chains.setdefault(name, [])
+            if name in keep_rules:
+                rules.append(line)
+        elif line.startswith(":"):
+            chains.setdefault(line[1:].split(None, 1)[0], [])
+    return chains
