@@ -67,6 +67,7 @@ def test_chain_names_equal_kube_proxys():
     assert ch.ext_chain(name) == "KUBE-EXT-XPGD46QRK7WJZT7O"
     assert ch.svl_chain(name) == "KUBE-SVL-XPGD46QRK7WJZT7O"
     assert ch.fw_chain(name) == "KUBE-FW-XPGD46QRK7WJZT7O"
+    assert ch.service_chains(name) == (ch.svc_chain(name), ch.svl_chain(name), ch.ext_chain(name), ch.fw_chain(name))
 
 
 def test_chain_names_depend_on_protocol_and_port_name_and_fit_iptables():

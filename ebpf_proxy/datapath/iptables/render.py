@@ -19,7 +19,7 @@ REJECT as ip6tables-save prints it (icmp6-port-unreachable).
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from ebpf_proxy.datapath.iptables import chains as ch
@@ -37,6 +37,7 @@ from ebpf_proxy.model import (
     networks_of_family,
     of_family,
 )
+from ebpf_proxy.model.types import ip_family
 
 # Past this many endpoints in total kube-proxy drops the per-endpoint comments, which are up to
 # 40% of the ruleset's size; same threshold so that both render the same rules.
@@ -193,7 +194,7 @@ def render_service(
     """One service port's rules, or None when kube-proxy programs nothing for it (headless, or a
     cluster IP of the other family: that family's proxier programs it)."""
     family = ctx.family
-    if svc.cluster_ip is None or ipaddress.ip_address(svc.cluster_ip).version != family:
+    if svc.cluster_ip is None or ip_family(svc.cluster_ip) != family:
         return None
     name = svc.name
     label = str(name)
@@ -201,9 +202,18 @@ def render_service(
     port = str(svc.port)
     external_ips = of_family(svc.external_ips, family)
     lb_ips = of_family(svc.load_balancer_ips, family)
-    sets = categorize(svc, tuple(ep for ep in endpoints if ipaddress.ip_address(ep.ip).version == family), topology)
+    sets = categorize(svc, tuple(ep for ep in endpoints if ip_family(ep.ip) == family), topology)
 
-    cluster_chain, local_chain = ch.svc_chain(name), ch.svl_chain(name)
+    cluster_chain, local_chain, external_chain, fw = ch.service_chains(name)
+    seps: dict[tuple[str, int], str] = {}  # an endpoint's SEP chain (a hash), named up to three times
+
+    def sep_of(ep: Endpoint) -> str:
+        key = (ep.ip, ep.port)
+        sep = seps.get(key)
+        if sep is None:
+            sep = seps[key] = ch.sep_chain(name, ep.ip, ep.port)
+        return sep
+
     uses_cluster_chain = bool(sets.cluster) and svc.uses_cluster_endpoints
     uses_local_chain = bool(sets.local) and svc.uses_local_endpoints
 
@@ -216,12 +226,10 @@ def render_service(
     if svc.external_policy_local:
         external_policy_chain = local_chain
         has_external = has_external and bool(sets.local)
-    external_chain = ch.ext_chain(name)
     # The EXT chain is needed even without externally-usable endpoints: it holds the short-circuits
     # for pods and for the node itself (SEMANTICS rules 6 and 7).
     uses_external_chain = has_endpoints and svc.externally_accessible
     source_ranges = tuple(str(n) for n in networks_of_family(svc.load_balancer_source_ranges, family))
-    fw = ch.fw_chain(name)
     uses_fw = has_endpoints and bool(lb_ips) and bool(source_ranges)
     lb_chain = fw if uses_fw else external_chain
 
@@ -324,12 +332,12 @@ def render_service(
         own.add(fw, *_comment(f"other traffic to {label} will be dropped by KUBE-PROXY-FIREWALL"))
 
     if uses_cluster_chain:
-        _endpoint_dispatch(ctx, own, svc, cluster_chain, sets.cluster)
+        _endpoint_dispatch(ctx, own, svc, cluster_chain, sets.cluster, sep_of)
     if uses_local_chain:
-        _endpoint_dispatch(ctx, own, svc, local_chain, sets.local)
+        _endpoint_dispatch(ctx, own, svc, local_chain, sets.local, sep_of)
 
     for ep in sets.all_reachable:
-        sep = ch.sep_chain(name, ep.ip, ep.port)
+        sep = sep_of(ep)
         comment = () if ctx.large_cluster else _comment(label)
         # Hairpin: an endpoint reaching itself through the service must be masqueraded.
         own.add(sep, *comment, "-s", ep.ip, "-j", ch.KUBE_MARK_MASQ)
@@ -345,7 +353,8 @@ def render_service(
 
 
 def _endpoint_dispatch(
-    ctx: RenderContext, out: _Builder, svc: ServicePort, chain: str, endpoints: tuple[Endpoint, ...]
+    ctx: RenderContext, out: _Builder, svc: ServicePort, chain: str, endpoints: tuple[Endpoint, ...],
+    sep_of: Callable[[Endpoint], str],
 ) -> None:
     """SVC/SVL chain body: affinity checks first, then the 1/n, 1/(n-1), ... random spread."""
     out.declare(chain)
@@ -356,13 +365,13 @@ def _endpoint_dispatch(
 
     if svc.session_affinity:
         for ep in endpoints:
-            sep = ch.sep_chain(svc.name, ep.ip, ep.port)
+            sep = sep_of(ep)
             out.add(chain, *comment(ep), "-m", "recent", "--name", sep, "--rcheck",
                     "--seconds", str(svc.affinity_timeout_seconds), "--reap", "-j", sep)
     n = len(endpoints)
     for i, ep in enumerate(endpoints):
         stat = ("-m", "statistic", "--mode", "random", "--probability", probability(n - i)) if i < n - 1 else ()
-        out.add(chain, *comment(ep), *stat, "-j", ch.sep_chain(svc.name, ep.ip, ep.port))
+        out.add(chain, *comment(ep), *stat, "-j", sep_of(ep))
 
 
 def render_fragments(
