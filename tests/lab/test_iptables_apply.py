@@ -18,6 +18,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -207,6 +208,34 @@ def test_restarted_full_sync_reads_the_jumps_from_its_save(netns, flavour):
     asked = [c for c in calls if "-C" in c]
     assert len(asked) == 1 and asked[0][asked[0].index("-C") + 1] == "PREROUTING", asked
     assert saved(ns, flavour) == first
+
+
+@pytest.mark.parametrize("max_age", [60.0, 0.0])
+def test_the_first_full_sync_takes_the_save_read_ahead_while_fresh(netns, monkeypatch, max_age):
+    """prefetch() reads the chains while the agent lists; the first full sync then saves nothing
+    itself, unless that read is older than SAVE_AHEAD_MAX_AGE_SECONDS (then it reads again)."""
+    from ebpf_proxy.datapath.iptables import datapath as iptables_datapath
+
+    monkeypatch.setattr(iptables_datapath, "SAVE_AHEAD_MAX_AGE_SECONDS", max_age)
+    ns = netns("node")
+    datapath(ns, "legacy").sync(rich_state(), ChangeSet())
+    first = saved(ns, "legacy")
+    saves: list[str] = []  # the thread of each iptables-save run
+
+    def recording(cmd, stdin=None):
+        if any(word.endswith("-save") for word in cmd):
+            saves.append(threading.current_thread().name)
+        return run_command(cmd, stdin)
+
+    dp = IptablesDatapath(NODE, netns=ns, runner=recording, **FLAVOURS["legacy"])
+    dp.prefetch()
+    dp.sync(rich_state(), ChangeSet())  # waits for the read ahead: filter and nat, then none or both again
+    ahead = ["iptables-save-ahead"] * 2
+    assert saves == (ahead if max_age else [*ahead, "MainThread", "MainThread"]), saves
+    assert saved(ns, "legacy") == first
+    dp.prefetch()  # after a sync: nothing to read ahead
+    dp.sync(rich_state(), ChangeSet())
+    assert len(saves) == (4 if max_age else 6) and saves[-1] == "MainThread"
 
 
 @pytest.mark.parametrize("flavour", sorted(FLAVOURS))
