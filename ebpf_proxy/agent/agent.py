@@ -187,6 +187,7 @@ class Agent:
         # freezes the whole process's heap (a test process's too) and collects it once per sync
         self._settle_heap = settle_heap
         self._settled = False  # whether a full sync settled the heap yet
+        self._initialized = False  # every first list is in (queue_sync)
         if settle_heap:  # the process's heap is the agent's: large blocks go back when freed
             heap.pin_mmap_threshold()
         self._health_check_server = health_check_server
@@ -248,6 +249,14 @@ class Agent:
         self.metrics.invalid_objects.labels(kind=problem.kind, reason=problem.reason).inc()
 
     def queue_sync(self) -> None:
+        """A change to program (kube-proxy's proxier.Sync()): not before every first list is in
+        (its isInitialized), as the first sync takes them all anyway: a first list longer than the
+        health timeout (minutes at 100,000 Services on a slow API server) must not read as a stuck
+        proxier on /livez, nor 200,000 objects each queue a sync."""
+        if not self._initialized:
+            if not all(r.synced.is_set() for r in self.reflectors):
+                return
+            self._initialized = True
         self.health.queued_update()
         self.metrics.last_queued_timestamp.set(self.wall())
         self.runner.request()

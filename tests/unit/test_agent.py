@@ -235,6 +235,30 @@ def test_settle_without_walking_the_frozen_leaves_their_cycles_to_the_next_full_
         gc.unfreeze()
 
 
+def test_nothing_is_queued_until_every_first_list_is_in(agent_parts):
+    """kube-proxy's proxier syncs on a change only once initialized (every first list in): the
+    first sync takes the lists whole. So a first list longer than the health timeout (2 x
+    --sync-period) is not a stuck proxier: /livez stays healthy while starting up."""
+    make, clock, wall = agent_parts
+    agent = make()
+    agent.resolve_mode()
+
+    class Listing:  # a reflector whose first list is under way
+        kind = "Service"
+        synced = threading.Event()
+
+    agent.reflectors.append(Listing())
+    listed(agent, services=[web_service()], slices=[web_slice(endpoint("10.244.1.5", NODE))], nodes=[node(NODE)])
+    wall.t += 10 * agent.config.sync_period  # a long first list
+    assert agent.health.livez()[0] == 200
+    assert metric(agent, "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds") in (None, 0.0)
+    Listing.synced.set()
+    listed(agent, slices=[web_slice(endpoint("10.244.1.6", NODE), rv="2")])  # after the lists: queued
+    assert metric(agent, "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds") == wall.t
+    wall.t += 3 * agent.config.sync_period
+    assert agent.health.livez()[0] == 503, "a change queued and never programmed is stuck"
+
+
 def test_changes_are_synced_partially_and_bounded_in_frequency(agent_parts):
     make, clock, wall = agent_parts
     agent = make()
