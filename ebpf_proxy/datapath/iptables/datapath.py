@@ -214,9 +214,9 @@ class IptablesDatapath(Datapath):
         """Create our top-level chains if missing, then insert each missing jump at the top of its
         built-in chain (kube-proxy's EnsureChain/EnsureRule(Prepend)); built-in chains are never flushed.
 
-        A jump the save just read shows exactly as iptables-save prints it is there; only the
-        others are asked with `iptables -C` (each of those reads the whole table from the kernel:
-        ~0.12 s for the nat table at 10,000 Services, three of them in every restart's sync)."""
+        A jump the save just read holds, spelled as iptables-save prints it, is there; only the
+        others are asked about with `iptables -C` (each of those reads the whole table from the
+        kernel: ~0.12 s for the nat table at 10,000 Services, three of them in a restart's sync)."""
         for table, names in ch.TOP_LEVEL_CHAINS.items():
             for chain in names:
                 if chain not in existing.get(table, {}):
