@@ -186,7 +186,6 @@ class Agent:
         # heap.settle() after each full sync: what `ebpf-proxy run` does; off by default, as it
         # freezes the whole process's heap (a test process's too) and collects it once per sync
         self._settle_heap = settle_heap
-        self._settled = False  # whether a full sync settled the heap yet
         self._initialized = False  # every first list is in (queue_sync)
         if settle_heap:  # the process's heap is the agent's: large blocks go back when freed
             heap.pin_mmap_threshold()
@@ -481,9 +480,7 @@ class Agent:
                 "duration_ms": round(elapsed * 1000, 1), "counts": result.counts if result is not None else {}})
         if any_full and self._settle_heap:
             del taken, state, changes, result  # not kept alive by this frame through the collection
-            # the first: what the lists and this sync built is frozen as built (heap.paused)
-            seconds, frozen = heap.settle(walk_frozen=self._settled)
-            self._settled = True
+            seconds, frozen = heap.settle()
             log.debug("heap settled", extra={"duration_ms": round(seconds * 1000, 1), "objects": frozen})
 
     def _sync_family(self, proxier: FamilyProxier, state: ProxyState, changes: ChangeSet) -> SyncResult | None:

@@ -6,8 +6,7 @@ long-lived objects, and one collection of the oldest generation walks all of the
 survived, at any moment: an endpoint change that lands then waits for it (a 183 ms outlier among
 7 ms changes at 10,000 Services, bench 2026-11-26). After each full sync (start, hourly resync,
 after an error) `settle()` collects once, deliberately, on the sync thread after the kernel is
-programmed, and freezes the survivors (gc.freeze): later collections walk only what is newer
-(the first full sync's settle only what its paused() bodies had not frozen already).
+programmed, and freezes the survivors (gc.freeze): later collections walk only what is newer.
 The model is acyclic (dataclasses, tuples, dicts), so frozen objects are freed by reference
 counting when dropped; a cycle among them waits for the next settle, which unfreezes first.
 """
@@ -22,18 +21,11 @@ import time
 from collections.abc import Iterator
 
 
-def settle(walk_frozen: bool = True) -> tuple[float, int]:
+def settle() -> tuple[float, int]:
     """Collect everything once, then exempt the survivors from automatic collections, and give
-    what was freed back to the system (trim). Returns (seconds it took, objects frozen).
-
-    Without `walk_frozen`, what is frozen already stays so and is not walked: the agent's first
-    full sync, whose model the lists and the sync built in paused() bodies, which froze it as
-    built (at 100,000 Services walking it again took ~0.4 s, with the GIL, right after the sync:
-    the readiness probe waited for it). A cycle among those objects waits for the next full
-    sync's settle (hourly), which walks everything."""
+    what was freed back to the system (trim). Returns (seconds it took, objects frozen)."""
     started = time.monotonic()
-    if walk_frozen:
-        gc.unfreeze()
+    gc.unfreeze()
     gc.collect()
     gc.freeze()
     trim()
