@@ -256,13 +256,12 @@ def _table_drift(table: str, applied: Ruleset, held: Iterable[tuple[str, list[st
     and the chains that repair them, the kernel's chains taken one at a time from `held`: only
     the chains our jumps go in are kept past their comparison."""
     ours = applied.chains(table)
-    jump_chains = {j.chain for j in ch.JUMP_RULES if j.table == table}
     found: dict[str, list[Drift]] = {}
     extra: dict[str, int] = {}
     builtin: dict[str, list[str]] = {}
     missing = set(ours)  # ours' own names: the kernel's are not kept past their chain
     for chain, rules in held:
-        if chain in jump_chains:
+        if chain in ch.JUMP_CHAINS[table]:
             builtin[chain] = rules
         if chain in ours:
             missing.discard(chain)

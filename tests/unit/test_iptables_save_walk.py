@@ -63,13 +63,9 @@ def test_saved_chains_names_every_chain_and_keeps_only_the_rules_asked_for():
 
 def test_the_jumps_saved_line_is_what_iptables_save_prints():
     jump = next(j for j in ch.JUMP_RULES if j.table == "nat" and j.chain == "PREROUTING")
-    assert jump.saved_line in chain_runs_dict(SAVE)["PREROUTING"]
+    assert jump.saved_line in dict(chain_runs(SAVE))["PREROUTING"]
     firewall = next(j for j in ch.JUMP_RULES if not j.args)
     assert firewall.saved_line == f"-A {firewall.chain} -j {firewall.target}"
-
-
-def chain_runs_dict(text: str) -> dict[str, list[str]]:
-    return dict(chain_runs(text))
 
 
 def _applied(n: int, tampered: int | None = None) -> tuple[Ruleset, dict[str, str]]:

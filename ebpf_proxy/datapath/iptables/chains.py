@@ -156,3 +156,9 @@ JUMP_RULES: tuple[JumpRule, ...] = (
     _jump(FILTER, "INPUT", KUBE_FIREWALL, None),
     _jump(FILTER, "OUTPUT", KUBE_FIREWALL, None),
 )
+
+# per table, the built-in chains our jumps go in: the only chains not ours whose rules a full sync
+# and the drift audit read
+JUMP_CHAINS: dict[str, frozenset[str]] = {
+    table: frozenset(j.chain for j in JUMP_RULES if j.table == table) for table in (FILTER, NAT)
+}

@@ -51,8 +51,6 @@ log = logging.getLogger(__name__)
 
 ROUTE_LOCALNET = "net.ipv4.conf.all.route_localnet"
 TCP_BE_LIBERAL = "net.netfilter.nf_conntrack_tcp_be_liberal"
-# per table, the built-in chains our jumps go in: the only chains whose rules a full sync reads
-_JUMP_CHAINS = {table: frozenset(j.chain for j in ch.JUMP_RULES if j.table == table) for table in TABLE_ORDER}
 # a save read ahead (prefetch) older than this when the first full sync starts is read again
 SAVE_AHEAD_MAX_AGE_SECONDS = 10.0
 _MAX_DUPLICATE_JUMPS = 100  # bound on deleting the same jump rule repeatedly in cleanup()
@@ -207,7 +205,7 @@ class IptablesDatapath(Datapath):
         out: dict[str, dict[str, list[str]]] = {}
         for table in TABLE_ORDER:
             text = self._cmd.save(table)
-            out[table] = parse_save(text).get(table, {}) if every_rule else saved_chains(text, _JUMP_CHAINS[table])
+            out[table] = parse_save(text).get(table, {}) if every_rule else saved_chains(text, ch.JUMP_CHAINS[table])
         return out
 
     def _ensure_jumps(self, existing: dict[str, dict[str, list[str]]]) -> None:

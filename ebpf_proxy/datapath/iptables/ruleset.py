@@ -108,10 +108,9 @@ def parse_save(text: str) -> dict[str, dict[str, list[str]]]:
         elif current is None:
             continue
         elif line.startswith(":"):
-            current.setdefault(line[1:].split()[0], [])
+            current.setdefault(_declared_chain(line), [])
         elif line.startswith("-A "):
-            chain = line.split()[1]
-            current.setdefault(chain, []).append(line)
+            current.setdefault(_rule_chain(line), []).append(line)
     return tables
 
 
@@ -138,6 +137,11 @@ def _rule_chain(line: str) -> str:
     return line[3:] if stop < 0 else line[3:stop]
 
 
+def _declared_chain(line: str) -> str:
+    """The chain of a ":CHAIN POLICY [packets:bytes]" line."""
+    return line[1:].split(None, 1)[0]
+
+
 def chain_runs(text: str) -> Iterator[tuple[str, list[str]]]:
     """Each chain of one table's iptables-save text with its "-A" lines, one chain at a time, so
     that a reader holds one chain, not the table: the chains with rules as their rules come
@@ -158,7 +162,7 @@ def chain_runs(text: str) -> Iterator[tuple[str, list[str]]]:
                 chain, rules = name, []
             rules.append(line)
         elif line.startswith(":"):
-            has_rules.setdefault(line[1:].split(None, 1)[0], False)
+            has_rules.setdefault(_declared_chain(line), False)
     if chain is not None:
         yield chain, rules
     for name, read in has_rules.items():
@@ -178,5 +182,5 @@ def saved_chains(text: str, keep_rules: Collection[str]) -> dict[str, list[str]]
             if name in keep_rules:
                 rules.append(line)
         elif line.startswith(":"):
-            chains.setdefault(line[1:].split(None, 1)[0], [])
+            chains.setdefault(_declared_chain(line), [])
     return chains
