@@ -84,8 +84,8 @@ def test_the_datapath_auto_detects_among_the_ip6tables_commands(monkeypatch):
         return FakeIptables._ok("")
 
     dp = IptablesDatapath(NODE6, backend="auto", runner=runner, conntrack=FakeConntrack())
+    assert dp._cmd._restore == ("ip6tables-legacy-restore",)  # waits for the detection's thread
     assert seen == [("ip6tables-legacy-save",)]
-    assert dp._cmd._restore == ("ip6tables-legacy-restore",)
 
 
 # ---- sync, cleanup against a model of ip6tables ----------------------------------------------

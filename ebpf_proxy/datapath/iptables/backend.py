@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import shutil
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +44,22 @@ FAMILIES = (4, 6)
 Run = Callable[[Sequence[str]], "tuple[int, str]"]
 
 
+@dataclass(frozen=True)
+class Detected:
+    """The backend chosen, and the whole iptables-save of it read to decide (None when it was not
+    read, or failed): a datapath's first full sync reads its chains from that save instead of
+    saving again (~0.2 s of a restart at 10,000 Services)."""
+
+    backend: str
+    save: str | None = None
+
+
 def _rules(output: str) -> tuple[int, int]:
-    """(Kubernetes chains, rules) in an iptables-save dump."""
-    lines = output.splitlines()
-    kube = sum(1 for line in lines if line.startswith((":KUBE-", "-A KUBE-")))
-    return kube, sum(1 for line in lines if line.startswith("-A "))
+    """(Kubernetes chains, rules) in an iptables-save dump: lines starting ":KUBE-" or "-A KUBE-",
+    and lines starting "-A ". Counted in place: a save at 10,000 Services has ~110,000 lines,
+    and this runs while the agent lists."""
+    text = "\n" + output
+    return text.count("\n:KUBE-") + text.count("\n-A KUBE-"), text.count("\n-A ")
 
 
 def family_commands(family: int = 4) -> dict[str, dict[str, tuple[str, ...]]]:
@@ -59,16 +71,24 @@ def family_commands(family: int = 4) -> dict[str, dict[str, tuple[str, ...]]]:
 
 def detect(run: Run, prefix: Sequence[str] = (), family: int = 4) -> str:
     """'legacy' or 'nft' (or 'default' when neither variant is installed), for IP `family`."""
+    return detect_reading(run, prefix, family).backend
+
+
+def detect_reading(run: Run, prefix: Sequence[str] = (), family: int = 4) -> Detected:
+    """detect(), with the chosen backend's save output when it was read to decide."""
     table = family_commands(family)
     seen: dict[str, tuple[int, int]] = {}
+    saves: dict[str, str] = {}
     for name in ("legacy", "nft"):
         save = table[name]["iptables_save"]
         if shutil.which(save[0]) is None:
             continue
         code, out = run([*prefix, *save])
         seen[name] = _rules(out) if code == 0 else (0, 0)
+        if code == 0:
+            saves[name] = out
     if not seen:
-        return "default"
+        return Detected("default")
     used = {name: counts for name, counts in seen.items() if counts != (0, 0)}
     if used:
         choice = max(used, key=lambda name: used[name])
@@ -80,7 +100,7 @@ def detect(run: Run, prefix: Sequence[str] = (), family: int = 4) -> str:
         log.info("iptables backend: %s (%s)", choice, why, extra={"backend": choice})
     else:
         log.info("ip6tables backend: %s (%s)", choice, why, extra={"backend": choice, "family": family})
-    return choice
+    return Detected(choice, saves.get(choice))
 
 
 def commands(backend: str, run: Run, prefix: Sequence[str] = (), family: int = 4) -> dict[str, tuple[str, ...]]:

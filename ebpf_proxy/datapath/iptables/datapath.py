@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from ebpf_proxy.datapath.base import Datapath, SyncResult
 from ebpf_proxy.datapath.iptables import chains as ch
 from ebpf_proxy.datapath.iptables.apply import IptablesCommands, Runner, run_command
+from ebpf_proxy.datapath.iptables.backend import Detected, detect_reading, family_commands
 from ebpf_proxy.datapath.iptables.backend import commands as backend_commands
 from ebpf_proxy.datapath.iptables.conntrack import ConntrackCleaner, stale_filters
 from ebpf_proxy.datapath.iptables.render import (
@@ -44,6 +45,7 @@ from ebpf_proxy.datapath.iptables.ruleset import (
     parse_save,
     partial_plan,
     saved_chains,
+    saved_tables,
 )
 from ebpf_proxy.model import ChangeSet, NodeConfig, ProxyState, ServicePortName
 
@@ -94,35 +96,74 @@ class IptablesDatapath(Datapath):
         RenderContext.for_node(node)  # fail at construction on a config the renderer cannot express
         if command_prefix is None:
             command_prefix = ("nsenter", f"--net=/run/netns/{netns}") if netns else ()
-        if iptables_restore is None or iptables_save is None or iptables is None:
+        self._prefix = tuple(command_prefix)
+        self._runner = runner
+        self._given = {"iptables": iptables, "iptables_save": iptables_save, "iptables_restore": iptables_restore}
+        self._commands: IptablesCommands | None = None
+        self._commands_set = threading.Event()
+        self._save_ahead: _SaveAhead | None = None
+        if all(self._given.values()):
+            self._set_commands({})
+        else:
             # an injected runner (tests) gets the system's plain commands unless told otherwise
             chosen = backend or ("default" if runner is not None else "auto")
-            found = backend_commands(chosen, lambda cmd: _status_and_output(runner or run_command, cmd),
-                                     command_prefix, family=node.family)
-            iptables_restore = iptables_restore or found["iptables_restore"]
-            iptables_save = iptables_save or found["iptables_save"]
-            iptables = iptables or found["iptables"]
-        self._cmd = IptablesCommands(
-            iptables=iptables,
-            iptables_save=iptables_save,
-            iptables_restore=iptables_restore,
-            prefix=command_prefix,
-            runner=runner,
-        )
+            if chosen == "auto":
+                family_commands(node.family)  # a family with no commands fails here, not in the thread
+                # decided in a thread, from saves of each backend (~0.3 s at 10,000 Services,
+                # while the agent lists); what needs the commands waits for it (_cmd), and
+                # the first full sync reads the chains from the chosen backend's save
+                self._save_ahead = _SaveAhead(self._detect_and_read, name="iptables-backend")
+            else:
+                self._set_commands(backend_commands(chosen, self._run_for_output, self._prefix, family=node.family))
         self._conntrack = conntrack if conntrack is not None else ConntrackCleaner(netns, family=node.family)
         self._applied: Ruleset | None = None  # what the kernel holds after our last successful restore
         self._fragments: dict[ServicePortName, ServiceRules] = {}
         self._ctx: RenderContext | None = None
         self._state: ProxyState | None = None
         self._drop_invalid = True
-        self._save_ahead: _SaveAhead | None = None
+
+    def _run_for_output(self, cmd: Sequence[str]) -> tuple[int, str]:
+        return _status_and_output(self._runner or run_command, cmd)
+
+    def _set_commands(self, found: Mapping[str, tuple[str, ...]]) -> None:
+        """Use the backend's command tuples `found`, where the constructor was not given its own."""
+        given = {key: value or found[key] for key, value in self._given.items()}
+        self._commands = IptablesCommands(
+            iptables=given["iptables"],
+            iptables_save=given["iptables_save"],
+            iptables_restore=given["iptables_restore"],
+            prefix=self._prefix,
+            runner=self._runner,
+        )
+        self._commands_set.set()
+
+    @property
+    def _cmd(self) -> IptablesCommands:
+        """The commands of the backend in use; with backend auto, once the detection has chosen."""
+        self._commands_set.wait()
+        assert self._commands is not None
+        return self._commands
+
+    def _detect_and_read(self) -> dict[str, dict[str, list[str]]]:
+        """Choose the backend as kube-proxy's iptables-wrapper does (backend.py), then read the
+        existing chains (_existing) from the save of every table the choice was made from."""
+        commands = family_commands(self.node.family)
+        detected = Detected("default")
+        try:
+            detected = detect_reading(self._run_for_output, self._prefix, self.node.family)
+        finally:  # whatever happens, the commands are set: a sync must never wait for ever
+            self._set_commands(commands[detected.backend])
+        if detected.save is None:
+            return self._existing()
+        return saved_tables(detected.save, {table: ch.JUMP_CHAINS[table] for table in TABLE_ORDER})
 
     def prefetch(self) -> None:
         """Read the first full sync's iptables-save now, in a thread, while the agent still lists:
         the save and its reading are ~0.2 s of a restart's sync at 10,000 Services, otherwise
         between the render and the restore. Taken if at most SAVE_AHEAD_MAX_AGE_SECONDS old
         when that sync starts (else read again); a chain or jump someone changes in between is
-        put right by the next full sync, and found by the drift audit before that."""
+        put right by the next full sync, and found by the drift audit before that. With backend
+        auto, the detection's thread has done this already (_detect_and_read)."""
         if self._applied is None and self._save_ahead is None:
             self._save_ahead = _SaveAhead(self._existing)
 
@@ -321,11 +362,11 @@ class IptablesDatapath(Datapath):
 class _SaveAhead:
     """A read of the existing chains (IptablesDatapath._existing) run in a thread of its own."""
 
-    def __init__(self, read: Callable[[], dict[str, dict[str, list[str]]]]) -> None:
+    def __init__(self, read: Callable[[], dict[str, dict[str, list[str]]]], name: str = "iptables-save-ahead") -> None:
         self._done = threading.Event()
         self._result: dict[str, dict[str, list[str]]] | None = None
         self._finished = 0.0
-        threading.Thread(target=self._run, args=(read,), name="iptables-save-ahead", daemon=True).start()
+        threading.Thread(target=self._run, args=(read,), name=name, daemon=True).start()
 
     def _run(self, read: Callable[[], dict[str, dict[str, list[str]]]]) -> None:
         try:

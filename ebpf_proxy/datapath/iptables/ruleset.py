@@ -8,6 +8,7 @@ by chain is then what makes a partial sync: only chains whose text changed are s
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -184,3 +185,21 @@ def saved_chains(text: str, keep_rules: Collection[str]) -> dict[str, list[str]]
         elif line.startswith(":"):
             chains.setdefault(_declared_chain(line), [])
     return chains
+
+
+_TABLE_HEADER = re.compile(r"^\*(\S+)[ \t]*$", re.MULTILINE)
+
+
+def saved_tables(text: str, keep_rules: Mapping[str, Collection[str]]) -> dict[str, dict[str, list[str]]]:
+    """saved_chains() of each table in `keep_rules`, from one iptables-save of every table (the
+    one the backend detection reads). {} for a table the save does not show: the kernel has not
+    made it in this namespace yet, so it holds no chain of ours (a save of that table alone would
+    make it, showing its built-in chains without rules; a full sync creates what it needs either way)."""
+    headers = list(_TABLE_HEADER.finditer(text))
+    sections = {m.group(1): (m.end(), headers[i + 1].start() if i + 1 < len(headers) else len(text))
+                for i, m in enumerate(headers)}
+    out: dict[str, dict[str, list[str]]] = {}
+    for table, keep in keep_rules.items():
+        start, stop = sections.get(table, (0, 0))
+        out[table] = saved_chains(text[start:stop], keep)
+    return out
