@@ -226,9 +226,11 @@ def _control_section(doc: dict, idx: dict) -> list[str]:
     if not modes:
         return []
     lines = ["## Control plane", "",
-             "- full sync: restart one node's agent with every Service present; seconds until its "
-             "/healthz is 200 (process start, initial list and first sync; the agent's own sync "
-             "metric is in results.json);",
+             "- full sync: restart one node's agent with every Service present; seconds from its "
+             "process start to the end of its first sync, the kernel complete (its "
+             "kubeproxy_sync_proxy_rules_last_timestamp_seconds; initial list included), then in "
+             "brackets until its /healthz answered 200 (the probe's period and the agent's heap "
+             "settle later; per run in results.json, with the agent's own sync metric);",
              "- update latency: one endpoint moved at the API server → the node's kernel holds it "
              "(p50 / p99 over every change, ms);",
              f"- burst: {doc.get('parameters', {}).get('burst_changes', 1000):,}-change burst written at once → "
@@ -240,7 +242,8 @@ def _control_section(doc: dict, idx: dict) -> list[str]:
             fs = idx.get(("full_sync", None, mode, n))
             ul = idx.get(("update_latency", None, mode, n))
             bc = idx.get(("burst_converge", None, mode, n))
-            cells += [f"{_fmt(fs['value'])} {_pm(fs)}" if fs else "–",
+            healthy = f" ({_fmt(fs['healthy_s'])})" if fs and fs.get("healthy_s") is not None else ""
+            cells += [f"{_fmt(fs['value'])} {_pm(fs)}{healthy}" if fs else "–",
                       f"{_fmt(ul['p50'])} / {_fmt(ul['p99'])}" if ul else "–",
                       f"{_fmt(bc['value'])} {_pm(bc)}" if bc else "–"]
         rows.append(cells)

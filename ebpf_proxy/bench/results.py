@@ -94,6 +94,8 @@ def summarize_point(point: dict[str, Any]) -> dict[str, Any]:
         row["p99"] = _round(median([r["p99"] for r in point["runs"]]))
     elif metric == "xdp_pps":
         row["sent_pps"] = _round(median([r["sent_pps"] for r in point["runs"]]))
+    elif metric == "full_sync" and point.get("runs") and all("healthy_s" in r for r in point["runs"]):
+        row["healthy_s"] = _round(median([r["healthy_s"] for r in point["runs"]]))  # when /healthz said so
     elif metric == "rss":
         row["value"] = _round(max(values))  # the peak: the most memory the agent needed
         row["by_phase"] = point.get("by_phase", {})

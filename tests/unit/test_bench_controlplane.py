@@ -5,7 +5,9 @@ import os
 import pytest
 
 from ebpf_proxy.bench import controlplane, procstat
-from ebpf_proxy.bench.controlplane import ControlPlaneError, first_sync_seconds, metric_value, wait_until
+from ebpf_proxy.bench.controlplane import (
+    ControlPlaneError, first_sync_seconds, metric_value, programmed_seconds, wait_until,
+)
 from ebpf_proxy.bench.runner import TOPOLOGY
 from ebpf_proxy.bench.services import BenchServices
 from ebpf_proxy.lab.topology import load_topology
@@ -26,6 +28,15 @@ def test_metrics_parsing():
     assert metric_value(METRICS, "nope") is None
     assert first_sync_seconds(METRICS) == 0.75
     assert first_sync_seconds("") is None
+
+
+def test_the_full_sync_ends_when_the_agent_last_synced_after_its_start():
+    """The kernel is complete when the first sync ends (the agent's last-sync timestamp), not
+    when /healthz is next polled; no sync since the start (an agent that never synced, or a
+    timestamp of the agent before) is no figure."""
+    assert programmed_seconds(METRICS, 1.7e9 - 2.25) == pytest.approx(2.25)
+    assert programmed_seconds(METRICS, 1.7e9) is None and programmed_seconds(METRICS, 1.7e9 + 5) is None
+    assert programmed_seconds("", 1.0) is None
 
 
 def test_wait_until():

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from ebpf_proxy.bench import results
+from ebpf_proxy.bench.report import render_markdown
 from ebpf_proxy.bench.results import SUMMARY_KEYS, Results, check, load, summarize, summarize_point
 
 
@@ -99,6 +100,17 @@ def test_control_rows_have_no_percentiles():
     for metric in ("full_sync", "burst_converge", "rss"):
         assert rows[metric]["p50"] is None and rows[metric]["p99"] is None
     assert rows["rss"]["by_phase"]["full_sync"] == 61.0
+
+
+def test_a_full_sync_row_keeps_when_healthz_answered_beside_when_the_kernel_was_complete():
+    point = {"metric": "full_sync", "path": None, "mode": "iptables", "services": 10000, "unit": "s",
+             "values": [1.9, 2.0, 2.1], "runs": [{"seconds": v, "healthy_s": v + 0.1} for v in (1.9, 2.0, 2.1)]}
+    row = summarize_point(point)
+    assert row["value"] == 2.0 and row["healthy_s"] == 2.1
+    assert "healthy_s" not in summarize_point({**point, "runs": [{"seconds": 2.0}]})  # runs before it was kept
+    doc = synthetic_doc(("iptables",), (1,))
+    doc["summary"] = [row if r["metric"] == "full_sync" else r for r in doc["summary"]]
+    assert "| 2 ±5% (2.1) |" in render_markdown(doc, [])
 
 
 def test_rss_is_the_peak_of_the_phases():
