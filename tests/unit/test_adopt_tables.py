@@ -7,6 +7,7 @@ import pickle
 import random
 import socket
 import sys
+from array import array
 
 import pytest
 
@@ -360,6 +361,9 @@ def test_sparse_backend_ids_answer_as_dense_ones():
     assert list(dense.pick([77, 11, 5, 1000, 12, 11])) == [77, 11, 12]
     assert list(dense.ids_except([11, 5, 99_999, 21])) == [12, 22, 77]
     assert list(sparse.ids_except([11, 3_000_000_000])) == [77, 1 << 20, (1 << 32) - 1]
+    for table, records in ((dense, RECORDS), (sparse, want)):  # every id named (and more): none left
+        assert list(table.ids_except(array("I", [*records, 5]))) == [] == list(table.ids_except(iter(records)))
+        assert list(table.ids_except(sorted(records)[1:])) == [min(records)]
     assert (adopt.BackendTable().max_id(), len(adopt.BackendTable()), list(adopt.BackendTable())) == (0, 0, [])
 
 
@@ -594,5 +598,7 @@ def test_by_id_is_a_mapping_of_service_ids_like_a_dict():
     assert len(table) == len(plain) and sorted(table) == sorted(plain)
     assert all(table[i] is plain[i] for i in plain) and all(i in table for i in plain)
     assert 0 not in table and 200 not in table and "x" not in table and table.get(61) is None
+    for i in (*range(-1, 62), "x", None):  # in the list's range, past it, not an id: as the dict
+        assert (i in table) == (i in plain) and table.get(i, "none") == plain.get(i, "none"), i
     assert sorted(e.svc_id for e in table.values()) == sorted(plain)
     assert dict(ById(0, entries.values())) == plain

@@ -260,6 +260,10 @@ class Backends(Mapping[int, Backend]):
         cut = len(self) * _U32.size
         return memoryview(self._packed)[:cut].cast(_ID), self._packed[cut:]
 
+    def id_bytes(self) -> bytes:
+        """The backend ids, in order, as the u32s (native order) they are kept as."""
+        return self._packed[:len(self) * _U32.size]
+
     def map_entries(self) -> MapEntries:
         """(epx_backend key, value) of each backend, packed, in order: what Maps.set_backends()
         writes for items(), as the bytes this holds."""
