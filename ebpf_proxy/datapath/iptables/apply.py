@@ -114,8 +114,17 @@ class IptablesCommands:
     # lack; /proc/sys/net shows the network namespace of the process reading it.
 
     def sysctl_get(self, key: str) -> str | None:
-        """The value, or None when the key does not exist (e.g. conntrack module not loaded)."""
-        result = self._run((*self._prefix, "cat", _sysctl_path(key)), None)
+        """The value, or None when the key does not exist (e.g. conntrack module not loaded).
+        Read by this process where the commands run in its own namespace with the plain runner
+        (the agent): a `cat` each was a process start on a restart's full sync, three of them."""
+        path = _sysctl_path(key)
+        if not self._prefix and self._run is run_command:
+            try:
+                with open(path) as f:
+                    return f.read().strip()
+            except OSError:
+                return None
+        result = self._run((*self._prefix, "cat", path), None)
         return (result.stdout or "").strip() if result.returncode == 0 else None
 
     def sysctl_set(self, key: str, value: str) -> None:
