@@ -100,6 +100,30 @@ def test_backend_ids_if_same_are_those_the_address_lookup_gives(rows, other):
             assert got is None
 
 
+@settings(max_examples=300, deadline=None)
+@given(rows=ROWS, flags=st.lists(st.tuples(st.booleans(), st.booleans()), max_size=12))
+def test_backends_kept_as_they_are_only_where_packing_them_again_gives_the_same_bytes(rows, flags):
+    """A restart's full sync keeps a service port's packed backends (same_v4) instead of packing
+    them again: exactly when of_v4 of the same ids, addresses, ports and flags would equal them."""
+    rows = [(ip, port % (1 << 16), c, loc) for ip, port, c, loc in rows]
+    backends = Backends.of([(100 + i, ip, port, c, loc) for i, (ip, port, c, loc) in enumerate(rows)])
+    if not isinstance(backends, Backends):
+        return
+    v4, ports = b"".join(socket.inet_aton(r[0]) for r in rows), [r[1] for r in rows]
+    ids = backends.ids_if_same(v4, ports)
+    if ids is None:
+        return
+    asked = [(c, loc) for _, _, c, loc in rows]
+    for in_cluster, in_local in ([c for c, _ in asked], [loc for _, loc in asked]), \
+            ([c for c, _ in flags][:len(rows)], [loc for _, loc in flags][:len(rows)]):
+        kept = backends.same_v4(v4, ports, in_cluster, in_local)
+        if len(in_cluster) == len(rows):
+            assert kept == (Backends.of_v4(ids, v4, ports, in_cluster, in_local) == backends)
+        else:
+            assert not kept
+    assert backends.same_v4(v4, ports, [c for c, _ in asked], [loc for _, loc in asked])
+
+
 @given(previous=st.lists(st.integers(min_value=1, max_value=(1 << 32) - 1), min_size=1, max_size=12, unique=True),
        seed=st.randoms(use_true_random=False))
 def test_the_same_backends_keep_their_slots_and_change_in_place(previous, seed):

@@ -121,6 +121,13 @@ def _backend_flags(in_cluster: bool, in_local: bool) -> int:
     return (s.LB4_BE_IN_CLUSTER if in_cluster else 0) | (s.LB4_BE_IN_LOCAL if in_local else 0)
 
 
+def _flag_bytes(in_cluster: Sequence[bool], in_local: Sequence[bool]) -> bytes:
+    """The lb4_backend flags byte of each backend, in order."""
+    if all(in_cluster) and not any(in_local):  # the common case: one flag for all
+        return bytes((s.LB4_BE_IN_CLUSTER,)) * len(in_cluster)
+    return bytes(map(_backend_flags, in_cluster, in_local))
+
+
 class MapEntries(Sequence[tuple[bytes, bytes]]):
     """Packed (key, value) entries of one map held as its keys back to back and its values back
     to back: what BPF_MAP_UPDATE_BATCH takes, so _put_packed hands both over as they are, with
@@ -232,10 +239,7 @@ class Backends(Mapping[int, Backend]):
         view = memoryview(values)
         view.cast(_ID)[0::2] = memoryview(v4).cast(_ID)
         view.cast("H")[2::4] = port_words
-        if all(in_cluster) and not any(in_local):  # the common case: one flag for all
-            values[6::8] = bytes((s.LB4_BE_IN_CLUSTER,)) * n
-        else:
-            values[6::8] = bytes(map(_backend_flags, in_cluster, in_local))
+        values[6::8] = _flag_bytes(in_cluster, in_local)
         return cls(raw_ids + values)
 
     @staticmethod
@@ -300,6 +304,18 @@ class Backends(Mapping[int, Backend]):
             return None
         wanted = _network_ports(ports)
         return ids.tolist() if wanted is not None and view.cast("H")[2::4].tobytes() == wanted.tobytes() else None
+
+    def same_v4(self, v4: bytes, ports: Sequence[int], in_cluster: Sequence[bool],
+                in_local: Sequence[bool]) -> bool:
+        """Whether of_v4(ids_if_same(v4, ports), v4, ports, in_cluster, in_local) would be these
+        very bytes: the same backends in the same order (ids_if_same) and the same flags, pad 0.
+        A restart's full sync then keeps this object for each unchanged service port rather than
+        packing a million backends again only to find them equal."""
+        n = len(self)
+        if len(in_cluster) != n or len(in_local) != n:
+            return False
+        values = self._packed[n * _U32.size:]
+        return values[6::8] == _flag_bytes(in_cluster, in_local) and not any(values[7::8])
 
     def ids_by_address(self) -> dict[tuple[str, int], int]:
         """{(addr, port): id for id, backend in items()}, without making the Backend records (a

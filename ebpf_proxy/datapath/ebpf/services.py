@@ -492,17 +492,22 @@ class ServicePrograms:
         # full sync, bench/cpscale.py)
         sets = reachable(svc, endpoints, topology)
         n = len(sets.ports)
+        kept: Backends | None = None  # old's backends, when they are what would be packed
         if old is None or not old.backends:  # every backend new: ids in order, as next() hands them
             ids = list(itertools.islice(self._next_backend, n))
         elif sets.v4 is not None and type(old.backends) is Backends \
                 and (same := old.backends.ids_if_same(sets.v4, sets.ports)) is not None:
             ids = same  # the same backends in the same order: their ids as they are
+            if old.backends.same_v4(sets.v4, sets.ports, sets.in_cluster, sets.in_local):
+                kept = old.backends
         else:
             known = old.backends.ids_by_address() if type(old.backends) is Backends else \
                 {(be.addr, be.port): bid for bid, be in old.backends.items()}
             next_id = self._next_backend.__next__
             ids = [known.get(key) or next_id() for key in zip(sets.ips(), sets.ports)]
-        if sets.v4 is not None:  # canonical dotted quads: packed from their bytes (Backends.of_v4)
+        if kept is not None:
+            backends: Mapping[int, Backend] = kept
+        elif sets.v4 is not None:  # canonical dotted quads: packed from their bytes (Backends.of_v4)
             backends = Backends.of_v4(ids, sets.v4, sets.ports, sets.in_cluster, sets.in_local)
         else:
             backends = Backends.of(zip(ids, sets.ips(), sets.ports, sets.in_cluster, sets.in_local))
