@@ -2,8 +2,7 @@
 
 Every figure is timed against the kernel (kernelstate), not against what the agent says:
 
-- full sync: restart one node's agent with every Service present, once the machine is quiet
-  (wait_quiet: what else ran, such as the agents' own start, is over), wait until its /healthz
+- full sync: restart one node's agent with every Service present, wait until its /healthz
   answers 200 (which it does only after its first successful sync of everything it listed),
   and take the time from the process's start to that sync's end, when the kernel is complete:
   the agent's kubeproxy_sync_proxy_rules_last_timestamp_seconds, against the wall clock read
@@ -45,55 +44,8 @@ HEALTH_POLL_SECONDS = 0.1
 LAST_SYNC_METRIC = "kubeproxy_sync_proxy_rules_last_timestamp_seconds"
 
 
-# a restart is timed on a quiet machine: every CPU together busy under this share over one
-# window (the initial agents' first full syncs, audits and heap settles, the API server's
-# state file after an install, are over), waiting at most QUIET_TIMEOUT_SECONDS for it. Right
-# after the agents converged at 100,000 Services a restart took ~0.5 s longer (10.5 against
-# 10.0 s, the agent's CPU 10.0 against 9.6 s, on a lab node a minute later)
-QUIET_BUSY = 0.1
-QUIET_WINDOW_SECONDS = 1.0
-QUIET_TIMEOUT_SECONDS = 60.0
-
-
 class ControlPlaneError(RuntimeError):
     pass
-
-
-def read_cpu_times(path: str = "/proc/stat") -> tuple[float, float] | None:
-    """(busy, total) jiffies of every CPU together, from /proc/stat's "cpu" line (idle and
-    iowait are not busy); None where it cannot be read."""
-    try:
-        with open(path) as f:
-            fields = f.readline().split()
-    except OSError:
-        return None
-    if not fields or fields[0] != "cpu" or len(fields) < 5:
-        return None
-    values = [float(v) for v in fields[1:]]
-    total = sum(values[:8])  # user nice system idle iowait irq softirq steal (guest is in user)
-    return total - values[3] - (values[4] if len(values) > 4 else 0.0), total
-
-
-def wait_quiet(max_busy: float = QUIET_BUSY, window: float = QUIET_WINDOW_SECONDS,
-               timeout: float = QUIET_TIMEOUT_SECONDS,
-               read: Callable[[], tuple[float, float] | None] = read_cpu_times,
-               sleep: Callable[[float], None] = time.sleep) -> float | None:
-    """Wait until the machine's CPUs were busy under `max_busy` of their time over one `window`.
-    Returns the seconds waited (windows x `window`), or None when that did not happen within
-    `timeout` (or /proc/stat cannot be read): the caller measures anyway and records it."""
-    waited = 0.0
-    before = read()
-    while before is not None and waited < timeout:
-        sleep(window)
-        waited += window
-        after = read()
-        if after is None:
-            return None
-        busy, total = after[0] - before[0], after[1] - before[1]
-        if total > 0 and busy / total < max_busy:
-            return waited
-        before = after
-    return None
 
 
 def metric_value(text: str, name: str) -> float | None:
@@ -160,9 +112,7 @@ def _healthy(lab: Lab, node: str) -> bool:
 
 
 def full_sync(lab: Lab, node: str, mode: str, timeout: float, agent_args: Sequence[str] = ()) -> dict[str, Any]:
-    """Restart `node`'s agent in `mode`, once the machine is quiet, and time it to its kernel
-    complete and to healthy; its usage since start, too."""
-    quiet = wait_quiet()
+    """Restart `node`'s agent in `mode` and time it to healthy; its usage since start, too."""
     lab.stop_agent(node)
     start, start_wall = time.monotonic(), time.time()
     pid = lab.start_agent(node, mode, wait=False, extra_args=agent_args)
@@ -188,7 +138,7 @@ def full_sync(lab: Lab, node: str, mode: str, timeout: float, agent_args: Sequen
     if programmed is None:
         raise ControlPlaneError(f"agent on {node} ({mode}) healthy after {healthy:.2f} s but its /metrics "
                                 f"(HTTP {status}) has no {LAST_SYNC_METRIC} since it started")
-    return {"seconds": round(programmed, 4), "healthy_s": round(healthy, 4), "quiet_after_s": quiet,
+    return {"seconds": round(programmed, 4), "healthy_s": round(healthy, 4),
             "sync_metric_s": first_sync_seconds(body), "pid": pid,
             "cpu_seconds": round(usage.cpu_seconds, 3), "peak_rss_mib": round(usage.peak_rss_mib, 1)}
 

@@ -226,8 +226,7 @@ def _control_section(doc: dict, idx: dict) -> list[str]:
     if not modes:
         return []
     lines = ["## Control plane", "",
-             "- full sync: restart one node's agent with every Service present, once the machine is "
-             "quiet (its CPUs under 10 % busy over a second); seconds from its "
+             "- full sync: restart one node's agent with every Service present; seconds from its "
              "process start to the end of its first sync, the kernel complete (its "
              "kubeproxy_sync_proxy_rules_last_timestamp_seconds; initial list included), then in "
              "brackets until its /healthz answered 200 (the probe's period and the agent's heap "

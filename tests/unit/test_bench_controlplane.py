@@ -6,8 +6,7 @@ import pytest
 
 from ebpf_proxy.bench import controlplane, procstat
 from ebpf_proxy.bench.controlplane import (
-    ControlPlaneError, first_sync_seconds, metric_value, programmed_seconds, read_cpu_times, wait_quiet,
-    wait_until,
+    ControlPlaneError, first_sync_seconds, metric_value, programmed_seconds, wait_until,
 )
 from ebpf_proxy.bench.runner import TOPOLOGY
 from ebpf_proxy.bench.services import BenchServices
@@ -38,23 +37,6 @@ def test_the_full_sync_ends_when_the_agent_last_synced_after_its_start():
     assert programmed_seconds(METRICS, 1.7e9 - 2.25) == pytest.approx(2.25)
     assert programmed_seconds(METRICS, 1.7e9) is None and programmed_seconds(METRICS, 1.7e9 + 5) is None
     assert programmed_seconds("", 1.0) is None
-
-
-def test_a_restart_waits_for_a_quiet_machine(tmp_path):
-    """wait_quiet: windows until every CPU together was busy under the share asked; None when
-    that never happens within the timeout, or /proc/stat cannot be read (measured anyway)."""
-    stat = tmp_path / "stat"
-    stat.write_text("cpu  100 0 50 800 50 0 0 0 0 0\ncpu0 1 2 3 4\n")
-    assert read_cpu_times(str(stat)) == (150.0, 1000.0)  # idle and iowait are not busy
-    assert read_cpu_times(str(tmp_path / "none")) is None and read_cpu_times(str(stat.parent)) is None
-    # (busy, total) after each window: 50 % busy, 50 %, then 5 %
-    samples = iter([(0, 0), (50, 100), (100, 200), (105, 300)])
-    slept = []
-    assert wait_quiet(0.1, 2.0, 60, read=lambda: next(samples), sleep=slept.append) == 6.0 and slept == [2.0] * 3
-    busy = iter([(i * 90, i * 100) for i in range(100)])
-    assert wait_quiet(0.1, 1.0, 5, read=lambda: next(busy), sleep=lambda _: None) is None
-    assert wait_quiet(read=lambda: None, sleep=lambda _: None) is None
-    assert wait_quiet(read=lambda: (0.0, 0.0), sleep=lambda _: None, timeout=3) is None  # no time passed
 
 
 def test_wait_until():
