@@ -112,7 +112,8 @@ def _healthy(lab: Lab, node: str) -> bool:
 
 
 def full_sync(lab: Lab, node: str, mode: str, timeout: float, agent_args: Sequence[str] = ()) -> dict[str, Any]:
-    """Restart `node`'s agent in `mode` and time it to healthy; its usage since start, too."""
+    """Restart `node`'s agent in `mode` and time it to its kernel complete, and to healthy; its
+    usage since start, too."""
     lab.stop_agent(node)
     start, start_wall = time.monotonic(), time.time()
     pid = lab.start_agent(node, mode, wait=False, extra_args=agent_args)

@@ -151,6 +151,9 @@ class IptablesDatapath(Datapath):
         detected = Detected("default")
         try:
             detected = detect_reading(self._run_for_output, self._prefix, self.node.family)
+        except Exception:  # not seen: each command's failure already counts as "no rules there"
+            log.warning("iptables datapath: the backend detection failed; the system's default "
+                        "iptables commands are used", exc_info=True)
         finally:  # whatever happens, the commands are set: a sync must never wait for ever
             self._set_commands(commands[detected.backend])
         if detected.save is None:
