@@ -88,6 +88,23 @@ def test_the_datapath_auto_detects_among_the_ip6tables_commands(monkeypatch):
     assert seen == [("ip6tables-legacy-save",)]
 
 
+def test_a_failed_detection_falls_back_to_the_default_commands_and_says_so(monkeypatch, caplog):
+    """The detection runs in a thread (IptablesDatapath._detect_and_read): were it to raise, the
+    commands must still be set (a sync waits for them) and the fallback logged."""
+    from ebpf_proxy.datapath.iptables import datapath as iptables_datapath
+
+    def broken(*_args, **_kw):
+        raise RuntimeError("detection broke")
+
+    monkeypatch.setattr(iptables_datapath, "detect_reading", broken)
+    with caplog.at_level(logging.WARNING, logger=iptables_datapath.__name__):
+        dp = IptablesDatapath(NODE6, backend="auto", runner=lambda cmd, stdin=None: FakeIptables._ok(""),
+                              conntrack=FakeConntrack())
+        assert dp._cmd._restore == ("ip6tables-restore",)
+        dp._save_ahead.take(60)  # the thread is done
+    assert any("backend detection failed" in r.getMessage() and r.exc_info for r in caplog.records)
+
+
 # ---- sync, cleanup against a model of ip6tables ----------------------------------------------
 
 
