@@ -158,7 +158,7 @@ class IptablesDatapath(Datapath):
             self._set_commands(commands[detected.backend])
         if detected.save is None:
             return self._existing()
-        return saved_tables(detected.save, {table: ch.JUMP_CHAINS[table] for table in TABLE_ORDER})
+        return saved_tables(detected.save, ch.JUMP_CHAINS)  # keyed by TABLE_ORDER's tables, as _existing reads them
 
     def prefetch(self) -> None:
         """Read the first full sync's iptables-save now, in a thread, while the agent still lists:
