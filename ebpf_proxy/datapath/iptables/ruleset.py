@@ -8,6 +8,7 @@ by chain is then what makes a partial sync: only chains whose text changed are s
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -174,20 +175,37 @@ def chain_runs(text: str) -> Iterator[tuple[str, list[str]]]:
 def saved_chains(text: str, keep_rules: Collection[str]) -> dict[str, list[str]]:
     """Every chain of one table's iptables-save text, with the "-A" lines of the chains in
     `keep_rules` only ([] for the others): what a full sync needs (which chains exist, to delete
-    stale ones, and the built-in chains our jumps go in), without a list of every rule line."""
-    chains: dict[str, list[str]] = {}
-    for line in _lines(text):
-        if line.startswith("-A "):
-            name = _rule_chain(line)
-            rules = chains.setdefault(name, [])
-            if name in keep_rules:
-                rules.append(line)
-        elif line.startswith(":"):
-            chains.setdefault(_declared_chain(line), [])
+    stale ones, and the built-in chains our jumps go in), without a list of every rule line.
+
+    Found by regular expressions that start at a newline (a literal the engine searches for fast),
+    not by walking the lines: at 10,000 Services the text is ~110,000 lines, which the walk took
+    ~0.1 s to read on the agent's start, under the GIL its initial list needs (these take ~0.04 s).
+    The declared chains come first, in order, then any chain that only has rules (iptables-save
+    declares every chain; a hand-made text may not)."""
+    if text.startswith((":", "-A ")):
+        text = "\n" + text  # the first line, too, follows a newline
+    chains: dict[str, list[str]] = {name: [] for name in _DECLARED_CHAIN.findall(text)}
+    for name in dict.fromkeys(_RULE_CHAIN.findall(text)):
+        if name not in chains:
+            chains[name] = []
+    if keep_rules:
+        for line, name in _rules_of(frozenset(keep_rules)).findall(text):
+            chains[name].append(line)
     return chains
 
 
-_TABLE_HEADER = re.compile(r"^\*(\S+)[ \t]*$", re.MULTILINE)
+_DECLARED_CHAIN = re.compile(r"\n:(\S+)")  # ":CHAIN POLICY [packets:bytes]"
+_RULE_CHAIN = re.compile(r"\n-A (\S+)")
+
+
+@functools.lru_cache(maxsize=64)
+def _rules_of(chains: frozenset[str]) -> re.Pattern[str]:
+    """Finds each whole "-A" line of one of `chains` (after a newline), as (line, chain)."""
+    names = "|".join(re.escape(name) for name in sorted(chains))
+    return re.compile(rf"\n(-A ({names})(?:[ \t][^\n]*)?)(?=\n|$)")
+
+
+_TABLE_HEADER = re.compile(r"\n\*(\S+)[ \t]*(?=\n|$)")  # after a newline, as saved_chains' patterns
 
 
 def saved_tables(text: str, keep_rules: Mapping[str, Collection[str]]) -> dict[str, dict[str, list[str]]]:
@@ -195,6 +213,8 @@ def saved_tables(text: str, keep_rules: Mapping[str, Collection[str]]) -> dict[s
     one the backend detection reads). {} for a table the save does not show: the kernel has not
     made it in this namespace yet, so it holds no chain of ours (a save of that table alone would
     make it, showing its built-in chains without rules; a full sync creates what it needs either way)."""
+    if text.startswith("*"):
+        text = "\n" + text  # the first line, too, follows a newline
     headers = list(_TABLE_HEADER.finditer(text))
     sections = {m.group(1): (m.end(), headers[i + 1].start() if i + 1 < len(headers) else len(text))
                 for i, m in enumerate(headers)}
