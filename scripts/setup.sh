@@ -54,10 +54,11 @@ case "${1:-}" in
     *) echo "setup: unknown option $1 (--system, --runtime)" >&2; exit 2 ;;
 esac
 # The package's bytecode, compiled once here as the image's pip install compiles it: the editable
-# install leaves none, and with PYTHONDONTWRITEBYTECODE (the image's and CI's setting) every agent a
-# lab starts would otherwise compile ~150 modules again (~0.2 s of CPU at each start, while its
-# initial list runs). Only what changed since is compiled; a module edited later is compiled in
-# memory as before, never run stale (Python checks each source's mtime and size against its .pyc).
+# install leaves none, and with PYTHONDONTWRITEBYTECODE set (as the image sets it, and as the
+# shells of this project's development machine do) every agent a lab starts would otherwise
+# compile ~150 modules again (~0.2 s of CPU at each start, while its initial list runs). Only what
+# changed since is compiled; a module edited later is compiled in memory as before, never run
+# stale (Python checks each source's mtime and size against its .pyc).
 compile_package() {
     .venv/bin/python -m compileall -q ebpf_proxy >/dev/null
 }

@@ -1,8 +1,8 @@
 """`make setup` leaves the package's bytecode compiled (scripts/setup.sh: compile_package), as the
-image's pip install does: with PYTHONDONTWRITEBYTECODE set (the image's and CI's environment) and an
-editable install, every agent a lab or the bench starts would otherwise compile each module again,
-~0.2 s of CPU while its initial list runs (issue 12: full sync time). Run `make setup` (or
-`make test`, which runs it) after adding a module."""
+image's pip install does: with PYTHONDONTWRITEBYTECODE set (as the image sets it, and as this
+machine's shells do) and an editable install, every agent a lab or the bench starts would otherwise
+compile each module again, ~0.2 s of CPU while its initial list runs (issue 12: full sync time).
+Run `make setup` (or `make test`, which runs it) after adding a module."""
 
 import importlib.util
 import pkgutil
