@@ -11,7 +11,8 @@ from __future__ import annotations
 
 MODES = ("direct", "iptables", "ebpf")
 PROXY_MODES = ("iptables", "ebpf")  # modes that run an agent
-TCP_PATHS = ("clusterip", "nodeport-cluster", "nodeport-local", "clusterip6")
+PODIP = "podip"  # the pod IPs with the mode's agents on: what the mode costs traffic no Service translates
+TCP_PATHS = ("clusterip", "nodeport-cluster", "nodeport-local", "clusterip6", PODIP)
 DIRECT = "direct"
 DIRECT6 = "direct6"  # the pod IPs over IPv6: the physical limit beside clusterip6
 DIRECT_OF = {"clusterip6": DIRECT6}  # the direct path a TCP path compares with (default: DIRECT)

@@ -24,14 +24,17 @@ TCP_PATHS = ("clusterip", "nodeport-cluster", "nodeport-local")
 MODE_COLOURS = {"direct": "tab:gray", "iptables": "tab:orange", "ebpf": "tab:blue"}
 PATH_TITLES = {"clusterip": "ClusterIP (from a pod)", "nodeport-cluster": "NodePort, eTP=Cluster (outside)",
                "nodeport-local": "NodePort, eTP=Local (outside)", "direct": "pod IP, no proxy (baseline)",
-               "clusterip6": "ClusterIP over IPv6 (from a pod)"}
+               "clusterip6": "ClusterIP over IPv6 (from a pod)",
+               "podip": "pod IPs, no Service (from a pod)"}
 # the direct baseline of each path's row (the pod IPs of the same family)
 DIRECT_OF = {"clusterip6": "direct6"}
 
 
 def _table_paths(idx: dict) -> list[str]:
-    """The TCP paths with rows: the IPv6 ClusterIP only in runs that measured it (dual-stack)."""
-    return [*TCP_PATHS] + (["clusterip6"] if any(k[1] == "clusterip6" for k in idx) else [])
+    """The TCP paths with rows: the IPv6 ClusterIP only in runs that measured it (dual-stack), and
+    the pod IPs under the proxy modes' agents (podip) only in runs that measured them (from
+    2026-11-28 on: earlier results.json files have no such point)."""
+    return [*TCP_PATHS] + [p for p in ("clusterip6", "podip") if any(k[1] == p for k in idx)]
 
 
 def _fmt(x: float | None, unit: str = "") -> str:
@@ -103,7 +106,10 @@ def _datapath_section(doc: dict, idx: dict) -> list[str]:
     lines = ["## Data path", "",
              "New TCP connections per second (connect, 5-byte request, reply, close; a new connection "
              "each), and the request latency of those connections (p50 / p99, ms). `direct` is the "
-             "client pod straight to the backend pod IPs, no proxy in the way: the physical limit.", ""]
+             "client pod straight to the backend pod IPs, no proxy in the way: the physical limit."
+             + (" `pod IPs, no Service` is that same traffic with each proxy mode's agents on (its "
+                "`direct` cell is the baseline): what the mode costs traffic no Service translates."
+                if "podip" in _table_paths(idx) else ""), ""]
     rows = []
     for path in _table_paths(idx):
         for n in sizes:

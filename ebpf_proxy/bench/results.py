@@ -26,7 +26,9 @@ percentiles over every change for update_latency, for bpf_ns_per_packet the prog
 time in ns (median over repeats of each repeat's median and p99; bench/bpfcost.py; its
 `load_tc_ingress` / `load_tc_egress` rows are the mean run time of each program on the node a
 ClusterIP load entered, from the kernel's BPF statistics, bench/livecost.py: no percentiles), and
-null for the rest. cpu_per_conn / cpu_per_req (one per conn_rate / udp_rate point) are the machine's
+null for the rest. conn_rate rows of path `podip` (the proxy modes) are `direct`'s traffic, the
+client pod straight to the backend pod IPs, with that mode's agents on (bench/traffic.py:
+podip_point). cpu_per_conn / cpu_per_req (one per conn_rate / udp_rate point) are the machine's
 kernel CPU time (system + irq + softirq of every CPU; the lab's nodes share one kernel) over each
 run's measured window divided by the operations it completed, in µs. xdp_pps rows (bench/xdppps.py)
 are the packets per second an eTP=Local NodePort's node dropped for lack of a local endpoint under
@@ -56,7 +58,7 @@ SUMMARY_KEYS = ("metric", "path", "mode", "services", "value", "unit", "p50", "p
 METRICS = ("conn_rate", "udp_rate", "cpu_per_conn", "cpu_per_req", "bpf_ns_per_packet", "xdp_pps", "update_latency",
            "full_sync", "burst_converge", "rss")
 XDP_PATHS = ("xdp-native", "xdp-generic", "tc-only", "netfilter")  # where the node drops (bench/xdppps.py)
-PATHS = ("clusterip", "nodeport-cluster", "nodeport-local", "clusterip6", "direct", "direct6", "clusterip_syn",
+PATHS = ("clusterip", "nodeport-cluster", "nodeport-local", "clusterip6", "direct", "direct6", "podip", "clusterip_syn",
          "established", "nodeport",
          "load_tc_ingress", "load_tc_egress", *XDP_PATHS, None)
 MODES = ("direct", "iptables", "ebpf")

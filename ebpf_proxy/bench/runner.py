@@ -166,8 +166,15 @@ def mode_unavailable_reason(mode: str) -> str | None:
     return None
 
 
+def mode_steps(mode: str) -> int:
+    """Progress steps of one mode at one size: its IPv4 points (direct: TCP and UDP; a proxy
+    mode: four ClusterIP/NodePort/UDP points and podip), then a proxy mode's full sync, kernel
+    state, update latency and burst, and ebpf's BPF cost."""
+    return 2 if mode == "direct" else 10 if mode == "ebpf" else 9
+
+
 def total_steps(config: BenchConfig, modes: list[str]) -> int:
-    per_size = 1 + sum(2 if m == "direct" else 9 if m == "ebpf" else 8 for m in modes)
+    per_size = 1 + sum(mode_steps(m) for m in modes)
     if config.xdp_seconds > 0:
         per_size += sum(len(xdppps.VARIANTS.get(m, ())) for m in modes)
     return per_size * len(config.services)
@@ -241,7 +248,7 @@ class Bench:
                 self.ui.advance()
                 for mode in modes:
                     if self.results.doc["modes"].get(mode, {}).get("status") == "unavailable":
-                        self.ui.advance(2 if mode == "direct" else 8)
+                        self.ui.advance(mode_steps(mode))
                         continue
                     if mode == "direct":
                         self._direct(size)
@@ -306,7 +313,7 @@ class Bench:
             else:  # never started on this machine: not available here, say why and move on
                 self.results.set_mode_status(mode, "unavailable", f"the {mode} agents did not start: {exc}")
             self.ui.note(f"{mode}: agents did not start: {exc}")
-            self.ui.advance(8)
+            self.ui.advance(mode_steps(mode))
             self._save()
             return
         phases: dict[str, dict[str, dict[str, float]]] = {}
@@ -326,7 +333,7 @@ class Bench:
                                                    "peak_rss_mib": max(r["peak_rss_mib"] for r in runs)}}
         self.ui.advance()
         if "full_sync" not in phases:  # the agent did not come back: nothing else here can be measured
-            self.ui.advance(7)
+            self.ui.advance(mode_steps(mode) - 1)
             return
 
         self.ui.step(f"{size:,} services, {mode}: kernel state")
@@ -340,7 +347,7 @@ class Bench:
 
         meter = procstat.PhaseMeter(self._agent_pids())
         targets = measured_targets(self.services.measured, self.lab.topology, traffic.ENTRY_NODE)
-        points = traffic.proxy_points(mode, targets)
+        points = [*traffic.proxy_points(mode, targets), traffic.podip_point(self.lab.topology, mode)]
         for point in points:
             self._measure_point(point, size)
         if mode == "ebpf":

@@ -100,7 +100,7 @@ def test_every_point_was_measured(quick_run):
         for metric in ("conn_rate", "udp_rate", "cpu_per_conn", "cpu_per_req"):
             assert (metric, "direct", "direct", n) in rows
         for mode in (m for m in running if m != "direct"):
-            for path in ("clusterip", "nodeport-cluster", "nodeport-local"):
+            for path in ("clusterip", "nodeport-cluster", "nodeport-local", "podip"):
                 assert ("conn_rate", path, mode, n) in rows
                 assert ("cpu_per_conn", path, mode, n) in rows
             assert ("udp_rate", "clusterip", mode, n) in rows

@@ -100,3 +100,25 @@ def test_the_ipv6_cluster_ip_row_compares_with_the_ipv6_pod_ips():
     row = next(line for line in render_markdown(r.doc, []).splitlines()
                if line.startswith("| ClusterIP over IPv6") and "| 1 |" in line)
     assert "12,000" in row.split("|")[3] and "9,000" in row.split("|")[4], row  # direct6, then iptables
+
+
+def test_the_pod_ip_row_puts_each_proxy_mode_beside_the_direct_baseline():
+    """podip (the pod IPs with a proxy mode's agents on) is direct's traffic: its row's direct cell is
+    the direct baseline, the others each mode's podip point; runs from before it have no such row."""
+    from ebpf_proxy.bench.results import Results
+    from tests.unit.test_bench_results import rate_point
+
+    doc = synthetic_doc()
+    assert "pod IPs, no Service" not in render_markdown(doc, [])  # no such row, nor its explanation
+    r = Results(doc["parameters"], doc["command"])
+    r.doc = doc
+    r.add_point(rate_point("conn_rate", "podip", "iptables", 1, (4600, 4700, 4500)))
+    r.add_point(rate_point("conn_rate", "podip", "ebpf", 1, (19000, 19100, 18900)))
+    r.finish()
+    assert "what the mode costs traffic no Service translates" in render_markdown(r.doc, [])
+    rows = [line for line in render_markdown(r.doc, []).splitlines() if line.startswith("| pod IPs, no Service")]
+    row = next(line for line in rows if "| 1 |" in line)
+    direct = next(line for line in render_markdown(r.doc, []).splitlines() if line.startswith("| ClusterIP (from a pod)")
+                  and "| 1 |" in line).split("|")[3]
+    cells = row.split("|")
+    assert cells[3] == direct and "4,600" in cells[4] and "19,000" in cells[5], row  # direct, iptables, ebpf

@@ -25,9 +25,9 @@ def test_direct_always_runs_and_unknown_modes_say_why():
 
 def test_steps_and_parameters(tmp_path):
     cfg = BenchConfig(modes=["direct", "iptables"], services=[1, 1000], out_dir=tmp_path)
-    assert total_steps(cfg, cfg.modes) == 2 * (1 + 2 + 8 + 1)  # + the one netfilter xdp_pps variant
+    assert total_steps(cfg, cfg.modes) == 2 * (1 + 2 + 9 + 1)  # + the one netfilter xdp_pps variant
     no_xdp = BenchConfig(modes=["direct", "ebpf"], services=[1], out_dir=tmp_path, xdp_seconds=0)
-    assert total_steps(no_xdp, no_xdp.modes) == 1 + 2 + 9
+    assert total_steps(no_xdp, no_xdp.modes) == 1 + 2 + 10
     params = cfg.parameters()
     json.dumps(params)  # it goes into results.json as is
     assert params["duration_s"] == 5.0 and params["measured_services"] == len(ports.MEASURED_SERVICES)

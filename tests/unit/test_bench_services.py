@@ -197,3 +197,21 @@ def test_an_ipv4_topology_measures_no_ipv6_path():
     svc.point_at_mode("iptables")
     assert "clusterip6" not in measured_targets(svc.measured, v4, "worker1")
     assert [p.path for p in traffic.direct_points(v4)] == ["direct", "direct"]
+
+
+def test_the_pod_ip_point_is_directs_traffic_on_the_modes_own_port(bench_services):
+    """podip: the client pod to both backend pod IPs, as direct, but on a port of the mode's own
+    (PAWS: no ip:port shared with another point, ports.py) that the bench topology's pods listen on."""
+    from ebpf_proxy.bench import traffic
+
+    _, svc = bench_services
+    direct = next(p for p in traffic.direct_points(svc.topology) if p.path == ports.DIRECT and p.proto == "tcp")
+    ports_seen = set()
+    for mode in ports.PROXY_MODES:
+        point = traffic.podip_point(svc.topology, mode)
+        assert (point.metric, point.path, point.mode, point.source) == ("conn_rate", "podip", mode, direct.source)
+        assert [t.rsplit(":", 1)[0] for t in point.targets] == [t.rsplit(":", 1)[0] for t in direct.targets]
+        port = int(point.targets[0].rsplit(":", 1)[1])
+        assert port == ports.tcp_port(mode, ports.PODIP) and port in ports.all_ports()["tcp"]
+        ports_seen.add(port)
+    assert len(ports_seen) == len(ports.PROXY_MODES) and int(direct.targets[0].rsplit(":", 1)[1]) not in ports_seen
