@@ -135,7 +135,8 @@ def podip_point(topology: Topology, mode: str) -> Point:
     """`direct`'s traffic (the client pod straight to both backend pod IPs) with `mode`'s agents
     on: no Service translates it, so what it loses against `direct` is what the mode costs every
     pod's traffic. kube-proxy's iptables mode walks KUBE-SERVICES, one rule per Service port, for
-    each new connection on both nodes (nat PREROUTING); the ebpf programs look it up in a few maps."""
+    each new connection on every node it crosses (nat PREROUTING); the ebpf programs look it up in
+    a few maps."""
     port = ports.tcp_port(mode, ports.PODIP)
     return Point("conn_rate", ports.PODIP, mode, CLIENT_POD,
                  tuple(f"{ip}:{port}" for ip in backend_addresses(topology)))
