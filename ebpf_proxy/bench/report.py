@@ -17,6 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Callable, Iterable
 
+from ebpf_proxy.bench import targets
 from ebpf_proxy.bench.results import MODES
 
 PLOT_FILES = {"conn_rate": "conn_rate.png", "latency_p99": "latency_p99.png", "update_latency": "update_latency.png"}
@@ -99,6 +100,20 @@ def _header(doc: dict) -> list[str]:
         lines.append(f"**Mode {mode} was skipped**: {reason}")
         lines.append("")
     return lines
+
+
+def _targets_section(doc: dict) -> list[str]:
+    """Each target (bench/targets.py) with what this run measured: a target not met is shown
+    with its figure, one this run did not measure says so."""
+    verdicts = targets.evaluate(doc.get("summary", []), doc.get("parameters", {}).get("endpoints_per_service"))
+    words = {True: "met", False: "**not met**", None: "not measured"}
+    rows = [[v.target, v.figure, words[v.met]] for v in verdicts]
+    met = sum(v.met is True for v in verdicts)
+    missed = sum(v.met is False for v in verdicts)
+    return ["## Targets", "",
+            f"The speed and memory targets (README, Benchmarks), read from this run's figures: {met} met, "
+            f"{missed} not met, {len(verdicts) - met - missed} not measured in this run.", ""] \
+        + _table(["target", "this run", "verdict"], rows)
 
 
 def _datapath_section(doc: dict, idx: dict) -> list[str]:
@@ -425,7 +440,7 @@ def write_plots(doc: dict, out_dir: Path) -> list[str]:
 
 def render_markdown(doc: dict, plots: list[str], plot_error: str | None = None) -> str:
     idx = _index(doc.get("summary", []))
-    lines = _header(doc) + _datapath_section(doc, idx) + _bpf_cost_section(doc, idx) + _xdp_section(doc, idx) \
+    lines = _header(doc) + _targets_section(doc) + _datapath_section(doc, idx) + _bpf_cost_section(doc, idx) + _xdp_section(doc, idx) \
         + _control_section(doc, idx) \
         + _kernel_section(doc) \
         + _installs_section(doc) + _unavailable_section(doc)
