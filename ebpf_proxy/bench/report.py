@@ -15,10 +15,10 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable
 
 from ebpf_proxy.bench import targets
-from ebpf_proxy.bench.results import MODES
+from ebpf_proxy.bench.results import MODES, summary_index
 
 PLOT_FILES = {"conn_rate": "conn_rate.png", "latency_p99": "latency_p99.png", "update_latency": "update_latency.png"}
 TCP_PATHS = ("clusterip", "nodeport-cluster", "nodeport-local")
@@ -52,10 +52,6 @@ def _fmt(x: float | None, unit: str = "") -> str:
 
 def _pm(row: dict) -> str:
     return f"±{row['spread'] * 50:.0f}%" if row.get("spread") else "±0%"
-
-
-def _index(summary: Iterable[dict]) -> dict[tuple, dict]:
-    return {(r["metric"], r["path"], r["mode"], r["services"]): r for r in summary}
 
 
 def _modes(doc: dict) -> list[str]:
@@ -117,16 +113,16 @@ def _targets_section(doc: dict) -> list[str]:
 
 
 def _datapath_section(doc: dict, idx: dict) -> list[str]:
-    modes, sizes = _modes(doc), _sizes(doc)
+    modes, sizes, paths = _modes(doc), _sizes(doc), _table_paths(idx)
     lines = ["## Data path", "",
              "New TCP connections per second (connect, 5-byte request, reply, close; a new connection "
              "each), and the request latency of those connections (p50 / p99, ms). `direct` is the "
              "client pod straight to the backend pod IPs, no proxy in the way: the physical limit."
              + (" `pod IPs, no Service` is that same traffic with each proxy mode's agents on (its "
                 "`direct` cell is the baseline): what the mode costs traffic no Service translates."
-                if "podip" in _table_paths(idx) else ""), ""]
+                if "podip" in paths else ""), ""]
     rows = []
-    for path in _table_paths(idx):
+    for path in paths:
         for n in sizes:
             cells = [PATH_TITLES[path], f"{n:,}"]
             for mode in modes:
@@ -439,9 +435,9 @@ def write_plots(doc: dict, out_dir: Path) -> list[str]:
 
 
 def render_markdown(doc: dict, plots: list[str], plot_error: str | None = None) -> str:
-    idx = _index(doc.get("summary", []))
-    lines = _header(doc) + _targets_section(doc) + _datapath_section(doc, idx) + _bpf_cost_section(doc, idx) + _xdp_section(doc, idx) \
-        + _control_section(doc, idx) \
+    idx = summary_index(doc.get("summary", []))
+    lines = _header(doc) + _targets_section(doc) + _datapath_section(doc, idx) + _bpf_cost_section(doc, idx) \
+        + _xdp_section(doc, idx) + _control_section(doc, idx) \
         + _kernel_section(doc) \
         + _installs_section(doc) + _unavailable_section(doc)
     if plots:

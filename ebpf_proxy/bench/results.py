@@ -66,6 +66,11 @@ RATE_METRICS = ("conn_rate", "udp_rate")
 HIGHER_IS_BETTER = frozenset((*RATE_METRICS, "xdp_pps"))
 
 
+def summary_index(summary: Iterable[dict]) -> dict[tuple, dict]:
+    """Summary rows by (metric, path, mode, services): one row per point, as summarize makes them."""
+    return {(r["metric"], r["path"], r["mode"], r["services"]): r for r in summary}
+
+
 def _round(x: float, digits: int = 4) -> float:
     return float(f"{x:.{digits}g}") if x and math.isfinite(x) else x
 

@@ -13,10 +13,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ebpf_proxy.bench import ports
+from ebpf_proxy.bench.results import summary_index
+
 RATIO_SERVICES = 10_000  # the size the connection-rate ratios are asked at
 FLAT_SIZES = (1, 10_000, 100_000)  # the sizes the BPF cost per packet must be flat across
 FLAT_SPREAD = 0.10  # flat: (max - min) / min over FLAT_SIZES
-FLAT_PATHS = ("clusterip_syn", "established", "nodeport")
+FLAT_PATHS = ("clusterip_syn", "established", "nodeport")  # bench/bpfcost.py's PATHS (it needs the eBPF datapath)
 BIG = 100_000  # the control-plane targets at this size ask for 10 endpoints per Service
 BIG_ENDPOINTS = 10
 
@@ -32,7 +35,7 @@ def _ratio(idx: dict, num: str, den: str, limit: float) -> Verdict:
     target = f"{num} ÷ {den}, new connections/s through a ClusterIP at {RATIO_SERVICES:,} Services ≥ {limit:.1f}"
     a = idx.get(("conn_rate", "clusterip", num, RATIO_SERVICES))
     # direct has no ClusterIP: its baseline is the pod IPs (bench/traffic.py)
-    b = idx.get(("conn_rate", "direct" if den == "direct" else "clusterip", den, RATIO_SERVICES))
+    b = idx.get(("conn_rate", ports.DIRECT if den == "direct" else "clusterip", den, RATIO_SERVICES))
     if not a or not b or not b["value"]:
         return Verdict(target, f"not measured: this run has no {num} and {den} rates at that size", None)
     ratio = a["value"] / b["value"]
@@ -78,7 +81,7 @@ def _flat(idx: dict, path: str) -> Verdict:
 def evaluate(summary: Iterable[dict], endpoints_per_service: int | None = None) -> list[Verdict]:
     """Every target against a run's summary rows (results.json `summary`); `endpoints_per_service`
     from its parameters (the 100,000-Service targets ask for 10)."""
-    idx = {(r["metric"], r["path"], r["mode"], r["services"]): r for r in summary}
+    idx = summary_index(summary)
     out = [_ratio(idx, "ebpf", "direct", 1.0), _ratio(idx, "ebpf", "iptables", 1.3)]
     out += [_flat(idx, path) for path in FLAT_PATHS]
     for size, limit in ((RATIO_SERVICES, 2.0), (BIG, 10.0)):
