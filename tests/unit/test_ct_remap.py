@@ -69,7 +69,7 @@ def _judge(table, owners, half) -> bool:
     owner = by_key.get(mp._owner_tuple(flat(hk), flat(hv)))
     decoded = mp._half_is_live(flat(hk), flat(hv), flat(owner) if owner is not None else None, NOW)
     layout = ctscan.Layout(table.key, table.entry)
-    live = ctscan.LiveHalves()
+    live = ctscan.Hashes()
     for k, v in owners:
         for identity in layout.owner_identities(bytes(k), bytes(v)):
             live.add(identity)

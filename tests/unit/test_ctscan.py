@@ -80,7 +80,7 @@ def test_a_half_is_live_for_ctscan_exactly_when_it_is_for_the_decoded_check(tabl
             k = _key(rng, table, s.CT4_SVC)
             fk = flat(k)
             owners[(fk.saddr, fk.daddr, fk.sport, fk.dport, fk.proto)] = (k, _entry(rng, table))
-        live = ctscan.LiveHalves()
+        live = ctscan.Hashes()
         for k, v in owners.values():
             if v.expires > NOW:  # an expired connection is gone: its halves are not live
                 for identity in layout.owner_identities(bytes(k), bytes(v)):
@@ -112,7 +112,7 @@ def test_raw_reads_batches_and_key_walks_alike():
 
 
 def test_live_halves_answers_for_what_was_added_only():
-    live = ctscan.LiveHalves()
+    live = ctscan.Hashes()
     added = [bytes((i % 256, i // 256)) * 5 for i in range(5000)]
     for identity in added:
         live.add(identity)

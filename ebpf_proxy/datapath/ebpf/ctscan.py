@@ -4,9 +4,9 @@ Maps.collect_connections reads all of epx_ct4 (or epx_ct6) each pass, every 10 s
 entry into ctypes copies and keeping them until the halves were judged cost ~100 MiB at the peak
 of a pass over a full epx_ct4 (262,144 entries), most of it kept by the allocator afterwards
 (issue 12). Here a batch stays the bytes the kernel wrote; the fields a pass needs are byte slices
-at the offsets of the structs.py mirrors, and what must outlive a batch is either raw bytes
-appended to one buffer (the halves, judged once every connection is known) or one 64-bit hash
-per live connection and half it honours (LiveHalves): no Python object per entry.
+at the offsets of the structs.py mirrors, and what outlives a batch is one 64-bit hash per half
+a live connection honours, or per half found orphaned (Hashes): no Python object per entry, and
+no entry's bytes beyond its batch.
 
 A half is live when the connection owning it exists, has not expired and still points at it
 (maps._half_is_live, bpf/lib/nat4.h's owner checks). Both sides of that test are byte strings
@@ -25,7 +25,7 @@ from collections.abc import Iterable
 
 from ebpf_proxy.datapath.ebpf import structs as s
 
-_BUCKETS = 256  # LiveHalves: hashes sorted per bucket, so sealing never sorts one big list
+_BUCKETS = 256  # Hashes: sorted per bucket, so sealing never sorts one big list
 
 
 class Layout:
@@ -99,13 +99,17 @@ def raw(items: object, n: int, size: int) -> bytes:
     return b"".join(bytes(item) for item in items[:n])  # type: ignore[index]
 
 
-class LiveHalves:
-    """A set of half identities as 64-bit hashes in sorted arrays: 8 bytes an identity where a set
-    of bytes would take ~100. Add every identity, seal, then ask. Two identities with the same hash
-    (about 1 in 10^8 passes over a full table) keep an orphaned half for as long as the live
-    connection it collides with exists, or until the agent restarts (hash() of bytes is fixed for
-    a process's life, so every pass repeats the collision): a few dozen bytes of table, never a
-    live half deleted."""
+class Hashes:
+    """A set of byte strings as 64-bit hashes in sorted arrays: 8 bytes a member where a set of
+    bytes would take ~100. Add every member, seal, then ask. A string whose hash equals a member's
+    (about 1 in 10^8 passes over a full table) is taken for that member:
+    - as the identity of a half a live connection honours, it keeps an orphaned half for as long
+      as that connection exists, or until the agent restarts (hash() of bytes is fixed for a
+      process's life, so every pass repeats the collision): a few dozen bytes of table, never a
+      live half deleted;
+    - as a half the previous pass found orphaned, it spares that half no pass of grace: the half
+      is still read again with its connection before it is deleted, so only a half whose
+      connection is written in the microseconds between those reads could be lost."""
 
     def __init__(self) -> None:
         self._buckets = [array("q") for _ in range(_BUCKETS)]
