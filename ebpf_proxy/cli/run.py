@@ -6,10 +6,10 @@ import sys
 
 import click
 
-from ebpf_proxy.agent.agent import Agent
-from ebpf_proxy.agent.bareimport import register_bare_packages
 from ebpf_proxy.agent.config import DETECT_LOCAL_MODES, LOG_FORMATS, LOG_LEVELS, MODES, ConfigError, load_config
 from ebpf_proxy.agent.logs import setup_logging
+from ebpf_proxy.bareimport import slim_imports
+from ebpf_proxy.k8s import kubeconfig
 
 EPILOG = """\b
 Examples:
@@ -26,31 +26,6 @@ SIGTERM stops the agent and leaves the datapath in place; `ebpf-proxy cleanup` r
 """
 
 BOOL = "[=BOOL]"
-
-# Imported by the official client when installed, for its dynamic client's schema validation,
-# which the agent never uses: with jsonschema and pydantic's extras it is ~16 MB of the agent's
-# RSS. A deployment installs the agent without it (it is a test dependency, in pyproject's
-# `test` extra); a development venv (the lab, the bench) has it, so the agent keeps it out of
-# its own process to measure, and run, as deployed.
-UNUSED_CLIENT_EXTRAS = ("kubernetes_validate",)
-
-
-def _leave_out_unused_client_extras() -> None:
-    """Make the client's optional `import kubernetes_validate` fail, as where it is not installed
-    (a None entry in sys.modules is Python's way to say "no such module"). Only before the client
-    is loaded: afterwards it would change nothing."""
-    if "kubernetes" not in sys.modules:
-        for name in UNUSED_CLIENT_EXTRAS:
-            sys.modules.setdefault(name, None)
-
-
-def slim_imports() -> None:
-    """What the agent's process leaves out before it imports the client or netlink: the client's
-    unused extras, and the `__init__` of the packages it only needs some submodules of
-    (agent/bareimport.py)."""
-    _leave_out_unused_client_extras()
-    register_bare_packages()
-
 
 def _bool_flag(*names: str, help: str):  # noqa: A002 (click's name)
     """A Go-style bool flag: `--flag` or `--flag=false`, so kube-proxy command lines work unchanged."""
@@ -147,7 +122,11 @@ def run(config_file: str | None, **flags: str | None) -> None:
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     setup_logging(config.log_format, config.log_level)
+    if config.kubeconfig:  # its child reads it while the agent's modules import (k8s/kubeconfig.py)
+        kubeconfig.prefetch(config.kubeconfig)
     slim_imports()
+    from ebpf_proxy.agent.agent import Agent  # here: ~70 ms of imports the kubeconfig child overlaps
+
     agent = Agent(config, settle_heap=True)
     agent.install_signal_handlers()
     sys.exit(agent.run())

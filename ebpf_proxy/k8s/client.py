@@ -7,9 +7,9 @@ so that a malformed object reaches convert.py (which skips it) instead of failin
 client's generated models (with orjson where it reads the text as json would: k8s/jsontext.py).
 
 The agent only reads services, endpointslices and nodes (see resources.AGENT_API_CALLS), by path
-(CollectionGet): the official client loads the kubeconfig or service account and carries the
-requests (auth, TLS, timeouts, urllib3), but its generated API classes and models are never
-imported. CoreV1Api alone brings ~250 model modules, ~21 MiB of the agent's ~86 MiB with one
+(CollectionGet): the official client loads the kubeconfig (in a child, k8s/kubeconfig.py) or the
+service account, and its REST layer carries the requests (auth, TLS, timeouts, urllib3), but its
+generated ApiClient, API classes and models are never imported. CoreV1Api alone brings ~250 model modules, ~21 MiB of the agent's ~86 MiB with one
 Service (issue 12); tests/unit/test_k8s_path_calls.py keeps them out of the agent's process.
 """
 
@@ -18,17 +18,21 @@ from __future__ import annotations
 import logging
 import random
 from typing import Any, Callable, Generator, Iterator
+from urllib.parse import quote
 
 # Submodules by name: `kubernetes.client` is a lazy package whose attributes import the generated
-# API classes and models on first use.
-from kubernetes import config as kconfig
-from kubernetes.client.api_client import ApiClient
+# API classes and models on first use, and `kubernetes.config`'s __init__ imports the kubeconfig
+# loader, which the agent runs in a child (k8s/kubeconfig.py).
+from kubernetes.client import __version__ as CLIENT_VERSION
 from kubernetes.client.configuration import Configuration
 from kubernetes.client.exceptions import ApiException
+from kubernetes.client.rest import RESTClientObject
+from kubernetes.config.config_exception import ConfigException
 from kubernetes.watch.watch import iter_resp_lines
 from urllib3.exceptions import MaxRetryError, ReadTimeoutError
 from urllib3.util.retry import Retry
 
+from ebpf_proxy.k8s import kubeconfig
 from ebpf_proxy.k8s.jsontext import loads
 
 log = logging.getLogger(__name__)
@@ -66,28 +70,48 @@ def _configuration() -> Configuration:
     return configuration
 
 
-def make_api_client(kubeconfig: str = "", master: str = "") -> ApiClient:
-    """An ApiClient for --kubeconfig/--master, or the in-cluster service account."""
-    if kubeconfig:
-        try:
-            api = kconfig.new_client_from_config(config_file=kubeconfig, persist_config=False,
-                                                 client_configuration=_configuration())
-        except Exception as exc:
-            raise ClientConfigError(f"--kubeconfig {kubeconfig}: {exc}") from exc
-        if master:
-            api.configuration.host = master
-        return api
+class KubeApi:
+    """The official client's REST layer (its urllib3 pool: TLS, retries, timeouts) and its
+    Configuration (host, credentials): what the generated ApiClient sends requests through,
+    without the ApiClient itself, whose module imports pydantic and the response models' machinery
+    (~4 MiB of the agent's RSS, issue 12). CollectionGet builds the request the ApiClient would;
+    tests/unit/test_k8s_path_calls.py holds the two byte for byte equal."""
+
+    # the generated ApiClient's default User-Agent (api_client.py), for this client version
+    USER_AGENT = f"OpenAPI-Generator/{CLIENT_VERSION}/python"
+
+    def __init__(self, configuration: Configuration) -> None:
+        self.configuration = configuration
+        self.rest_client = RESTClientObject(configuration)
+
+    def close(self) -> None:
+        self.rest_client.pool_manager.clear()
+
+
+def make_api_client(kubeconfig_path: str = "", master: str = "") -> KubeApi:
+    """The client for --kubeconfig/--master, or the in-cluster service account."""
     configuration = _configuration()
+    if kubeconfig_path:
+        try:
+            kubeconfig.load(kubeconfig_path, configuration)
+        except Exception as exc:
+            raise ClientConfigError(f"--kubeconfig {kubeconfig_path}: {exc}") from exc
+        if master:
+            configuration.host = master
+        return KubeApi(configuration)
     if master:
         configuration.host = master
-        return ApiClient(configuration)
+        return KubeApi(configuration)
+    # the submodule, not `kubernetes.config`: the agent leaves that package's __init__ (which
+    # imports the kubeconfig loader) unrun, see bareimport.py
+    from kubernetes.config.incluster_config import load_incluster_config
     try:
-        kconfig.load_incluster_config(client_configuration=configuration)
-    except kconfig.ConfigException as exc:
+        load_incluster_config(client_configuration=configuration)
+    except ConfigException as exc:
         raise ClientConfigError(
             f"neither --kubeconfig nor --master was given and the in-cluster config is unusable: {exc}"
         ) from exc
-    return ApiClient(configuration)
+    return KubeApi(configuration)
 
 
 # The keywords of the generated list methods (list_node, list_service_for_all_namespaces, ...)
@@ -105,8 +129,16 @@ _QUERY_PARAMETERS = (
 _KEYWORDS = frozenset(keyword for keyword, _ in _QUERY_PARAMETERS)
 
 
+def _query_value(value: Any) -> str:
+    """A query parameter's value as the generated ApiClient writes it (parameters_to_url_query):
+    booleans in lower case, numbers as text, then percent-encoded."""
+    if isinstance(value, bool):
+        value = str(value).lower()
+    return quote(str(value))
+
+
 class CollectionGet:
-    """A LIST or WATCH of one collection, by its path, through the client's ApiClient: the request
+    """A LIST or WATCH of one collection, by its path, through the client's REST layer: the request
     the generated list method (e.g. CoreV1Api.list_node for /api/v1/nodes) sends, with its keywords
     (label_selector=, _continue=, watch=, _request_timeout=, ...), without importing the generated
     API classes and their models (issue 12). As that method with `_preload_content=False`: the
@@ -114,7 +146,7 @@ class CollectionGet:
     Authentication is the client's (BearerToken: a kubeconfig's or the service account's token,
     refreshed by the client), and TLS, retries and timeouts are its urllib3 pool's."""
 
-    def __init__(self, api: ApiClient, path: str) -> None:
+    def __init__(self, api: KubeApi, path: str) -> None:
         self.api = api
         self.path = path
 
@@ -128,11 +160,18 @@ class CollectionGet:
         unknown = sorted(set(params) - _KEYWORDS)
         if unknown:
             raise TypeError(f"GET {self.path}: unknown parameter(s) {', '.join(unknown)}")
-        query = [(name, params[keyword]) for keyword, name in _QUERY_PARAMETERS if params.get(keyword) is not None]
-        method, url, headers, body, post_params = self.api.param_serialize(
-            method="GET", resource_path=self.path, query_params=query,
-            header_params={"Accept": "application/json"}, post_params=[], files={}, auth_settings=["BearerToken"])
-        response = self.api.call_api(method, url, headers, body, post_params, _request_timeout=_request_timeout)
+        configuration = self.api.configuration
+        url = configuration.host + self.path
+        query = [(name, _query_value(params[keyword])) for keyword, name in _QUERY_PARAMETERS
+                 if params.get(keyword) is not None]
+        if query:
+            url += "?" + "&".join(f"{name}={value}" for name, value in query)
+        headers = {"Accept": "application/json", "User-Agent": KubeApi.USER_AGENT}
+        token = configuration.auth_settings().get("BearerToken")  # refreshed by the client's hook, if any
+        if token:
+            headers[token["key"]] = token["value"]
+        response = self.api.rest_client.request("GET", url, headers=headers, body=None, post_params=[],
+                                                _request_timeout=_request_timeout)
         if not 200 <= response.status <= 299:
             response.read()
             raise ApiException.from_response(http_resp=response, body=None, data=None)
@@ -348,7 +387,7 @@ class KubeListWatch:
         return WatchStream(self.kind, response, self.idle_timeout)
 
 
-def agent_collections(api: ApiClient, node_name: str,
+def agent_collections(api: KubeApi, node_name: str,
                       idle_timeout: float = WATCH_IDLE_TIMEOUT_SECONDS) -> dict[str, KubeListWatch]:
     """Services, EndpointSlices and this node's Node: everything the agent watches."""
     return {

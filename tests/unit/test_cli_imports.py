@@ -1,6 +1,6 @@
 """What the agent's process loads: `ebpf-proxy run` must start without the kubernetes client's
 optional extras, which a deployment does not install (they are ~16 MB of RSS in a dev venv), and
-without the package `__init__` of pyroute2 and kubernetes (agent/bareimport.py, ~5.4 MiB)."""
+without the package `__init__` of pyroute2 and kubernetes (bareimport.py, ~5.4 MiB)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ PROBE = """
 import sys
 import ebpf_proxy.cli
 assert "kubernetes" not in sys.modules, "the CLI imports the kubernetes client before any command runs"
-from ebpf_proxy.cli.run import _leave_out_unused_client_extras
+from ebpf_proxy.bareimport import leave_out_unused_client_extras
 {leave_out}
 import ebpf_proxy.k8s.client  # what the agent imports when it starts watching
 print(sorted(m for m in ("kubernetes_validate", "jsonschema") if sys.modules.get(m) is not None))
@@ -19,7 +19,7 @@ print(sorted(m for m in ("kubernetes_validate", "jsonschema") if sys.modules.get
 
 
 def _loaded(leave_out: bool) -> str:
-    code = PROBE.format(leave_out="_leave_out_unused_client_extras()" if leave_out else "")
+    code = PROBE.format(leave_out="leave_out_unused_client_extras()" if leave_out else "")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
@@ -34,13 +34,13 @@ def test_the_extras_are_there_to_leave_out_in_this_venv():
     assert _loaded(leave_out=False) == "['jsonschema', 'kubernetes_validate']"
 
 
-# ---- packages whose __init__ the agent skips (agent/bareimport.py) ------------------------------
+# ---- packages whose __init__ the agent skips (bareimport.py) ------------------------------
 
 # What the agent imports of them: the client and watch (k8s/client.py), netlink (nodeconfig,
 # devices, kernel_nat, iptables/conntrack); then what their package __init__ alone would add.
 NETLINK_AND_CLIENT = """
 import sys
-from ebpf_proxy.cli.run import slim_imports
+from ebpf_proxy.bareimport import slim_imports
 {slim}
 import ebpf_proxy.k8s.client
 from pyroute2.iproute import IPRoute
@@ -75,7 +75,7 @@ def test_a_bare_package_still_gives_what_its_init_exports():
     outside the agent's path (or a missed import) keeps working, only at the memory it costs."""
     code = """
 import sys
-from ebpf_proxy.agent.bareimport import register_bare
+from ebpf_proxy.bareimport import register_bare
 assert register_bare("pyroute2") and not register_bare("pyroute2")
 from pyroute2 import netlink                     # a submodule: no __init__
 assert "pyroute2.ndb.main" not in sys.modules
@@ -102,7 +102,7 @@ def test_the_run_path_imports_only_submodules_of_the_bare_packages():
     from pathlib import Path
 
     import ebpf_proxy
-    from ebpf_proxy.agent.bareimport import AGENT_BARE_PACKAGES
+    from ebpf_proxy.bareimport import AGENT_BARE_PACKAGES
 
     root = Path(ebpf_proxy.__file__).parent
     files = [f for part in RUN_PATH for f in ((root / part).rglob("*.py") if (root / part).is_dir() else [root / part])]

@@ -332,7 +332,7 @@ def captured(monkeypatch):
         def run(self):
             return 0
 
-    monkeypatch.setattr("ebpf_proxy.cli.run.Agent", FakeAgent)
+    monkeypatch.setattr("ebpf_proxy.agent.agent.Agent", FakeAgent)  # `run` imports it when it runs
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     yield seen

@@ -14,7 +14,7 @@ from kubernetes import client as kclient
 from kubernetes.client.exceptions import ApiException
 from kubernetes.client.rest import RESTResponse
 
-from ebpf_proxy.k8s.client import PROXY_LABEL_SELECTOR, CollectionGet, agent_collections, make_api_client
+from ebpf_proxy.k8s.client import PROXY_LABEL_SELECTOR, CollectionGet, KubeApi, agent_collections, make_api_client
 
 # each collection of the agent, and the generated method that lists it
 GENERATED = {
@@ -53,10 +53,18 @@ class Recorder:
         return RESTResponse(FakeHTTPResponse(self.status, self.data))
 
 
-def _api(recorder: Recorder, **configuration) -> kclient.ApiClient:
+def _api(recorder: Recorder, **configuration) -> KubeApi:
+    """The agent's client (KubeApi), answering through `recorder`."""
     api = make_api_client(master="https://192.0.2.1:6443")
     for key, value in configuration.items():
         setattr(api.configuration, key, value)
+    api.rest_client = recorder
+    return api
+
+
+def _generated_api(recorder: Recorder, **configuration) -> kclient.ApiClient:
+    """The generated methods' ApiClient, on the same configuration, answering through `recorder`."""
+    api = kclient.ApiClient(_api(Recorder(), **configuration).configuration)
     api.rest_client = recorder
     return api
 
@@ -68,7 +76,7 @@ def test_a_path_call_sends_what_the_generated_method_sends(path):
     response back."""
     by_path, generated = Recorder(), Recorder()
     token = {"api_key": {"BearerToken": "Bearer s3cr3t"}}
-    path_call, method = CollectionGet(_api(by_path, **token), path), GENERATED[path](_api(generated, **token))
+    path_call, method = CollectionGet(_api(by_path, **token), path), GENERATED[path](_generated_api(generated, **token))
     for kwargs in CALLS:
         ours, theirs = path_call(**kwargs), method(**kwargs)
         assert ours is not None and type(ours) is type(theirs)
@@ -85,7 +93,7 @@ def test_an_error_status_raises_the_generated_methods_exception():
     with pytest.raises(ApiException) as ours:
         CollectionGet(_api(Recorder(410, body)), "/api/v1/services")(watch=True, resource_version="1")
     with pytest.raises(ApiException) as theirs:
-        GENERATED["/api/v1/services"](_api(Recorder(410, body)))(watch=True, resource_version="1",
+        GENERATED["/api/v1/services"](_generated_api(Recorder(410, body)))(watch=True, resource_version="1",
                                                                   _preload_content=False)
     assert type(ours.value) is type(theirs.value)
     assert (ours.value.status, ours.value.reason, ours.value.body) == (theirs.value.status, theirs.value.reason,
@@ -114,7 +122,7 @@ AGENT_RUN = textwrap.dedent("""
     import sys, threading, time
     from ebpf_proxy.cli import main
     main.get_command(None, "run")
-    from ebpf_proxy.cli.run import slim_imports
+    from ebpf_proxy.bareimport import slim_imports
     slim_imports()
     import ebpf_proxy.datapath.ebpf.datapath, ebpf_proxy.datapath.iptables.datapath
     from ebpf_proxy.agent.agent import Agent
@@ -132,8 +140,18 @@ AGENT_RUN = textwrap.dedent("""
                           "status": {"addresses": [{"type": "InternalIP", "address": "192.168.1.10"}]}})
     store.create("Service", svc("web"))
     created = []
-    config = load_config({"hostname_override": "n1", "master": server.url, "mode": "iptables",
-                          "min_sync_period": "0s", "metrics_bind_address": "", "healthz_bind_address": ""})
+    connect = {"master": server.url}
+    if USE_KUBECONFIG:  # the server named in a kubeconfig file, with a token, as a DaemonSet's
+        import json, tempfile
+        path = tempfile.mktemp(suffix=".kubeconfig")
+        with open(path, "w") as f:
+            json.dump({"apiVersion": "v1", "kind": "Config", "current-context": "c",
+                       "clusters": [{"name": "k", "cluster": {"server": server.url}}],
+                       "users": [{"name": "u", "user": {"token": "s3cr3t"}}],
+                       "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}]}, f)
+        connect = {"kubeconfig": path}
+    config = load_config({"hostname_override": "n1", "mode": "iptables", "min_sync_period": "0s",
+                          "metrics_bind_address": "", "healthz_bind_address": "", **connect})
     agent = Agent(config, datapath_factory=lambda mode, node, **opts: created.append(FakeDatapath(node)) or created[-1],
                   local_addresses=lambda: ["192.168.1.10"])
     threading.Thread(target=agent.run, daemon=True).start()
@@ -152,13 +170,22 @@ AGENT_RUN = textwrap.dedent("""
     agent.stop()
     server.stop()
     print(sorted(m for m in sys.modules if m.startswith(("kubernetes.client.api.", "kubernetes.client.models."))))
-    print("kubernetes.client.api_client" in sys.modules)
+    print(sorted(m for m in LEFT_OUT if m in sys.modules))
+    print("kubernetes.client.rest" in sys.modules)
 """)
 
+# What the agent's process must not load either (k8s/kubeconfig.py, KubeApi): the kubeconfig loader
+# and what it imports (requests-oauthlib, requests), the generated ApiClient and pydantic, ~10 MiB
+LEFT_OUT = ("kubernetes.config.kube_config", "requests_oauthlib", "requests", "kubernetes.client.api_client",
+            "pydantic")
 
-def test_the_agent_never_imports_the_generated_api_classes_or_models():
-    out = subprocess.run([sys.executable, "-c", AGENT_RUN], capture_output=True, text=True, timeout=120)
+
+@pytest.mark.parametrize("use_kubeconfig", [False, True], ids=["master", "kubeconfig"])
+def test_the_agent_never_imports_the_generated_api_classes_or_models(use_kubeconfig):
+    code = AGENT_RUN.replace("USE_KUBECONFIG", str(use_kubeconfig)).replace("LEFT_OUT", repr(LEFT_OUT))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
-    generated, client_loaded = out.stdout.splitlines()[-2:]
+    generated, left_out, client_loaded = out.stdout.splitlines()[-3:]
     assert client_loaded == "True", "the agent did not use the official client at all"
     assert generated == "[]", f"the agent imported generated client modules: {generated[:500]}"
+    assert left_out == "[]", f"the agent imported what it leaves to the kubeconfig child: {left_out}"
