@@ -2,10 +2,11 @@
 
 The loader (kubernetes.config.kube_config) imports, at module level, what only some kubeconfigs
 need: requests and requests-oauthlib (OIDC), the generated ApiClient and pydantic, dateutil,
-google-auth when installed. That is ~10 MiB of a 1-Service agent's ~56 MiB RSS (issue 12), for
-a file read once at start. So `load` runs the official loader in a child process
-(`python -m ebpf_proxy.k8s.kubeconfig FILE DIR`): it resolves the current context as the client
-would (server, CA, client certificate and key, token or tokenFile, TLS server name, proxy), writes
+google-auth when installed. With the ApiClient, which the agent no longer uses either
+(client.KubeApi), that was ~13 MiB of a 1-Service agent's 57 MiB RSS (issue 12), for a file read
+once at start. So `load` runs the official loader in a child process (`python -m
+ebpf_proxy.k8s.kubeconfig FILE DIR`): it resolves the current context as the client would
+(server, CA, client certificate and key, token or tokenFile, TLS server name, proxy), writes
 inline certificate data to files in DIR, which the agent keeps for its life, and prints the
 resolved settings as JSON. The agent copies them into its own client Configuration.
 
@@ -42,7 +43,10 @@ def prefetch(path: str) -> None:
     """Start reading the kubeconfig at `path` now, so that the child runs while the agent imports
     and starts (`ebpf-proxy run` calls this first): `load` then finds it done or nearly."""
     if path not in _started:
-        _started[path] = _Child(path)
+        try:
+            _started[path] = _Child(path)
+        except OSError:  # no temporary directory, no interpreter: `load` tries again, and says why
+            pass
 
 
 def load(path: str, configuration: Any) -> None:
