@@ -108,8 +108,8 @@ class SharedNode:
         self.handover_in = False  # the IPv4 mode switch in (EbpfDatapath.expect_handover)
         self._watcher: devices.LinkWatcher | None = None
         self._ct_usage: tuple[float, dict[int, ConntrackUsage]] | None = None  # (when, the last GC pass)
-        # held by each pass that reads a whole table into memory: a GC pass, the drift audit's
-        # read-back (whole_map_pass). One at a time, so their peaks never add up
+        # held by each pass over a whole table: a GC pass, the drift audit's read-back
+        # (whole_map_pass). One at a time, so their peaks and CPU never add up
         self._pass_lock = threading.Lock()
         self._ct_gc_stop: threading.Event | None = None
 
@@ -265,10 +265,9 @@ class SharedNode:
     def whole_map_pass(self) -> Iterator[None]:
         """Hold off the connection GC while the caller reads whole tables into memory (the drift
         audit's read-back, when the sums differ: ~25 MiB more at 100,000 Services x 10 endpoints,
-        measured). A GC pass over a full
-        connection table holds its 262,144 entries' bytes too (~13 MB as IPv4 halves and
-        connections): were the two to overlap, their peaks would add up. A GC pass due
-        meanwhile is skipped, as when one is already running: the next comes a period later."""
+        measured). A GC pass over a full connection table holds ~2 MB of hashes (ctscan.Hashes)
+        and a CPU for ~0.6 s: the two stay apart. A GC pass due meanwhile is skipped, as when one
+        is already running: the next comes a period later."""
         with self._pass_lock:
             yield
 
