@@ -9,8 +9,9 @@ client's generated models (with orjson where it reads the text as json would: k8
 The agent only reads services, endpointslices and nodes (see resources.AGENT_API_CALLS), by path
 (CollectionGet): the official client loads the kubeconfig (in a child, k8s/kubeconfig.py) or the
 service account, and its REST layer carries the requests (auth, TLS, timeouts, urllib3), but its
-generated ApiClient, API classes and models are never imported. CoreV1Api alone brings ~250 model modules, ~21 MiB of the agent's ~86 MiB with one
-Service (issue 12); tests/unit/test_k8s_path_calls.py keeps them out of the agent's process.
+generated ApiClient, API classes and models are never imported. CoreV1Api alone brings ~250
+model modules, ~21 MiB of the agent's ~86 MiB with one Service (issue 12);
+tests/unit/test_k8s_path_calls.py keeps them out of the agent's process.
 """
 
 from __future__ import annotations

@@ -1271,7 +1271,8 @@ class Maps:
                 collected += self._delete_if_unchanged(key, entry)
         orphans.seal()
         self._orphans = orphans
-        return ConntrackUsage(entries=entries - collected, capacity=capacity, connections=owners - gone, collected=collected)
+        return ConntrackUsage(entries=entries - collected, capacity=capacity, connections=owners - gone,
+                              collected=collected)
 
     def _delete_if_unchanged(self, key: s.CT4Key, seen: s.CT4Entry) -> bool:
         """Delete connection-table entry `key` if it still holds `seen`: one written again since the
