@@ -1249,17 +1249,21 @@ class Maps:
         for keys, values, n in self._ct_batches():
             kb, vb = ctscan.raw(keys, n, ksz), ctscan.raw(values, n, vsz)
             for i in range(n):
+                is_connection = kb[i * ksz + kind_at] == s.CT4_SVC
+                if is_connection and not pressed:
+                    continue  # judged by the first read
                 k, v = kb[i * ksz:(i + 1) * ksz], vb[i * vsz:(i + 1) * vsz]
-                if k[kind_at] == s.CT4_SVC:
-                    if pressed and k[layout.proto] in _CLOSABLE and v[layout.flags] & s.CT4_F_CLOSING:
+                if is_connection:
+                    if k[layout.proto] in _CLOSABLE and v[layout.flags] & s.CT4_F_CLOSING:
                         gone += 1
                         collected += self._delete_if_unchanged(table.key.from_buffer_copy(k), v)
                     continue
                 identity = layout.half_identity(k, v)
                 if identity is not None and (identity in live or (not pressed and identity in closing)):
                     continue
-                if k + v not in self._orphans:
-                    orphans.add(k + v)  # perhaps a connection being (re-)created: next pass
+                half = k + v
+                if half not in self._orphans:
+                    orphans.add(half)  # perhaps a connection being (re-)created: next pass
                     continue
                 key, entry = table.key.from_buffer_copy(k), table.entry.from_buffer_copy(v)
                 fk, fv = flat(key), flat(entry)
