@@ -85,9 +85,6 @@ class KubeApi:
         self.configuration = configuration
         self.rest_client = RESTClientObject(configuration)
 
-    def close(self) -> None:
-        self.rest_client.pool_manager.clear()
-
 
 def make_api_client(kubeconfig_path: str = "", master: str = "") -> KubeApi:
     """The client for --kubeconfig/--master, or the in-cluster service account."""
