@@ -2,8 +2,9 @@
 
 A point is one (mode, path, protocol) at one size: the load generator runs inside the source's
 netns (a pod, or the client outside the cluster) against the path's address, `repeats` times,
-the first run after a warm-up. Before each point the node namespaces' conntrack tables are
-flushed, so a point never pays for the entries an earlier one left (shared/PLATFORM.md pitfall 6).
+the first run after a warm-up. Before each point the nodes' connection tables (the kernel's
+conntrack, and ebpf mode's epx_ct4) are flushed, so a point never pays for the entries an earlier
+one left (shared/PLATFORM.md pitfall 6).
 
 Clients open many short connections, so their namespaces get the whole ephemeral port range and
 TIME_WAIT reuse (per-netns sysctls, set on the lab's own namespaces only): without it a few
@@ -12,7 +13,6 @@ seconds at 10k conn/s would exhaust the default 28k ports and measure port exhau
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -158,16 +158,6 @@ def prepare_clients(lab: Lab) -> None:
             nsexec.run(lab.netns_of(where), ["sysctl", "-q", "-w", f"{key}={value}"], check=True)
 
 
-def flush_conntrack(lab: Lab) -> bool:
-    """Empty every node's conntrack table; False (nothing done) when conntrack is not installed."""
-    if shutil.which("conntrack") is None:
-        return False
-    for node in lab.topology.nodes:
-        # exit 1 with "0 flow entries" when the table is empty or conntrack is not loaded there
-        nsexec.run(lab.netns_of(node.name), ["conntrack", "-F"], timeout=30)
-    return True
-
-
 def measure(lab: Lab, point: Point, settings: Settings, binary: Path,
             on_run: Callable[[int, LoadResult], None] | None = None) -> PointResult:
     """Run the point: conntrack flushed, warm-up, then `settings.repeats` measured runs.
@@ -175,7 +165,7 @@ def measure(lab: Lab, point: Point, settings: Settings, binary: Path,
     A run with more than 1% of its operations failing (timeouts, resets, refusals) makes the point
     failed: such a rate measures a broken path, not a fast or slow one."""
     result = PointResult(point)
-    if not flush_conntrack(lab):
+    if not lab.flush_connections():
         result.notes.append("conntrack not installed: tables not flushed between points")
     netns = lab.netns_of(point.source)
     backends = backend_pods(lab.topology)

@@ -398,6 +398,29 @@ class Lab:
     def exec(self, where: str, argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
         return nsexec.run(self.netns_of(where), argv, cgroup=self.cgroup_of(where), **kwargs)
 
+    def flush_connections(self) -> bool:
+        """Forget every node's tracked connections, as `conntrack -F` does for kube-proxy, so
+        what comes next is judged as new connections only: the kernel's conntrack table and,
+        where an ebpf agent runs, its connection tables (epx_ct4, epx_ct6), which `conntrack -F`
+        does not see. Without the second, a probe that reuses the source port of an earlier,
+        unanswered attempt follows that attempt's translation for tcp_syn_timeout (120 s), as a
+        conntrack entry would. Returns False when conntrack is not installed (the kernel's
+        tables were left as they were)."""
+        kernel = shutil.which("conntrack") is not None
+        for node in self.topology.nodes:
+            if kernel:  # exit 1 with "0 flow entries" when the table is empty or not loaded there
+                self.exec(node.name, ["conntrack", "-F"], check=False, capture_output=True, timeout=30)
+            if self.data["agents"].get(node.name, {}).get("mode") == "ebpf":
+                from ebpf_proxy.datapath.ebpf import pins  # the map code, for ebpf labs only
+
+                maps = pins.open_maps(self.dir / "bpffs" / node.name)
+                try:
+                    for table in ("epx_ct4", "epx_ct6"):
+                        maps.clear(table)
+                finally:
+                    maps.close()
+        return kernel
+
     def iptables_save(self, where: str, table: str | None = None) -> str:
         """iptables-save of both backends inside WHERE (the agent picks legacy or nft: see
         datapath/iptables/backend.py), so a reader never misses rules kept in the other one."""

@@ -619,8 +619,7 @@ def run_world(lab, world: World, data: dict[str, Any] | None = None) -> list[Res
     names = {f"{s['ns']}/{s['name']}" for s in services}
     objects = [service_object(s) for s in services] + [slice_object(sl) for sl in world.slices if sl["service"] in names]
     text = yaml.safe_dump_all(objects)
-    for node in lab.topology.nodes:  # new connections only: no conntrack entry of an earlier world decides a probe
-        lab.exec(node.name, ["conntrack", "-F"], check=False, capture_output=True)
+    lab.flush_connections()  # new connections only: no tracked connection of an earlier world decides a probe
     judge = Judge(lab, data)
     try:
         lab.apply_manifests(text, world.id)
