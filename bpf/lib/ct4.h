@@ -310,6 +310,21 @@ static __always_inline int ct4_rev_dnat_owns(const struct ct4_entry *owner, cons
 	       ct4_wire_port(owner, cport) == key->dport;
 }
 
+/* Whether a packet with TCP flags `tcp` that meets a half of `owner_flags`'s connection belongs to
+ * another connection: a SYN, or the backend's SYN-ACK, cannot be part of a connection that has
+ * closed (a FIN or RST seen; a SYN through its frontend here reopens it before any half sees the
+ * packet). It is a new connection of the same client port, toward another frontend that another
+ * node translated to the same backend (connect() picks ports per destination): it addresses the
+ * backend itself, and its tuple there is the closed connection's (its CT4_REV_DNAT half's; its
+ * CT4_SNAT half's, when that was masqueraded). netfilter keeps the two apart where they meet
+ * (nf_nat_core.c get_unique_tuple: the new one's null binding, with another source port where the
+ * tuples clash); here the closed connection is over and is forgotten whole, and the new one
+ * passes as it came. Both families use this. */
+static __always_inline int ct_syn_of_another(__u8 proto, __u8 tcp, __u8 owner_flags)
+{
+	return proto == IPPROTO_TCP && (tcp & EPX_TCP_SYN) && (owner_flags & CT4_F_CLOSING);
+}
+
 /* Whether the CT4_REV_DNAT half at `key` answers a live connection: a new connection of that
  * client port toward that backend would clash with it. Read only: an expired owner stays for
  * the lookups that remove it. */

@@ -132,6 +132,14 @@ static __always_inline __u32 nat4_snat(struct __sk_buff *skb, struct pkt4 *p, co
 			epx_delete(epx_ct4, &key); /* left behind by an earlier connection */
 		return 0;
 	}
+	if (ct_syn_of_another(p->proto, p->tcp_flags, owner->flags)) {
+		if (!tr) {
+			key = ct4_key_make(p->saddr, half->svc_addr, ct4_snat_cport(half, &key), half->svc_port, p->proto,
+					   CT4_SVC);
+			ct4_forget(&key, owner);
+		}
+		return 0;
+	}
 	if (tr) {
 		tr->flags |= EPX_TRACE_F_SNAT;
 		tr->snat_addr = half->nat_addr;
@@ -184,6 +192,13 @@ static __always_inline __u32 nat4_rev_dnat(struct __sk_buff *skb, struct pkt4 *p
 	if (!ct4_rev_dnat_owns(owner, &key, cport)) {
 		if (!tr)
 			epx_delete(epx_ct4, &key);
+		return 0;
+	}
+	if (ct_syn_of_another(p->proto, p->tcp_flags, owner->flags)) {
+		if (!tr) {
+			key = ct4_key_make(p->daddr, half->svc_addr, cport, half->svc_port, p->proto, CT4_SVC);
+			ct4_forget(&key, owner);
+		}
 		return 0;
 	}
 	if (!tr)

@@ -122,6 +122,11 @@ static __always_inline __u32 nat6_snat(struct __sk_buff *skb, struct scratch6 *s
 			epx_delete(epx_ct6, &s->key); /* left behind by an earlier connection */
 		return 0;
 	}
+	if (ct_syn_of_another(p->proto, p->tcp_flags, owner->flags)) {
+		if (!tr)
+			ct6_forget(s, &s->owner, owner); /* ct6_owner left its key in s->owner */
+		return 0;
+	}
 	addr = half->nat_addr;
 	port = half->nat_port;
 	trace_snat6(tr, &addr, port);
@@ -181,6 +186,11 @@ static __always_inline __u32 nat6_rev_dnat(struct __sk_buff *skb, struct scratch
 	if (!ct6_rev_dnat_owns(owner, &s->key, cport)) {
 		if (!tr)
 			epx_delete(epx_ct6, &s->key);
+		return 0;
+	}
+	if (ct_syn_of_another(p->proto, p->tcp_flags, owner->flags)) {
+		if (!tr)
+			ct6_forget(s, &s->owner, owner); /* ct6_owner left its key in s->owner */
 		return 0;
 	}
 	if (!tr)

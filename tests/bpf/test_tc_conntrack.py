@@ -163,6 +163,73 @@ def test_reply_half_without_its_connection_is_ignored_and_removed(datapath, maps
     assert not maps.connections() or all(c.kind != s.CT4_REV_DNAT for c in maps.connections())
 
 
+@pytest.mark.parametrize("closed_by", ["client first", "backend first", "reset"])
+def test_a_syn_ack_of_a_connection_another_node_translated_is_not_taken_by_a_closed_ones_half(datapath, maps,
+                                                                                            closed_by):
+    """A pod's connection through the clusterIP ends; the pod reuses its port toward another
+    frontend, which another node translates to the same backend (connect() picks ports per
+    destination). Both are one tuple at the backend: the new one's packets pass here as they
+    came, and the closed one's reply half must not give the backend's SYN-ACK the old frontend.
+    netfilter keeps the second apart (nf_nat_core.c get_unique_tuple: its null binding gets
+    another source port); the truth table (tests/e2e/test_local_traffic.py) lost an attempt so,
+    now and then, until the closed connection was forgotten on such a SYN-ACK."""
+    w.install(maps, w.web(cluster=(w.REMOTE_EP,), local=()))
+    client, backend = (w.POD_CLIENT, 40000), w.REMOTE_EP
+    step(datapath, maps, "tc_ingress", tcp(*client, w.VIP, 80), R.FWD_NEW)
+    step(datapath, maps, "tc_egress", tcp(*backend, *client, flags="SA"), R.REV_DNAT)
+    closing = {"client first": [("tc_ingress", "FA"), ("tc_egress", "FA"), ("tc_ingress", "A")],
+               "backend first": [("tc_egress", "FA"), ("tc_ingress", "FA"), ("tc_egress", "A")],
+               "reset": [("tc_ingress", "R")]}[closed_by]
+    for prog, flags in closing:
+        pkt = tcp(*client, w.VIP, 80, flags=flags) if prog == "tc_ingress" else tcp(*backend, *client, flags=flags)
+        run(datapath, prog, pkt)
+    assert _svc_entry(maps, 40000).flags & s.CT4_F_CLOSING
+
+    # the new connection: its SYN already addresses the backend (another node's DNAT)
+    step(datapath, maps, "tc_ingress", tcp(*client, *backend), R.PASS_NO_SERVICE)
+    for flags, payload in (("SA", b""), ("PA", b'{"pod": "web"}\n')):
+        reply = tcp(*backend, *client, flags=flags, payload=payload)
+        out = step(datapath, maps, "tc_egress", reply, R.PASS_NO_SERVICE)
+        assert bytes(out) == bytes(reply), f"{flags}: the closed connection's half rewrote it"
+    assert not maps.connections(), "the closed connection, or a half of it, is left"
+
+
+def test_a_syn_of_a_connection_another_node_translated_is_not_taken_by_a_closed_masqueraded_ones_half(datapath,
+                                                                                                        maps):
+    """The masqueraded form of the test above (the lab's NodeCIDR truth table: a NodePort
+    connection masqueraded here, then one through an LB IP that another node sent to the same
+    backend unmasqueraded): the new connection's tuple toward the backend is the closed one's
+    CT4_SNAT half, which gave its SYN the old masquerade port, so the backend's SYN-ACK went back
+    through the closed connection and the client's ACK got an RST."""
+    w.install(maps, w.web(cluster=(w.REMOTE_EP,), local=()))
+    client, backend = (w.OUTSIDE, 40000), w.REMOTE_EP
+    step(datapath, maps, "tc_ingress", tcp(*client, w.NODE_IP, w.NODE_PORT), R.FWD_NEW)
+    masq = endpoints(step(datapath, maps, "tc_egress", tcp(*client, *backend), R.SNAT))[0]
+    step(datapath, maps, "tc_ingress", tcp(*backend, *masq, flags="SA"), R.REV_SNAT)
+    for prog, pkt in (("tc_ingress", tcp(*client, w.NODE_IP, w.NODE_PORT, flags="FA")),
+                      ("tc_egress", tcp(*client, *backend, flags="FA")),
+                      ("tc_ingress", tcp(*backend, *masq, flags="FA")),
+                      ("tc_ingress", tcp(*client, w.NODE_IP, w.NODE_PORT, flags="A"))):
+        run(datapath, prog, pkt)
+    assert _svc_entry(maps, 40000).flags & s.CT4_F_CLOSING
+
+    syn = tcp(*client, *backend)
+    out = step(datapath, maps, "tc_egress", syn, R.PASS_NO_SERVICE)
+    assert bytes(out) == bytes(syn), "the closed connection's masquerade half rewrote the new SYN"
+    assert not maps.connections(), "the closed connection, or a half of it, is left"
+    reply = tcp(*backend, *client, flags="SA")
+    assert bytes(step(datapath, maps, "tc_egress", reply, R.PASS_NO_SERVICE)) == bytes(reply)
+
+
+def test_a_retransmitted_syn_ack_of_an_open_handshake_is_still_translated(datapath, maps):
+    """The other side of the rule above: a SYN-ACK whose connection has not closed is its own."""
+    w.install(maps, w.web(cluster=(w.REMOTE_EP,), local=()))
+    step(datapath, maps, "tc_ingress", tcp(w.POD_CLIENT, 40000, w.VIP, 80), R.FWD_NEW)
+    for _ in range(2):
+        back = step(datapath, maps, "tc_egress", tcp(*w.REMOTE_EP, w.POD_CLIENT, 40000, flags="SA"), R.REV_DNAT)
+        assert endpoints(back) == ((w.VIP, 80), (w.POD_CLIENT, 40000))
+
+
 def test_masquerade_half_of_another_connection_is_not_applied(datapath, maps):
     """A client talking to a backend directly must not be masqueraded by a stale SNAT entry."""
     w.install(maps, w.web(cluster=(w.REMOTE_EP,), local=()))

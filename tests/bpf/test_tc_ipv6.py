@@ -145,6 +145,47 @@ def test_clusterip_from_a_pod_round_trip(datapath, maps6):
     assert svc.flags & s.CT4_F_SEEN_REPLY and svc.state & s.CT4_S_ASSURED
 
 
+def test_a_syn_ack_of_a_connection_another_node_translated_is_not_taken_by_a_closed_ones_half(datapath, maps6):
+    """IPv4's test_tc_conntrack twin: once a pod's connection through the clusterIP has closed,
+    the backend's SYN-ACK to a new connection of that port (translated by another node, so it
+    addresses the backend itself) passes as it came, and the closed connection is forgotten."""
+    w6.install6(maps6, w6.web6(cluster=(w6.REMOTE_EP6,), local=()))
+    client, backend = (POD6, 40000), w6.REMOTE_EP6
+    step6(datapath, maps6, "tc_ingress", tcp6(*client, VIP6, 80), R.FWD_NEW)
+    step6(datapath, maps6, "tc_egress", tcp6(*backend, *client, flags="SA"), R.REV_DNAT)
+    run(datapath, "tc_ingress", tcp6(*client, VIP6, 80, flags="FA"))
+    run(datapath, "tc_egress", tcp6(*backend, *client, flags="FA"))
+    run(datapath, "tc_ingress", tcp6(*client, VIP6, 80, flags="A"))
+    assert conns6(maps6)[s.CT4_SVC].flags & s.CT4_F_CLOSING
+
+    step6(datapath, maps6, "tc_ingress", tcp6(*client, *backend), R.PASS_NO_SERVICE)
+    for flags, payload in (("SA", b""), ("PA", b'{"pod": "web"}\n')):
+        reply = tcp6(*backend, *client, flags=flags, payload=payload)
+        step6(datapath, maps6, "tc_egress", reply, R.PASS_NO_SERVICE, expect=bytes(reply))
+    assert not maps6.connections6(), "the closed connection, or a half of it, is left"
+
+
+def test_a_syn_of_a_connection_another_node_translated_is_not_taken_by_a_closed_masqueraded_ones_half(datapath,
+                                                                                                        maps6):
+    """IPv4's test_tc_conntrack twin: the new connection's SYN toward the backend is not given
+    the closed, masqueraded connection's port, and that connection is forgotten."""
+    w6.install6(maps6, w6.web6(cluster=(w6.REMOTE_EP6,), local=()))
+    client, backend = (OUTSIDE6, 40000), w6.REMOTE_EP6
+    step6(datapath, maps6, "tc_ingress", tcp6(*client, NODE6, NODE_PORT), R.FWD_NEW)
+    masq = endpoints6(step6(datapath, maps6, "tc_egress", tcp6(*client, *backend), R.SNAT))[0]
+    step6(datapath, maps6, "tc_ingress", tcp6(*backend, *masq, flags="SA"), R.REV_SNAT)
+    for prog, pkt in (("tc_ingress", tcp6(*client, NODE6, NODE_PORT, flags="FA")),
+                      ("tc_egress", tcp6(*client, *backend, flags="FA")),
+                      ("tc_ingress", tcp6(*backend, *masq, flags="FA")),
+                      ("tc_ingress", tcp6(*client, NODE6, NODE_PORT, flags="A"))):
+        run(datapath, prog, pkt)
+    assert conns6(maps6)[s.CT4_SVC].flags & s.CT4_F_CLOSING
+
+    syn = tcp6(*client, *backend)
+    step6(datapath, maps6, "tc_egress", syn, R.PASS_NO_SERVICE, expect=bytes(syn))
+    assert not maps6.connections6(), "the closed connection, or a half of it, is left"
+
+
 @pytest.mark.parametrize("proto", [w6.TCP_P, w6.UDP_P])
 def test_one_client_port_through_two_frontends_to_one_backend_keeps_both_connections(datapath, maps6, proto):
     """IPv4's test_tc_conntrack twin: the second connection of a pod's port that reaches the same
