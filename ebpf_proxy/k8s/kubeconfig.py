@@ -26,6 +26,7 @@ import sys
 import tempfile
 from typing import Any
 
+from ebpf_proxy import procs
 from ebpf_proxy.bareimport import slim_imports
 
 # The Configuration attributes the official loader sets from a kubeconfig (KubeConfigLoader.
@@ -99,20 +100,10 @@ def sweep_dead(parent: str | None = None) -> list[str]:
     removed = []
     for entry in os.scandir(parent):
         owner = entry.name[len(DIR_PREFIX):].split("-", 1)[0]
-        if entry.name.startswith(DIR_PREFIX) and owner.isdigit() and not _alive(int(owner)):
+        if entry.name.startswith(DIR_PREFIX) and owner.isdigit() and not procs.alive(int(owner)):
             shutil.rmtree(entry.path, True)
             removed.append(entry.path)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 _started: dict[str, _Child] = {}  # prefetch()ed children, by kubeconfig path

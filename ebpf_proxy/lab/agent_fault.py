@@ -19,8 +19,9 @@ import signal
 import time
 from dataclasses import dataclass
 
+from ebpf_proxy import procs
 from ebpf_proxy.lab import naming
-from ebpf_proxy.lab.cluster import AGENT_METRICS_PORT, Lab, LabError, _alive, host_port
+from ebpf_proxy.lab.cluster import AGENT_METRICS_PORT, Lab, LabError, host_port
 from ebpf_proxy.lab.nshttp import http_get
 
 DURING = ("full-sync", "sync")  # what `--during` accepts: a full sync only, or any sync
@@ -75,13 +76,13 @@ def kill(lab: Lab, node: str, during: str | None = None, at: float = 0.5, timeou
     if not 0.0 <= at <= 1.0:
         raise LabError(f"--at: {at} is not a fraction between 0 and 1")
     pid = lab.data["agents"].get(node, {}).get("pid")
-    if not _alive(pid):
+    if not procs.alive(pid):
         raise LabError(f"{node}: no agent running to kill")
     started = time.monotonic()
     seen = None
     if during is not None:
         while True:
-            if not _alive(pid):
+            if not procs.alive(pid):
                 raise LabError(f"{node}: the agent (pid {pid}) exited before its {during} reached {at:.0%}")
             seen = sync_progress(lab, node)
             running = seen is not None and (seen.full if during == "full-sync" else seen.running)
@@ -101,7 +102,7 @@ def kill(lab: Lab, node: str, during: str | None = None, at: float = 0.5, timeou
 def _reap(pid: int, timeout: float = 5.0) -> None:
     """Wait until `pid` is gone (reaped here when it is our child, by init otherwise)."""
     deadline = time.monotonic() + timeout
-    while _alive(pid) and time.monotonic() < deadline:
+    while procs.alive(pid) and time.monotonic() < deadline:
         try:
             os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:

@@ -20,7 +20,8 @@ import os
 import signal
 import time
 
-from ebpf_proxy.lab.cluster import Lab, LabError, _alive, _frozen, _stop_pid
+from ebpf_proxy import procs
+from ebpf_proxy.lab.cluster import Lab, LabError, _frozen, _stop_pid
 
 ACTIONS = ("stop", "start", "restart", "freeze", "thaw")
 
@@ -28,7 +29,7 @@ ACTIONS = ("stop", "start", "restart", "freeze", "thaw")
 def state(lab: Lab) -> str:
     """"running", "frozen" or "stopped"."""
     pid = lab.data.get("apiserver", {}).get("pid")
-    if not _alive(pid):
+    if not procs.alive(pid):
         return "stopped"
     return "frozen" if _frozen(pid) else "running"
 

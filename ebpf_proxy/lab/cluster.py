@@ -22,6 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+from ebpf_proxy import procs
 from ebpf_proxy.lab import cbuild, echod, naming, netns, nsexec, state
 from ebpf_proxy.lab import topology as topo
 from ebpf_proxy.lab.nshttp import http_get
@@ -61,27 +62,9 @@ def _wait_file(path: Path, deadline: float, what: str, proc: subprocess.Popen | 
         time.sleep(0.02)
 
 
-def _alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is not alive
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except OSError:
-        return False
-
-
 def _frozen(pid: int | None) -> bool:
     """Stopped by SIGSTOP (`lab apiserver freeze`): alive, but answering nothing."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(") ", 1)[1][0] in "Tt"
-    except (OSError, IndexError, TypeError):
-        return False
+    return procs.state(pid) in ("T", "t")
 
 
 def _stop_pid(pid: int | None, timeout: float = 5.0) -> None:
@@ -92,7 +75,7 @@ def _stop_pids(pids: Sequence[int | None], timeout: float = 5.0) -> None:
     """SIGTERM to all of `pids` at once, then wait for all of them, SIGKILL to any still alive
     after `timeout`: stopping every node's agent costs the slowest one's shutdown, not the sum
     of them (which each restart of the lab's agents paid, node after node)."""
-    live = [pid for pid in pids if _alive(pid)]
+    live = [pid for pid in pids if procs.alive(pid)]
     for pid in live:
         with contextlib.suppress(ProcessLookupError):  # exited meanwhile
             os.kill(pid, signal.SIGTERM)
@@ -102,11 +85,11 @@ def _stop_pids(pids: Sequence[int | None], timeout: float = 5.0) -> None:
         for pid in live:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, os.WNOHANG)
-        live = [pid for pid in live if _alive(pid)]
+        live = [pid for pid in live if procs.alive(pid)]
         if live:
             time.sleep(0.02)
     for pid in live:
-        if _alive(pid):
+        if procs.alive(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
@@ -478,7 +461,7 @@ class Lab:
             data["kubeProxyConfiguration"] = dict(config)
         self.topology = topo.parse_topology(data)  # validates apiVersion and kind as `lab up` does
         self.save()
-        running = [n for n in self.data["agents"] if _alive(self.data["agents"][n].get("pid"))]
+        running = [n for n in self.data["agents"] if procs.alive(self.data["agents"][n].get("pid"))]
         self.stop_agents(running)
         for name in running:
             self.start_agent(name, wait=False)
@@ -494,7 +477,7 @@ class Lab:
         if mode == "none":
             raise LabError("the lab's mode is none: give a mode (`lab mode iptables`) before starting agents")
         entry = self.data["agents"].get(node_name, {})
-        if _alive(entry.get("pid")):
+        if procs.alive(entry.get("pid")):
             return entry["pid"]
         logs = self.dir / "logs"
         logs.mkdir(exist_ok=True)
@@ -515,7 +498,7 @@ class Lab:
         url = f"http://127.0.0.1:{AGENT_HEALTHZ_PORT}/healthz"
         while time.monotonic() < deadline:
             pid = self.data["agents"].get(node_name, {}).get("pid")
-            if not _alive(pid):
+            if not procs.alive(pid):
                 raise LabError(f"agent on {node_name} exited; see `ebpf-proxy lab logs {node_name}`:\n"
                                + self.logs(node_name, tail=15))
             if http_get(netns_name, url, timeout=1.0)[0] == 200:
@@ -541,7 +524,7 @@ class Lab:
 
     def wait_converged(self, timeout: float = 20.0) -> None:
         """Block until every running agent has programmed the API server's current state."""
-        running = [n for n, a in self.data["agents"].items() if _alive(a.get("pid"))]
+        running = [n for n, a in self.data["agents"].items() if procs.alive(a.get("pid"))]
         if not running:
             return
         deadline = time.monotonic() + timeout
@@ -621,14 +604,14 @@ class Lab:
         return {
             "name": self.name,
             "mode": self.mode,
-            "apiserver": {**api, "alive": _alive(api.get("pid")), "frozen": _frozen(api.get("pid"))},
+            "apiserver": {**api, "alive": procs.alive(api.get("pid")), "frozen": _frozen(api.get("pid"))},
             "kubeconfig": str(self.kubeconfig),
             "nodes": [{"name": n.name, "ip": n.ip, "ips": list(n.ips), "podCIDRs": list(n.pod_cidrs), "extraIPs": list(n.extra_ips), "podCIDR": n.pod_cidr, "zone": n.zone,
                        "agent": {**self.data["agents"].get(n.name, {}),
-                                 "alive": _alive(self.data["agents"].get(n.name, {}).get("pid"))}}
+                                 "alive": procs.alive(self.data["agents"].get(n.name, {}).get("pid"))}}
                       for n in self.topology.nodes],
             "pods": [{"name": p.name, "node": p.node, "ip": p.ip, "ips": list(p.ips), "labels": dict(p.labels),
-                      "listen": list(p.listen), "server": p.server, "alive": _alive(self.data["pods"].get(p.name, {}).get("pid"))}
+                      "listen": list(p.listen), "server": p.server, "alive": procs.alive(self.data["pods"].get(p.name, {}).get("pid"))}
                      for p in self.topology.pods],
             "clients": [{"name": c.name, "ip": c.ip, "ips": list(c.ips)} for c in self.topology.clients],
         }

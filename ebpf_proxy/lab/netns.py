@@ -81,6 +81,7 @@ from typing import Iterable, Mapping
 
 from pyroute2 import IPRoute
 
+from ebpf_proxy import procs
 from ebpf_proxy.lab import naming, nsexec
 from ebpf_proxy.lab._setns import CLONE_NEWNET
 from ebpf_proxy.lab.topology import PodSpec, Topology
@@ -762,16 +763,6 @@ def _pids_in(netns: Iterable[str], cgroups: Iterable[str]) -> set[int]:
     return pids - _protected_pids()
 
 
-def _alive(pid: int) -> bool:
-    """Still running (a zombie has released its namespaces and cgroup: it counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
-
-
 def _kill(pids: set[int], grace: float = 1.0, hard_deadline: float = 5.0) -> set[int]:
     """SIGTERM, wait up to ``grace`` seconds, then SIGKILL and wait; return the pids signalled."""
     signalled = set()
@@ -796,10 +787,10 @@ def _kill(pids: set[int], grace: float = 1.0, hard_deadline: float = 5.0) -> set
 
 def _wait_gone(pids: set[int], timeout: float) -> set[int]:
     deadline = time.monotonic() + timeout
-    left = {p for p in pids if _alive(p)}
+    left = {p for p in pids if procs.alive(p)}
     while left and time.monotonic() < deadline:
         time.sleep(0.01)
-        left = {p for p in left if _alive(p)}
+        left = {p for p in left if procs.alive(p)}
     return left
 
 

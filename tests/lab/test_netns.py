@@ -455,7 +455,7 @@ def test_destroy_after_a_crash_needs_no_state(fresh_lab):
     assert set(report.netns) == set(netns_names)
     _assert_gone(fresh_lab)
     for pid in orphans:
-        assert not netns._alive(pid), f"pid {pid} survived teardown"
+        assert not procs.alive(pid), f"pid {pid} survived teardown"
     for entry in os.listdir("/proc"):  # nothing at all still lives in those namespaces
         if entry.isdigit():
             try:
