@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from ebpf_proxy import procs
 from ebpf_proxy.lab import naming, netns, nsexec
 from ebpf_proxy.lab.topology import PodSpec, load_topology, parse_topology
 
