@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -22,6 +23,11 @@ from tests.bpf import world
 TEST_ROOT = Path("/run/ebpf-proxy-test")
 # Small maps: creation is fast and an LRU this size is still far from evicting in a test.
 SMALL_MAPS = {name: min(n, 4096) for name, n in loader.MAX_ENTRIES.items()}
+# The node tests' datapaths (test_datapath, test_audit, test_ebpf6_datapath) share one program
+# cache for the session, as the agents of a node share --bpf-cache-dir: a build's first load
+# compiles (~12 s), the others load its bytecode. test_loader and test_objcache test the
+# compile and the cache themselves.
+PROGRAM_CACHE = TEST_ROOT / f"programs-{os.getpid()}"
 
 
 @pytest.fixture(scope="session")
@@ -38,6 +44,14 @@ def pin_dir():
         path.rmdir()
         with contextlib.suppress(OSError):
             TEST_ROOT.rmdir()  # only when no other test run is using it
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _program_cache_removed():
+    yield
+    shutil.rmtree(PROGRAM_CACHE, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        TEST_ROOT.rmdir()  # only when no other test run is using it
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ from ebpf_proxy.explain import audit_ebpf
 from ebpf_proxy.explain.audit import EXTRA, MISSING, STALE, audit
 from ebpf_proxy.lab._setns import run_in_netns
 from ebpf_proxy.model import ProxyState
-from tests.bpf.conftest import SMALL_MAPS
+from tests.bpf.conftest import PROGRAM_CACHE, SMALL_MAPS
 from tests.bpf.test_datapath import NODE, NODE_PORT, VIP, _datapath, _state, _sync, _traffic_ok, node  # noqa: F401
 from tests.netns_util import nsenter
 
@@ -120,6 +120,7 @@ def test_the_connection_gc_waits_while_an_audit_reads_whole_maps(node):
     collects."""
     lab, cgroup = node, node.cgroup()
     dp = EbpfDatapath(NODE, cgroup_path=str(cgroup), bpffs=str(lab.bpffs), pod_device_patterns=("vpod", "vbe"),
+                      bpf_cache_dir=str(PROGRAM_CACHE),
                       max_entries=SMALL_MAPS, ct_gc_period=0.1)
     try:
         _sync(lab, dp, _state())
