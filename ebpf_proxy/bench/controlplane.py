@@ -29,6 +29,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
+from ebpf_proxy import procs
 from ebpf_proxy.bench import kernelstate, ports, procstat
 from ebpf_proxy.bench.services import NAMESPACE, ROLE_LABEL, SERVICE_NAME_LABEL, BenchServices
 from ebpf_proxy.lab import naming
@@ -96,15 +97,6 @@ def wait_until(check: Callable[[], bool], timeout: float, min_interval: float = 
         time.sleep(min_interval)
 
 
-def _running(pid: int) -> bool:
-    """The process exists and is not a zombie (an agent that died is not waited for)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
 def _healthy(lab: Lab, node: str) -> bool:
     status, _ = http_get(naming.node_netns(lab.name, node), f"http://127.0.0.1:{AGENT_HEALTHZ_PORT}/healthz",
                          timeout=1.0)
@@ -119,7 +111,7 @@ def full_sync(lab: Lab, node: str, mode: str, timeout: float, agent_args: Sequen
     pid = lab.start_agent(node, mode, wait=False, extra_args=agent_args)
 
     def ready() -> bool:
-        if not _running(pid):
+        if not procs.alive(pid):  # an agent that died is not waited for
             raise ControlPlaneError(f"agent on {node} (pid {pid}) exited")
         try:
             return _healthy(lab, node)

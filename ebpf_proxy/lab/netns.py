@@ -730,13 +730,9 @@ def _netns_ids(names: Iterable[str]) -> set[tuple[int, int]]:
 def _protected_pids() -> set[int]:
     """This process and its ancestors: teardown must never kill its own caller."""
     pids, pid = {0, 1}, os.getpid()
-    while pid > 1:
+    while pid is not None and pid > 1:
         pids.add(pid)
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                pid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            break
+        pid = procs.parent(pid)
     return pids
 
 

@@ -1,4 +1,4 @@
-"""procs.alive and procs.state: the one pid check of the lab and the kubeconfig child's directory sweep."""
+"""procs.alive, state and parent: the one pid check of the lab and the kubeconfig child's directory sweep."""
 
 from __future__ import annotations
 
@@ -14,6 +14,18 @@ from ebpf_proxy import procs
 def test_this_process_is_alive_and_no_pid_is_not():
     assert procs.alive(os.getpid())
     assert not procs.alive(None) and not procs.alive(0)
+    assert procs.state(None) is None and procs.parent(None) is None
+
+
+def test_a_childs_parent_is_this_process():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert procs.parent(child.pid) == os.getpid()
+        assert procs.parent(os.getpid()) == os.getppid()
+    finally:
+        child.kill()
+        child.wait()
+    assert procs.parent(child.pid) is None
 
 
 def test_a_zombie_and_a_reaped_child_are_gone():
