@@ -160,13 +160,13 @@ def prepare_clients(lab: Lab) -> None:
 
 def measure(lab: Lab, point: Point, settings: Settings, binary: Path,
             on_run: Callable[[int, LoadResult], None] | None = None) -> PointResult:
-    """Run the point: conntrack flushed, warm-up, then `settings.repeats` measured runs.
+    """Run the point: connection tables flushed, warm-up, then `settings.repeats` measured runs.
 
     A run with more than 1% of its operations failing (timeouts, resets, refusals) makes the point
     failed: such a rate measures a broken path, not a fast or slow one."""
     result = PointResult(point)
     if not lab.flush_connections():
-        result.notes.append("conntrack not installed: tables not flushed between points")
+        result.notes.append("conntrack not installed: the kernel's conntrack tables not flushed between points")
     netns = lab.netns_of(point.source)
     backends = backend_pods(lab.topology)
     servers, threads = limits.server_pids(lab, backends), limits.server_threads(lab, backends)
