@@ -406,7 +406,7 @@ class Agent:
             proxier.mode, node_config, **where, bpf_cache_dir=self.config.bpf_cache_dir or None,
             max_entries=dict(self.config.bpf_map_sizes) or None, xdp_mode=self.config.bpf_xdp_mode,
             host_routing=self.config.bpf_host_routing, ct_gc_period=self.config.bpf_conntrack_gc_period,
-            backend=self.config.iptables_backend or None)
+            backend=self.config.iptables_backend or None, proof_dir=self.config.iptables_proof_dir or None)
         # a kernel datapath: is the other mode's still here? Asked once, of the handover family's
         if datapath.mode in handover.OTHER_MODE and proxier is self._handover_proxier():
             self._handover_from = handover.previous_mode(self.mode, node_config, self._datapath_factory, **where)

@@ -61,6 +61,9 @@ class AgentConfig:
     bpffs: str = "/sys/fs/bpf"
     bpf_cache_dir: str = "/var/cache/ebpf-proxy/bpf"  # compiled programs by build id; "" disables
     iptables_backend: str = "auto"
+    # where the drift audit's proofs that the kernel holds the ruleset are kept, so that a restart
+    # restores no table it still holds (datapath/iptables/proof.py); "" keeps none
+    iptables_proof_dir: str = "/var/cache/ebpf-proxy/iptables"
     log_format: str = "text"
     log_level: str = "info"
     audit_period: float = 60.0  # how often the drift audit compares the kernel with the last sync; 0: never
@@ -319,6 +322,7 @@ _FIELDS: dict[str, _Field] = {
     "bpffs": _Field("--bpffs", (), _string),
     "bpf_cache_dir": _Field("--bpf-cache-dir", (), _string),
     "iptables_backend": _Field("--iptables-backend", (), _choice(("auto", "legacy", "nft"))),
+    "iptables_proof_dir": _Field("--iptables-proof-dir", (), _string),
     "log_format": _Field("--log-format", (), _choice(LOG_FORMATS)),
     "log_level": _Field("--log-level", (), _choice(LOG_LEVELS)),
     "audit_period": _Field("--audit-period", (), _duration),

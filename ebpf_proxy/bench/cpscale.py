@@ -14,6 +14,11 @@ inside one process, phase by phase, so that each cost has a number:
 - `sync`: Agent.sync(full=True), the agent's first sync: tracker.take, the datapath, commit,
   health bookkeeping and the heap settle `ebpf-proxy run` does after a full sync.
 
+With `--restart --mode iptables --apply`, an `audit` phase (whose clean result is the proof a
+restart keeps, datapath/iptables/proof.py, in a directory of the run's own) and then a `restart`
+phase follow: a new IptablesDatapath, as a restarted agent has it, syncs over the ruleset in the
+namespace (`tables_proven`: the tables it did not restore).
+
 With `--restart` (ebpf mode) two more phases follow, over the maps the sync filled:
 - `restart`: the first full sync of an agent restarted over pinned maps: the datapath drops its
   ServicePrograms (what a new process would not have) and syncs again through a fresh one, which
@@ -46,6 +51,7 @@ import gc
 import json
 import os
 import sys
+import tempfile
 import threading
 import time
 import tracemalloc
@@ -401,9 +407,10 @@ class Result:
 
 
 def make_agent(mode: str, services: int, endpoints: int, page_size: int,
-               netns: str | None = None) -> tuple[Any, dict[str, SimulatedApi]]:
+               netns: str | None = None, proof_dir: str | None = None) -> tuple[Any, dict[str, SimulatedApi]]:
     """An Agent (no HTTP servers) over simulated collections and a harness datapath for `mode`
-    (iptables with `netns`: the real IptablesDatapath, applying in that named netns)."""
+    (iptables with `netns`: the real IptablesDatapath, applying in that named netns, keeping its
+    audits' proofs in `proof_dir`)."""
     from ebpf_proxy.agent.agent import Agent
     from ebpf_proxy.agent.config import load_config
 
@@ -419,7 +426,7 @@ def make_agent(mode: str, services: int, endpoints: int, page_size: int,
         if mode == "iptables" and netns is not None:
             from ebpf_proxy.datapath.iptables.datapath import IptablesDatapath
 
-            return IptablesDatapath(node, netns=netns)
+            return IptablesDatapath(node, netns=netns, proof_dir=proof_dir)
         if mode == "iptables":
             return RenderOnlyDatapath(node)
         return NoDatapath(node)
@@ -442,12 +449,12 @@ def run(services: int, endpoints: int = 10, mode: str = "ebpf", trace: bool = Fa
         raise ValueError(f"services={services}, endpoints={endpoints}: must not be negative")
     if mode not in ("ebpf", "iptables", "none"):
         raise ValueError(f"mode: {mode!r} is not one of ebpf, iptables, none")
-    if restart and mode != "ebpf":
-        raise ValueError(f"restart: mode {mode!r} has no maps to take over (only ebpf)")
+    if restart and not (mode == "ebpf" or (mode == "iptables" and apply)):
+        raise ValueError(f"restart: mode {mode!r} has nothing in the kernel to restart over (ebpf, or iptables with apply)")
     if apply and mode != "iptables":
         raise ValueError(f"apply: mode {mode!r} (only iptables applies a ruleset)")
-    with _run_netns() if apply else contextlib.nullcontext() as netns:
-        return _run(services, endpoints, mode, trace, top, page_size, on_phase, restart, netns)
+    with _run_netns() if apply else contextlib.nullcontext() as netns, tempfile.TemporaryDirectory() as proofs:
+        return _run(services, endpoints, mode, trace, top, page_size, on_phase, restart, netns, proofs)
 
 
 @contextmanager
@@ -465,7 +472,7 @@ def _run_netns() -> Iterator[str]:
 
 
 def _run(services: int, endpoints: int, mode: str, trace: bool, top: int, page_size: int,
-         on_phase: Callable[[Phase], None] | None, restart: bool, netns: str | None) -> Result:
+         on_phase: Callable[[Phase], None] | None, restart: bool, netns: str | None, proof_dir: str) -> Result:
     if trace:
         tracemalloc.start(1)
     phases: list[Phase] = []
@@ -473,7 +480,7 @@ def _run(services: int, endpoints: int, mode: str, trace: bool, top: int, page_s
     started = time.perf_counter()
     try:
         with measured(Phase("start"), top) as phase:
-            agent, apis = make_agent(mode, services, endpoints, page_size, netns)
+            agent, apis = make_agent(mode, services, endpoints, page_size, netns, proof_dir)
             agent.resolve_mode()
         phases.append(phase)
         _done(phase, on_phase)
@@ -493,7 +500,7 @@ def _run(services: int, endpoints: int, mode: str, trace: bool, top: int, page_s
         phases.append(phase)
         _done(phase, on_phase)
         if restart:
-            phases += restart_and_audit(agent, top, on_phase)
+            phases += restart_and_audit(agent, top, on_phase, netns, proof_dir)
         counts = dict(agent.datapath.stats()) if agent.datapath is not None else {}
         counts["service_ports"] = sum(len(p.tracker.take()[0].services) for p in agent.proxiers.values())
         for p in agent.proxiers.values():
@@ -510,9 +517,13 @@ def _run(services: int, endpoints: int, mode: str, trace: bool, top: int, page_s
                   api_server_s=api_s, counts=counts)
 
 
-def restart_and_audit(agent: Any, top: int, on_phase: Callable[[Phase], None] | None) -> list[Phase]:
-    """The `restart` and `audit` phases (see the module's docstring) over `agent`'s synced maps."""
+def restart_and_audit(agent: Any, top: int, on_phase: Callable[[Phase], None] | None,
+                      netns: str | None = None, proof_dir: str | None = None) -> list[Phase]:
+    """The `restart` and `audit` phases (see the module's docstring) over `agent`'s synced maps,
+    or (iptables) the ruleset it applied in `netns`."""
     datapath = agent.datapath
+    if not isinstance(datapath, PrivateMapsDatapath):
+        return _audit_and_restart_iptables(agent, top, on_phase, netns, proof_dir)
     assert isinstance(datapath, PrivateMapsDatapath), "restart: only the ebpf harness datapath has maps"
     datapath.forget()
     gc.collect()  # the old ServicePrograms is gone before the restart is measured
@@ -525,6 +536,34 @@ def restart_and_audit(agent: Any, top: int, on_phase: Callable[[Phase], None] | 
         audited.extra["drifts"] = len(report.drifts)
     _done(audited, on_phase)
     return [restarted, audited]
+
+
+def _audit_and_restart_iptables(agent: Any, top: int, on_phase: Callable[[Phase], None] | None,
+                                netns: str | None, proof_dir: str | None) -> list[Phase]:
+    from ebpf_proxy.datapath.iptables.datapath import IptablesDatapath
+
+    class Restarted(IptablesDatapath):
+        """The datapath a restarted agent makes, keeping its sync's counts for the phase."""
+
+        counts: dict[str, int] = {}
+
+        def sync(self, state: Any, changes: Any) -> SyncResult:
+            result = super().sync(state, changes)
+            self.counts = dict(result.counts)
+            return result
+
+    assert isinstance(agent.datapath, IptablesDatapath) and netns, "restart: iptables needs the applied netns"
+    with measured(Phase("audit"), top) as audited:
+        audited.extra["drifts"] = len(agent.auditor.run_once(repair=False).drifts)
+    _done(audited, on_phase)
+    restarted_datapath = Restarted(agent.datapath.node, netns=netns, proof_dir=proof_dir)
+    agent.primary.datapath = restarted_datapath
+    restarted_datapath.prefetch()  # as a starting agent does, while it lists
+    with measured(Phase("restart"), top) as restarted:
+        agent.sync(full=True)
+    restarted.extra.update({k: restarted_datapath.counts.get(k, 0) for k in ("tables_proven", "chains_written")})
+    _done(restarted, on_phase)
+    return [audited, restarted]
 
 
 def _done(phase: Phase, on_phase: Callable[[Phase], None] | None) -> None:
@@ -553,12 +592,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--page-size", type=int, default=PAGE_SIZE)
     parser.add_argument("--json", action="store_true", help="the figures as one JSON object")
     parser.add_argument("--restart", action="store_true",
-                        help="ebpf: then sync again as an agent restarted over the maps, and audit once")
+                        help="ebpf: then sync again as an agent restarted over the maps, and audit once; "
+                             "iptables with --apply: audit once, then sync again as a restarted agent")
     parser.add_argument("--apply", action="store_true",
                         help="iptables: load the ruleset (iptables-restore) into a netns made for the run")
     args = parser.parse_args(argv)
-    if args.restart and args.mode != "ebpf":
-        parser.error("--restart takes over BPF maps: only with --mode ebpf")
+    if args.restart and not (args.mode == "ebpf" or (args.mode == "iptables" and args.apply)):
+        parser.error("--restart restarts over what the kernel holds: only with --mode ebpf, or iptables --apply")
     if args.apply and args.mode != "iptables":
         parser.error("--apply loads an iptables ruleset: only with --mode iptables")
     if args.apply and os.geteuid() != 0:

@@ -91,6 +91,10 @@ def _bool_flag(*names: str, help: str):  # noqa: A002 (click's name)
                    "pass after it). Shorter frees entries sooner at the cost of more table walks.")
 @click.option("--iptables-backend", default=None, metavar="auto|legacy|nft",
               help="iptables mode: which backend (auto: the one already holding rules, else legacy).")
+@click.option("--iptables-proof-dir", default=None, type=click.Path(file_okay=False),
+              help="iptables mode: where a clean drift audit's proof that the kernel holds the rules is kept, "
+                   "so that a restarted agent restores no table the kernel still holds that way (default "
+                   "/var/cache/ebpf-proxy/iptables; empty disables).")
 @click.option("--audit-period", default=None, metavar="DURATION",
               help="How often to compare the kernel's rules or maps with the last sync (default 1m; 0 disables).")
 @click.option("--watch-idle-timeout", default=None, metavar="DURATION",

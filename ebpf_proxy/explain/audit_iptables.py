@@ -18,6 +18,10 @@ ruleset does not have (extra chains: nobody will ever jump there on purpose, but
 and each jump from a built-in chain into ours. Other rules in the built-in chains are someone
 else's and not ours to judge.
 
+A clean audit is also a proof that the kernel's text does what the applied ruleset says: the
+datapath keeps it (datapath/iptables/proof.py), so that a restarted agent's full sync restores
+no table the kernel still holds that way.
+
 Repair rewrites only the drifted chains (one `iptables-restore --noflush` of them), deletes the
 extra per-service chains, and inserts missing jumps again.
 """
@@ -313,6 +317,8 @@ def audit(datapath: IptablesDatapath, repair: bool = False, memo: dict | None = 
         raise AuditUnavailable("iptables datapath: no sync has completed yet, nothing to compare")
     saved = {table: datapath.save(table) for table in TABLE_ORDER}
     drifts, rewrite, delete = drift(applied, saved, memo.setdefault("proven", {}) if memo is not None else None)
+    if not drifts:  # a fact about these two texts, kept for a restart's full sync (datapath/iptables/proof.py)
+        datapath.record_proof(applied, saved)
     report = AuditReport(mode="iptables", drifts=drifts, checked={
         "chains": sum(len(applied.chains(t)) for t in TABLE_ORDER),
         "rules": sum(applied.rule_count(t) for t in TABLE_ORDER),

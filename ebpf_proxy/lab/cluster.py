@@ -436,6 +436,7 @@ class Lab:
             "--cgroup-path", naming.node_cgroup(self.name, node.name),
             "--bpffs", str(self.dir / "bpffs" / node.name),
             "--bpf-cache-dir", str(state.BPF_CACHE),
+            "--iptables-proof-dir", str(self.dir / "iptables-proofs"),
         ]
         return argv + self.proxy_config_args() + list(self.topology.agent_args) + list(extra_args)
 

@@ -85,3 +85,18 @@ def test_apply_loads_the_iptables_ruleset_into_a_netns_of_its_own_and_removes_it
     assert set(os.listdir("/run/netns")) == before, "the run's netns is deleted"
     with pytest.raises(ValueError, match="apply: mode 'none'"):
         cpscale.run(1, 1, "none", apply=True)
+
+
+@pytest.mark.root
+def test_an_iptables_restart_over_the_audited_ruleset_restores_nothing():
+    """--restart with iptables --apply: the audit proves the ruleset, and a restarted datapath's
+    full sync finds both tables proved (datapath/iptables/proof.py) and writes no chain."""
+    if os.geteuid() != 0:
+        pytest.skip("a network namespace needs root")
+    result = cpscale.run(40, 3, "iptables", page_size=20, apply=True, restart=True)
+    assert [p.name for p in result.phases] == ["start", "list+convert", "prepare", "sync", "audit", "restart"]
+    audit, restart = result.phases[-2:]
+    assert audit.extra["drifts"] == 0
+    assert restart.extra == {"tables_proven": 2, "chains_written": 0}
+    with pytest.raises(ValueError, match="restart: mode 'iptables'"):
+        cpscale.run(1, 1, "iptables", restart=True)  # nothing applied: nothing to restart over

@@ -10,7 +10,9 @@ service ports, reassembles, and sends only the chains whose text differs from wh
 already has, plus `-X` for chains that disappeared. Any failure forgets that memory, so the
 next sync is a full one whatever the ChangeSet says: after a failed restore nobody knows what
 the kernel holds. A full sync also (re)ensures the jumps from the built-in chains and collects
-per-service chains left by earlier runs, from iptables-save.
+per-service chains left by earlier runs, from iptables-save. A table the drift audit proved
+the kernel holds, as this very ruleset, is not restored on a full sync at all (proof.py): an
+agent restarted over an unchanged cluster writes nothing.
 
 One datapath serves one IP family, its NodeConfig's (`node.family`), as kube-proxy runs one
 proxier per family: IPv4 drives iptables, IPv6 ip6tables (each backend's own variants), and
@@ -20,9 +22,11 @@ sync, cleanup, installed and the conntrack cleanup all stay within that family.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import NamedTuple
 
 from ebpf_proxy.datapath.base import Datapath, SyncResult
 from ebpf_proxy.datapath.iptables import chains as ch
@@ -30,6 +34,7 @@ from ebpf_proxy.datapath.iptables.apply import IptablesCommands, Runner, run_com
 from ebpf_proxy.datapath.iptables.backend import Detected, detect_reading, family_commands
 from ebpf_proxy.datapath.iptables.backend import commands as backend_commands
 from ebpf_proxy.datapath.iptables.conntrack import ConntrackCleaner, stale_filters
+from ebpf_proxy.datapath.iptables.proof import ProofFile, kernel_digest, ruleset_digest
 from ebpf_proxy.datapath.iptables.render import (
     RenderContext,
     ServiceRules,
@@ -46,6 +51,7 @@ from ebpf_proxy.datapath.iptables.ruleset import (
     partial_plan,
     saved_chains,
     saved_tables,
+    table_sections,
 )
 from ebpf_proxy.model import ChangeSet, NodeConfig, ProxyState, ServicePortName
 
@@ -56,6 +62,14 @@ TCP_BE_LIBERAL = "net.netfilter.nf_conntrack_tcp_be_liberal"
 # a save read ahead (prefetch) older than this when the first full sync starts is read again
 SAVE_AHEAD_MAX_AGE_SECONDS = 10.0
 _MAX_DUPLICATE_JUMPS = 100  # bound on deleting the same jump rule repeatedly in cleanup()
+
+
+class Held(NamedTuple):
+    """What a full sync reads of the kernel: table -> chain -> rules (of the chains our jumps go
+    in; [] for the others), and table -> kernel_digest of its save (proof.py)."""
+
+    chains: dict[str, dict[str, list[str]]]
+    digests: dict[str, str]
 
 
 def _status_and_output(runner: Runner, cmd: Sequence[str]) -> tuple[int, str]:
@@ -74,6 +88,8 @@ class IptablesDatapath(Datapath):
     command tuples choose the iptables flavour (e.g. `("iptables-legacy-restore",)`); without them,
     `backend` (auto, legacy, nft, default) does, auto as kube-proxy's iptables-wrapper (backend.py),
     among the commands of `node.family` (ip6tables-legacy-restore, ... for IPv6).
+    `proof_dir`: where the drift audit's proofs are kept across restarts (proof.py), one file
+    per node and family; None keeps none, and every full sync restores every table.
     `runner` and `conntrack` are injectable for tests.
     """
 
@@ -91,6 +107,7 @@ class IptablesDatapath(Datapath):
         command_prefix: Sequence[str] | None = None,
         conntrack: ConntrackCleaner | None = None,
         runner: Runner | None = None,
+        proof_dir: str | None = None,
     ) -> None:
         super().__init__(node)
         RenderContext.for_node(node)  # fail at construction on a config the renderer cannot express
@@ -121,6 +138,10 @@ class IptablesDatapath(Datapath):
         self._ctx: RenderContext | None = None
         self._state: ProxyState | None = None
         self._drop_invalid = True
+        self._proof = ProofFile(os.path.join(proof_dir, f"proven-{node.node_name}-ipv{node.family}.json")
+                                if proof_dir else None)
+        self._proved: dict[str, tuple[str, str]] | None = None  # what the file holds, once read or written
+        self._digested: tuple[Ruleset, dict[str, str]] | None = None  # a ruleset and its digests, per table
 
     def _run_for_output(self, cmd: Sequence[str]) -> tuple[int, str]:
         return _status_and_output(self._runner or run_command, cmd)
@@ -144,9 +165,9 @@ class IptablesDatapath(Datapath):
         assert self._commands is not None
         return self._commands
 
-    def _detect_and_read(self) -> dict[str, dict[str, list[str]]]:
+    def _detect_and_read(self) -> Held:
         """Choose the backend as kube-proxy's iptables-wrapper does (backend.py), then read the
-        existing chains (_existing) from the save of every table the choice was made from."""
+        existing chains and digests (_read_held) from the save of every table the choice was made from."""
         commands = family_commands(self.node.family)
         detected = Detected("default")
         try:
@@ -157,8 +178,10 @@ class IptablesDatapath(Datapath):
         finally:  # whatever happens, the commands are set: a sync must never wait for ever
             self._set_commands(commands[detected.backend])
         if detected.save is None:
-            return self._existing()
-        return saved_tables(detected.save, ch.JUMP_CHAINS)  # keyed by TABLE_ORDER's tables, as _existing reads them
+            return self._read_held()
+        sections = table_sections(detected.save)
+        return Held(saved_tables(detected.save, ch.JUMP_CHAINS),  # keyed by TABLE_ORDER's tables, as _read_held
+                    {table: kernel_digest(sections.get(table, "")) for table in TABLE_ORDER})
 
     def prefetch(self) -> None:
         """Read the first full sync's iptables-save now, in a thread, while the agent still lists:
@@ -168,12 +191,13 @@ class IptablesDatapath(Datapath):
         put right by the next full sync, and found by the drift audit before that. With backend
         auto, the detection's thread has done this already (_detect_and_read)."""
         if self._applied is None and self._save_ahead is None:
-            self._save_ahead = _SaveAhead(self._existing)
+            self._save_ahead = _SaveAhead(self._read_held)
 
     # -- sync -----------------------------------------------------------------------------
 
     def sync(self, state: ProxyState, changes: ChangeSet) -> SyncResult:
         full = changes.full or self._applied is None
+        proven: frozenset[str] = frozenset()
         try:
             if full:
                 self._prepare_node()
@@ -184,9 +208,10 @@ class IptablesDatapath(Datapath):
             ruleset = assemble(ctx, fragments)
             if full:
                 ahead, self._save_ahead = self._save_ahead, None
-                existing = (ahead and ahead.take(SAVE_AHEAD_MAX_AGE_SECONDS)) or self._existing()
-                self._ensure_jumps(existing)
-                plan = full_plan(ruleset, {t: set(c) for t, c in existing.items()})
+                held = (ahead and ahead.take(SAVE_AHEAD_MAX_AGE_SECONDS)) or self._read_held()
+                self._ensure_jumps(held.chains)
+                proven = self._proven_tables(ruleset, held.digests)
+                plan = full_plan(ruleset, {t: set(c) for t, c in held.chains.items()}, proven=proven)
             else:
                 assert self._applied is not None
                 plan = partial_plan(self._applied, ruleset)
@@ -202,6 +227,7 @@ class IptablesDatapath(Datapath):
 
         counts = {
             "full_sync": int(full),
+            "tables_proven": len(proven),
             "chains_written": plan.count("write"),
             "chains_deleted": plan.count("delete"),
             **self.stats(),
@@ -241,6 +267,50 @@ class IptablesDatapath(Datapath):
         if (self.node.family == 4 and RenderContext.for_node(self.node).localhost_nodeports
                 and self._cmd.sysctl_get(ROUTE_LOCALNET) != "1"):
             self._cmd.sysctl_set(ROUTE_LOCALNET, "1")
+
+    def _read_held(self) -> Held:
+        """Held, from an iptables-save of each table."""
+        chains: dict[str, dict[str, list[str]]] = {}
+        digests: dict[str, str] = {}
+        for table in TABLE_ORDER:
+            text = self._cmd.save(table)
+            chains[table] = saved_chains(text, ch.JUMP_CHAINS[table])
+            digests[table] = kernel_digest(text)
+        return Held(chains, digests)
+
+    # -- proofs (proof.py) ---------------------------------------------------------------------
+
+    def _digests(self, ruleset: Ruleset) -> dict[str, str]:
+        """ruleset_digest of each table of `ruleset`, computed once per ruleset."""
+        if self._digested is None or self._digested[0] is not ruleset:
+            self._digested = (ruleset, {table: ruleset_digest(ruleset, table) for table in TABLE_ORDER})
+        return self._digested[1]
+
+    def _proven_tables(self, ruleset: Ruleset, kernel: Mapping[str, str]) -> frozenset[str]:
+        """The tables the kernel is proved to hold as `ruleset` (proof.py): not to be restored."""
+        if self._proof.path is None:
+            return frozenset()
+        if self._proved is None:
+            self._proved = self._proof.load()
+        if not self._proved:
+            return frozenset()
+        ours = self._digests(ruleset)
+        return frozenset(t for t in TABLE_ORDER if t in kernel and self._proved.get(t) == (ours[t], kernel[t]))
+
+    def record_proof(self, ruleset: Ruleset, saved: Mapping[str, str]) -> bool:
+        """The drift audit found the kernel's `saved` text (table -> iptables-save of it) doing what
+        `ruleset` says, every table: keep that fact for a restart's full sync. True when kept
+        (or already kept)."""
+        if self._proof.path is None:
+            return False
+        ours = self._digests(ruleset)
+        proved = {table: (ours[table], kernel_digest(saved.get(table, ""))) for table in TABLE_ORDER}
+        if proved == self._proved:
+            return True
+        if not self._proof.store(proved):
+            return False
+        self._proved = proved
+        return True
 
     def _existing(self, every_rule: bool = False) -> dict[str, dict[str, list[str]]]:
         """table -> every chain iptables-save shows now -> its rules: with `every_rule`, of every
@@ -363,15 +433,15 @@ class IptablesDatapath(Datapath):
 
 
 class _SaveAhead:
-    """A read of the existing chains (IptablesDatapath._existing) run in a thread of its own."""
+    """A read of the kernel (IptablesDatapath._read_held) run in a thread of its own."""
 
-    def __init__(self, read: Callable[[], dict[str, dict[str, list[str]]]], name: str = "iptables-save-ahead") -> None:
+    def __init__(self, read: Callable[[], Held], name: str = "iptables-save-ahead") -> None:
         self._done = threading.Event()
-        self._result: dict[str, dict[str, list[str]]] | None = None
+        self._result: Held | None = None
         self._finished = 0.0
         threading.Thread(target=self._run, args=(read,), name=name, daemon=True).start()
 
-    def _run(self, read: Callable[[], dict[str, dict[str, list[str]]]]) -> None:
+    def _run(self, read: Callable[[], Held]) -> None:
         try:
             self._result = read()
         except Exception:  # the sync reads again, and reports what fails then
@@ -380,7 +450,7 @@ class _SaveAhead:
             self._finished = time.monotonic()
             self._done.set()
 
-    def take(self, max_age: float) -> dict[str, dict[str, list[str]]] | None:
+    def take(self, max_age: float) -> Held | None:
         """The chains read (waiting for the read to end), or None if it failed or is older than `max_age` s."""
         self._done.wait()
         if self._result is None or time.monotonic() - self._finished > max_age:

@@ -69,16 +69,17 @@ class RestorePlan:
         return "\n".join(out) + "\n" if out else ""
 
 
-def full_plan(new: Ruleset, existing: Mapping[str, Iterable[str]]) -> RestorePlan:
+def full_plan(new: Ruleset, existing: Mapping[str, Iterable[str]], proven: Collection[str] = ()) -> RestorePlan:
     """Rewrite every chain of `new`; delete the per-service chains found in the kernel but not in `new`.
 
     `existing` comes from iptables-save, so chains left by an earlier run (or by a failed sync)
     are collected too; only per-service chains are deleted, as kube-proxy does, since any other
-    chain might belong to someone else.
+    chain might belong to someone else. The `proven` tables are left alone: the kernel is proved
+    to hold them as `new` has them already (proof.py), so no chain is stale there.
     """
-    write = {table: tuple(new.chains(table)) for table in TABLE_ORDER}
+    write = {table: () if table in proven else tuple(new.chains(table)) for table in TABLE_ORDER}
     delete = {
-        table: tuple(
+        table: () if table in proven else tuple(
             sorted(c for c in existing.get(table, ()) if is_service_chain(c) and c not in new.chains(table))
         )
         for table in TABLE_ORDER
@@ -208,18 +209,20 @@ def _rules_of(chains: frozenset[str]) -> re.Pattern[str]:
 _TABLE_HEADER = re.compile(r"\n\*(\S+)[ \t]*(?=\n|$)")  # after a newline, as saved_chains' patterns
 
 
+def table_sections(text: str) -> dict[str, str]:
+    """Each table's part of an iptables-save of every table (after its "*table" line, up to the
+    next one), by table name."""
+    if text.startswith("*"):
+        text = "\n" + text  # the first line, too, follows a newline
+    headers = list(_TABLE_HEADER.finditer(text))
+    return {m.group(1): text[m.end():headers[i + 1].start() if i + 1 < len(headers) else len(text)]
+            for i, m in enumerate(headers)}
+
+
 def saved_tables(text: str, keep_rules: Mapping[str, Collection[str]]) -> dict[str, dict[str, list[str]]]:
     """saved_chains() of each table in `keep_rules`, from one iptables-save of every table (the
     one the backend detection reads). {} for a table the save does not show: the kernel has not
     made it in this namespace yet, so it holds no chain of ours (a save of that table alone would
     make it, showing its built-in chains without rules; a full sync creates what it needs either way)."""
-    if text.startswith("*"):
-        text = "\n" + text  # the first line, too, follows a newline
-    headers = list(_TABLE_HEADER.finditer(text))
-    sections = {m.group(1): (m.end(), headers[i + 1].start() if i + 1 < len(headers) else len(text))
-                for i, m in enumerate(headers)}
-    out: dict[str, dict[str, list[str]]] = {}
-    for table, keep in keep_rules.items():
-        start, stop = sections.get(table, (0, 0))
-        out[table] = saved_chains(text[start:stop], keep)
-    return out
+    sections = table_sections(text)
+    return {table: saved_chains(sections.get(table, ""), keep) for table, keep in keep_rules.items()}
