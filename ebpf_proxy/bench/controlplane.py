@@ -11,7 +11,10 @@ Every figure is timed against the kernel (kernelstate), not against what the age
   the agent does right after the sync (its heap settle holds the interpreter ~0.1 s at 10,000
   Services, ~0.4 s at 100,000, and the health server waits for it), as are the agent's own
   first-sync duration (kubeproxy_sync_full_proxy_rules_duration_seconds) and the restarted
-  agent's CPU seconds and peak RSS;
+  agent's CPU seconds and peak RSS. Before the restarts the running agent audits once
+  (`audit_before`), as it does every --audit-period: the restart is that of an agent that has
+  run for one, and an iptables agent's clean audit is the proof its successor's first full sync
+  restores no table against (datapath/iptables/proof.py);
 - update latency: move one endpoint of one Service to an address never used before, then poll
   the node's kernel until that address is programmed. The clock starts before the write is sent;
   its resolution is one kernel read (recorded per sample as `check_ms`);
@@ -24,6 +27,7 @@ Every figure is timed against the kernel (kernelstate), not against what the age
 
 from __future__ import annotations
 
+import json
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -101,6 +105,24 @@ def _healthy(lab: Lab, node: str) -> bool:
     status, _ = http_get(naming.node_netns(lab.name, node), f"http://127.0.0.1:{AGENT_HEALTHZ_PORT}/healthz",
                          timeout=1.0)
     return status == 200
+
+
+AUDIT_TIMEOUT_SECONDS = 120.0  # a drift audit at 100,000 Services x 10 endpoints takes ~4 s
+
+
+def audit(lab: Lab, node: str) -> dict[str, Any]:
+    """Run `node`'s agent's drift audit now (GET /audit, no repair): {"seconds", "drifts"}."""
+    start = time.monotonic()
+    status, body = http_get(naming.node_netns(lab.name, node),
+                            f"http://{lab.topology.node(node).ip}:{AGENT_METRICS_PORT}/audit",
+                            timeout=AUDIT_TIMEOUT_SECONDS)
+    if status != 200:
+        raise ControlPlaneError(f"agent on {node}: GET /audit answered HTTP {status}: {body[:200]}")
+    try:
+        drifts = len(json.loads(body).get("drifts", []))
+    except (ValueError, AttributeError):
+        raise ControlPlaneError(f"agent on {node}: GET /audit answered no JSON report: {body[:200]}") from None
+    return {"seconds": round(time.monotonic() - start, 3), "drifts": drifts}
 
 
 def full_sync(lab: Lab, node: str, mode: str, timeout: float, agent_args: Sequence[str] = ()) -> dict[str, Any]:

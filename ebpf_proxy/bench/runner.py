@@ -322,13 +322,15 @@ class Bench:
         self.ui.step(f"{size:,} services, {mode}: full sync")
         runs: list[dict] = []
         with self._guard("full_sync", mode, size):
+            audited = controlplane.audit(self.lab, OBSERVED_NODE)  # as the running agent does each period
             for i in range(cfg.repeats):
                 runs.append(controlplane.full_sync(self.lab, OBSERVED_NODE, mode, cfg.sync_timeout,
                                                    self._agent_args(mode)))
                 self.ui.detail(f"{size:,} services, {mode}: full sync (run {i + 1}: {runs[-1]['seconds']:.2f} s)")
             self.lab.wait_converged(timeout=cfg.sync_timeout)
             self._point({"metric": "full_sync", "path": None, "mode": mode, "services": size, "unit": "s",
-                         "node": OBSERVED_NODE, "values": [r["seconds"] for r in runs], "runs": runs})
+                         "node": OBSERVED_NODE, "values": [r["seconds"] for r in runs], "runs": runs,
+                         "audit_before": audited})
             phases["full_sync"] = {OBSERVED_NODE: {"cpu_seconds": median([r["cpu_seconds"] for r in runs]),
                                                    "peak_rss_mib": max(r["peak_rss_mib"] for r in runs)}}
         self.ui.advance()
