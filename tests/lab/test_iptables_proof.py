@@ -158,3 +158,16 @@ def test_a_drifted_audit_proves_nothing(node):
     restarted = node.agent()
     assert restarted.sync(_state(node.family), ChangeSet()).counts["tables_proven"] == 1  # nat only
     assert audit(restarted).clean
+
+
+def test_an_auto_detected_backend_digests_the_save_it_detected_from(node):
+    """With --iptables-backend auto the first full sync reads the kernel from the detection's save
+    of every table (one text, cut per table), not from a save of each table: the same digests."""
+    _proved(node)
+    node.calls.clear()
+    restarted = IptablesDatapath(node.config, netns=node.ns, runner=node._recording, proof_dir=node.proof_dir,
+                                 backend="auto")
+    result = restarted.sync(_state(node.family), ChangeSet())
+    assert result.counts["tables_proven"] == 2 and node.restores() == 0, node.calls
+    assert not any(cmd[-2:] in (("-t", "nat"), ("-t", "filter")) for cmd in node.calls), "read from the detection"
+    assert audit(restarted).clean
