@@ -1,6 +1,7 @@
-"""IptablesCommands' sysctl reads: in the agent (its own namespace, the plain runner) the value is
-read from /proc/sys by the agent itself, a process start less per read on a restart's full sync;
-with a command prefix (another namespace) or an injected runner, `cat` runs as before."""
+"""IptablesCommands' sysctl reads and run_command. The sysctls: in the agent (its own namespace,
+the plain runner) the value is read from /proc/sys by the agent itself, a process start less per
+read on a restart's full sync; with a command prefix (another namespace) or an injected runner,
+`cat` runs as before. run_command: its streams are memory files, whole in and out."""
 
 from __future__ import annotations
 
@@ -48,3 +49,53 @@ def test_an_injected_runner_reads_with_cat():
 
     assert IptablesCommands(runner=runner).sysctl_get(KEY) is None
     assert seen == [("cat", "/proc/sys/net/ipv4/ip_forward")]
+
+
+# ---- run_command: memory files, not pipes ----------------------------------------------------
+
+
+def test_run_command_passes_input_and_returns_output_and_errors_whole():
+    big = "".join(f"-A KUBE-SEP-{i:012d} -j KUBE-MARK-MASQ\n" for i in range(200_000))  # ~9 MB, as a save at 10,000
+    result = apply.run_command(["sh", "-c", 'cat; echo "bad line" >&2; exit 3'], big)
+    assert result.returncode == 3 and result.stdout == big and result.stderr == "bad line\n"
+
+
+def test_run_command_gives_no_input_when_asked_for_none():
+    # /dev/null, not the agent's own stdin: `cat` ends at once instead of waiting on a terminal
+    assert apply.run_command(["cat"]).stdout == ""
+
+
+def test_run_command_names_a_command_that_does_not_exist():
+    try:
+        apply.run_command(["/nonexistent/iptables-save"])
+    except OSError as exc:
+        assert "/nonexistent/iptables-save" in str(exc)
+    else:
+        raise AssertionError("no OSError")
+
+
+def test_sysctls_are_read_while_the_backend_detection_still_runs():
+    """A restart's first full sync reads its sysctls and renders before the detection's saves end
+    (IptablesDatapath._sysctl): only the restore and the jumps need the chosen backend."""
+    import threading
+
+    from ebpf_proxy.datapath.iptables import IptablesDatapath
+    from ebpf_proxy.model import NodeConfig
+
+    release = threading.Event()
+
+    def runner(cmd, stdin=None):
+        if cmd[0].endswith("-save"):
+            release.wait(30)  # the detection's saves hang until released
+            return subprocess.CompletedProcess(cmd, 0, "", "")
+        return subprocess.CompletedProcess(cmd, 0, "0\n", "")
+
+    dp = IptablesDatapath(NodeConfig("n", node_ips=("192.0.2.1",)), backend="auto", runner=runner)
+    prepared = threading.Thread(target=dp._prepare_node, daemon=True)
+    prepared.start()
+    prepared.join(5)
+    try:
+        assert not prepared.is_alive(), "the sysctls waited for the backend detection"
+    finally:
+        release.set()
+    dp._save_ahead.take(60)

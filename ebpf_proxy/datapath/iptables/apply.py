@@ -8,9 +8,11 @@ The runner is injectable so the sync logic can be unit-tested without root.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from collections.abc import Callable, Sequence
+from typing import BinaryIO
 
 Runner = Callable[[Sequence[str], "str | None"], subprocess.CompletedProcess]
 
@@ -22,9 +24,28 @@ _QUOTED_RE = re.compile(r"[`'\"]([^`'\"\s]+)'")
 
 
 def run_command(cmd: Sequence[str], stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        list(cmd), input=stdin, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_SECONDS, check=False
-    )
+    """Run `cmd` with `stdin` as its input (else /dev/null), its output and errors as text.
+
+    The streams are memory files (memfd), not pipes. Through a pipe, Python reads an
+    iptables-save of 10,000 Services (~9 MB) in ~300 reads of 32 KiB, each taking the interpreter
+    lock back; when another thread is busy (a restart's render while the backend detection reads
+    its saves in a thread) each of those waits up to the switch interval, and one save took
+    ~1.4 s instead of ~0.15 s. Here the only wait is for the process to end, with the lock
+    released, and the output is read in one call. A memfd needs no writable filesystem."""
+    with _memory_file("stdin") as given, _memory_file("stdout") as out, _memory_file("stderr") as err:
+        if stdin is not None:
+            given.write(stdin.encode())
+            given.seek(0)
+        result = subprocess.run(list(cmd), stdin=given if stdin is not None else subprocess.DEVNULL,
+                                stdout=out, stderr=err, timeout=COMMAND_TIMEOUT_SECONDS, check=False)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(result.args, result.returncode, out.read().decode(), err.read().decode())
+
+
+def _memory_file(name: str) -> BinaryIO:
+    """An anonymous file in memory, read/write, closed (and freed) with the returned object."""
+    return open(os.memfd_create(f"epx-{name}", os.MFD_CLOEXEC), "w+b")
 
 
 class IptablesError(RuntimeError):

@@ -115,6 +115,9 @@ class IptablesDatapath(Datapath):
             command_prefix = ("nsenter", f"--net=/run/netns/{netns}") if netns else ()
         self._prefix = tuple(command_prefix)
         self._runner = runner
+        # the sysctls need no iptables backend: read without waiting for the detection (_cmd), so a
+        # restart's first full sync renders while the detection's thread still reads its saves
+        self._sysctl = IptablesCommands(prefix=self._prefix, runner=runner)
         self._given = {"iptables": iptables, "iptables_save": iptables_save, "iptables_restore": iptables_restore}
         self._commands: IptablesCommands | None = None
         self._commands_set = threading.Event()
@@ -262,11 +265,11 @@ class IptablesDatapath(Datapath):
         """Node settings kube-proxy makes at start: route_localnet for localhost NodePorts (IPv4
         only: an IPv4 sysctl, and IPv6 has no localhost NodePorts), and whether
         nf_conntrack_tcp_be_liberal spares us the INVALID-drop rule."""
-        liberal = self._cmd.sysctl_get(TCP_BE_LIBERAL)
+        liberal = self._sysctl.sysctl_get(TCP_BE_LIBERAL)
         self._drop_invalid = liberal in (None, "0")
         if (self.node.family == 4 and RenderContext.for_node(self.node).localhost_nodeports
-                and self._cmd.sysctl_get(ROUTE_LOCALNET) != "1"):
-            self._cmd.sysctl_set(ROUTE_LOCALNET, "1")
+                and self._sysctl.sysctl_get(ROUTE_LOCALNET) != "1"):
+            self._sysctl.sysctl_set(ROUTE_LOCALNET, "1")
 
     def _read_held(self) -> Held:
         """Held, from an iptables-save of each table."""
