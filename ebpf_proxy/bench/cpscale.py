@@ -524,7 +524,6 @@ def restart_and_audit(agent: Any, top: int, on_phase: Callable[[Phase], None] | 
     datapath = agent.datapath
     if not isinstance(datapath, PrivateMapsDatapath):
         return _audit_and_restart_iptables(agent, top, on_phase, netns, proof_dir)
-    assert isinstance(datapath, PrivateMapsDatapath), "restart: only the ebpf harness datapath has maps"
     datapath.forget()
     gc.collect()  # the old ServicePrograms is gone before the restart is measured
     with measured(Phase("restart"), top) as restarted:

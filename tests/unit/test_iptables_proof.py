@@ -85,3 +85,14 @@ def test_an_unwritable_place_is_reported_not_raised(tmp_path, caplog):
     assert proof.store({"nat": ("a", "b")}) is False
     assert "cannot write" in caplog.text and str(blocker) in caplog.text
     assert ProofFile(None).store({"nat": ("a", "b")}) is False and ProofFile(None).load() == {}
+
+
+def test_a_file_others_could_have_written_is_not_trusted(tmp_path, caplog):
+    path = str(tmp_path / "proof.json")
+    assert ProofFile(path).store({"nat": ("a", "b")})
+    assert oct(os.stat(path).st_mode & 0o777) == "0o600"
+    os.chmod(path, 0o666)
+    assert ProofFile(path).load() == {}
+    assert "not trusted" in caplog.text and path in caplog.text
+    os.chmod(path, 0o644)  # readable by others is fine: digests are no secret
+    assert ProofFile(path).load() == {"nat": ("a", "b")}

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import re
+import stat
 import tempfile
 from collections.abc import Mapping
 
@@ -63,7 +64,10 @@ class ProofFile:
     """table -> (ruleset_digest, kernel_digest) proved equal, in one JSON file (None: kept nowhere).
 
     Written whole to a temporary file and renamed over the old one, so a reader sees the old
-    proof or the new, never half; read errors and a file of another FORMAT read as no proof."""
+    proof or the new, never half; read errors and a file of another FORMAT read as no proof. A
+    file someone else could have written (not this process's owner's, or writable by group or
+    others) is not trusted either: a forged pair could keep a tampered table unrestored until
+    the next audit."""
 
     def __init__(self, path: str | None) -> None:
         self.path = path
@@ -73,6 +77,11 @@ class ProofFile:
             return {}
         try:
             with open(self.path, encoding="utf-8") as f:
+                info = os.fstat(f.fileno())
+                if info.st_uid != os.geteuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+                    log.warning("iptables proof %s: owned by uid %d, mode %o: not trusted; every table is "
+                                "restored", self.path, info.st_uid, stat.S_IMODE(info.st_mode))
+                    return {}
                 doc = json.load(f)
         except FileNotFoundError:
             return {}
@@ -92,7 +101,7 @@ class ProofFile:
             return False
         directory = os.path.dirname(self.path) or "."
         try:
-            os.makedirs(directory, exist_ok=True)
+            os.makedirs(directory, mode=0o700, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=".proof-", dir=directory)
             try:
                 with os.fdopen(fd, "w", encoding="utf-8") as f:
