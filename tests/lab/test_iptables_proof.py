@@ -107,11 +107,19 @@ def test_a_restart_over_the_proved_kernel_restores_nothing(node):
     assert audit(restarted).clean
 
 
-def test_without_a_proof_every_table_is_restored(node):
+def test_without_a_proof_every_table_is_restored_and_no_save_digested(node, monkeypatch):
+    from ebpf_proxy.datapath.iptables import datapath as iptables_datapath
+
+    digested: list[int] = []
+    real = iptables_datapath.kernel_digest
+    monkeypatch.setattr(iptables_datapath, "kernel_digest", lambda text: digested.append(len(text)) or real(text))
     first = node.agent()
     first.sync(_state(node.family), ChangeSet())  # no audit: nothing proved
-    result = node.agent().sync(_state(node.family), ChangeSet())
+    restarted = node.agent()
+    restarted.prefetch()
+    result = restarted.sync(_state(node.family), ChangeSet())
     assert result.counts["tables_proven"] == 0 and node.restores() == 1
+    assert digested == [], "a save digested with no proof to compare it with"
 
 
 def test_a_rule_edited_since_the_proof_is_written_back(node):
