@@ -50,7 +50,6 @@ from ebpf_proxy.datapath.iptables.ruleset import (
     parse_save,
     partial_plan,
     saved_chains,
-    saved_tables,
     table_sections,
 )
 from ebpf_proxy.model import ChangeSet, NodeConfig, ProxyState, ServicePortName
@@ -182,9 +181,7 @@ class IptablesDatapath(Datapath):
             self._set_commands(commands[detected.backend])
         if detected.save is None:
             return self._read_held()
-        sections = table_sections(detected.save)
-        return Held(saved_tables(detected.save, ch.JUMP_CHAINS),  # keyed by TABLE_ORDER's tables, as _read_held
-                    {table: kernel_digest(sections.get(table, "")) for table in self._proved_tables()})
+        return self._held(table_sections(detected.save))
 
     def prefetch(self) -> None:
         """Read the first full sync's iptables-save now, in a thread, while the agent still lists:
@@ -273,15 +270,13 @@ class IptablesDatapath(Datapath):
 
     def _read_held(self) -> Held:
         """Held, from an iptables-save of each table."""
-        chains: dict[str, dict[str, list[str]]] = {}
-        digests: dict[str, str] = {}
-        proved = self._proved_tables()
-        for table in TABLE_ORDER:
-            text = self._cmd.save(table)
-            chains[table] = saved_chains(text, ch.JUMP_CHAINS[table])
-            if table in proved:
-                digests[table] = kernel_digest(text)
-        return Held(chains, digests)
+        return self._held({table: self._cmd.save(table) for table in TABLE_ORDER})
+
+    def _held(self, saved: Mapping[str, str]) -> Held:
+        """Held, from the iptables-save text of each table (table -> text; a table missing has not
+        been made in this namespace yet, so it holds no chain of ours)."""
+        return Held({table: saved_chains(saved.get(table, ""), ch.JUMP_CHAINS[table]) for table in TABLE_ORDER},
+                    {table: kernel_digest(saved.get(table, "")) for table in self._proved_tables()})
 
     # -- proofs (proof.py) ---------------------------------------------------------------------
 

@@ -210,8 +210,11 @@ _TABLE_HEADER = re.compile(r"\n\*(\S+)[ \t]*(?=\n|$)")  # after a newline, as sa
 
 
 def table_sections(text: str) -> dict[str, str]:
-    """Each table's part of an iptables-save of every table (after its "*table" line, up to the
-    next one), by table name."""
+    """Each table's part of an iptables-save of every table (the one the backend detection reads;
+    after its "*table" line, up to the next one), by table name. A table the save does not show is
+    not there: the kernel has not made it in this namespace yet, so it holds no chain of ours (a
+    save of that table alone would make it, showing its built-in chains without rules; a full
+    sync creates what it needs either way)."""
     if text.startswith("*"):
         text = "\n" + text  # the first line, too, follows a newline
     headers = list(_TABLE_HEADER.finditer(text))
@@ -219,10 +222,3 @@ def table_sections(text: str) -> dict[str, str]:
             for i, m in enumerate(headers)}
 
 
-def saved_tables(text: str, keep_rules: Mapping[str, Collection[str]]) -> dict[str, dict[str, list[str]]]:
-    """saved_chains() of each table in `keep_rules`, from one iptables-save of every table (the
-    one the backend detection reads). {} for a table the save does not show: the kernel has not
-    made it in this namespace yet, so it holds no chain of ours (a save of that table alone would
-    make it, showing its built-in chains without rules; a full sync creates what it needs either way)."""
-    sections = table_sections(text)
-    return {table: saved_chains(sections.get(table, ""), keep) for table, keep in keep_rules.items()}
