@@ -107,15 +107,19 @@ def _healthy(lab: Lab, node: str) -> bool:
     return status == 200
 
 
+def _agent_get(lab: Lab, node: str, path: str, timeout: float) -> tuple[int, str]:
+    """GET `path` of `node`'s agent's metrics address (/metrics, /audit), from inside the node."""
+    return http_get(naming.node_netns(lab.name, node), f"http://{lab.topology.node(node).ip}:{AGENT_METRICS_PORT}{path}",
+                    timeout=timeout)
+
+
 AUDIT_TIMEOUT_SECONDS = 120.0  # a drift audit at 100,000 Services x 10 endpoints takes ~4 s
 
 
 def audit(lab: Lab, node: str) -> dict[str, Any]:
     """Run `node`'s agent's drift audit now (GET /audit, no repair): {"seconds", "drifts"}."""
     start = time.monotonic()
-    status, body = http_get(naming.node_netns(lab.name, node),
-                            f"http://{lab.topology.node(node).ip}:{AGENT_METRICS_PORT}/audit",
-                            timeout=AUDIT_TIMEOUT_SECONDS)
+    status, body = _agent_get(lab, node, "/audit", AUDIT_TIMEOUT_SECONDS)
     if status != 200:
         raise ControlPlaneError(f"agent on {node}: GET /audit answered HTTP {status}: {body[:200]}")
     try:
@@ -147,8 +151,7 @@ def full_sync(lab: Lab, node: str, mode: str, timeout: float, agent_args: Sequen
                                 + lab.logs(node, tail=10)) from None
     healthy = time.monotonic() - start
     usage = procstat.read(pid)
-    status, body = http_get(naming.node_netns(lab.name, node),
-                            f"http://{lab.topology.node(node).ip}:{AGENT_METRICS_PORT}/metrics", timeout=2.0)
+    status, body = _agent_get(lab, node, "/metrics", 2.0)
     programmed = programmed_seconds(body, start_wall) if status == 200 else None
     if programmed is None:
         raise ControlPlaneError(f"agent on {node} ({mode}) healthy after {healthy:.2f} s but its /metrics "
