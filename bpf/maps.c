@@ -42,12 +42,6 @@ BPF_TABLE_PINNED("hash", struct ct4_key, struct ct4_entry, epx_ct4, EPX_CT4_MAX,
 		 BPF_F_NO_PREALLOC);
 /* per CPU, the connections it created last: where ct4_early_drop looks for one to drop */
 BPF_TABLE_PINNED("percpu_array", __u32, struct ct4_ring, epx_ct4_ring, 1, EPX_PIN(epx_ct4_ring));
-/* which keys epx_ct4 may hold, two banks (common.h: the presence filter); mmapped by the agent,
- * which writes one bank's `seen` words while the programs set `made` bits */
-BPF_TABLE_PINNED("array", __u32, struct ct4_filter_slot, epx_ct4_filter, CT4_FILTER_BANKS * CT4_FILTER_SLOTS,
-		 EPX_PIN(epx_ct4_filter), BPF_F_MMAPABLE);
-/* the bank of epx_ct4_filter the programs read: 1 or 2, 0 for none (every lookup is made) */
-BPF_TABLE_PINNED("array", __u32, __u32, epx_ct4_filter_bank, 1, EPX_PIN(epx_ct4_filter_bank));
 /* first-fragment ports, for the later fragments of the same datagram */
 BPF_TABLE_PINNED("lru_hash", struct frag4_key, struct frag4_ports, epx_frag4, EPX_FRAG4_MAX, EPX_PIN(epx_frag4));
 /* socket LB: backend a UDP socket talks to -> frontend its recvmsg must show */

@@ -287,30 +287,6 @@ struct ct4_ring {
 	struct ct4_entry rev_snat;
 };
 
-/* ---- connection table presence filter (ct4.h: ct4_may_hold) ----
- * Most packets a node sees have no epx_ct4 entry: pod-to-pod traffic no Service translates, and
- * on a backend's node the packets another node translated. Each would pay up to four misses in
- * epx_ct4 (tc_ingress: its connection, the reply check of the fast path; tc_egress: masquerade,
- * reply restore), and a miss reads a bucket head out of several MB: memory latency on every
- * packet. A bitmap says "not in the table" from one cache line instead. Two banks; the one the
- * programs read is epx_ct4_filter_bank's (1 or 2; 0: no filter, every lookup is made). A bit is
- * set for every key a program writes into epx_ct4, in both banks (`made`, atomic OR); the agent's
- * garbage collector (maps.py: Maps.collect_connections) renews the other bank each pass: zeroes its
- * `made`, reads the whole table, writes that read's keys into its `seen` and makes it the one read.
- * A key written before the zeroing is in the read, one written after it sets its own `made` bit:
- * no key in the table is ever missing from the bank read. `seen` is the agent's alone and `made`
- * the programs' alone (the agent only zeroes it before that read), so neither overwrites the
- * other's bits. Python's own writes into epx_ct4 (a mode switch's adopted connections) switch the
- * filter off until the next pass. Bits of keys gone stay until their bank is renewed: a false
- * "maybe" costs the lookup it saves otherwise, nothing more. */
-#define CT4_FILTER_SLOTS 32768 /* per bank, a power of two: 64 bits each, 2^21 bits (256 KiB + 256 KiB) */
-#define CT4_FILTER_BANKS 2
-
-struct ct4_filter_slot {
-	__u64 seen; /* the agent's: keys its last read of the table found */
-	__u64 made; /* the programs': keys written since the agent zeroed it */
-};
-
 /* ---- IPv4 fragments: ports of a datagram, learnt from its first fragment ---- */
 struct frag4_key {
 	__be32 saddr;

@@ -67,63 +67,6 @@ static __always_inline struct ct4_key ct4_key_make(__be32 saddr, __be32 daddr, _
 	return key;
 }
 
-/* ---- the presence filter (common.h: struct ct4_filter_slot) ---- */
-
-/* A key's bit: slot (h >> 6) % CT4_FILTER_SLOTS, bit h % 64 of it. Multiply-xor over the key's
- * four words; datapath/ebpf/ctfilter.py computes the same from the key's bytes. */
-static __always_inline __u32 ct4_filter_hash(const struct ct4_key *key)
-{
-	const __u32 *w = (const __u32 *)key;
-	__u32 h = (w[0] * 0x9e3779b1u) ^ (w[1] * 0x85ebca77u) ^ (w[2] * 0xc2b2ae3du) ^ (w[3] * 0x27d4eb2fu);
-
-	h ^= h >> 15;
-	h *= 0x2c1b3c6du;
-	h ^= h >> 12;
-	return h;
-}
-
-/* Before `key` is written into epx_ct4: its bit in both banks' `made`. (One stack slot for the
- * map keys, `at`: tc_ingress's 512-byte stack is full.) */
-static __always_inline void ct4_filter_note(const struct ct4_key *key)
-{
-	__u32 h = ct4_filter_hash(key), at = (h >> 6) & (CT4_FILTER_SLOTS - 1);
-	struct ct4_filter_slot *s = epx_lookup(epx_ct4_filter, &at);
-
-	if (s)
-		__sync_fetch_and_or(&s->made, 1ULL << (h & 63));
-	at += CT4_FILTER_SLOTS; /* the second bank */
-	s = epx_lookup(epx_ct4_filter, &at);
-	if (s)
-		__sync_fetch_and_or(&s->made, 1ULL << (h & 63));
-}
-
-/* Whether epx_ct4 may hold `key`: 0 only when the bank the programs read says it cannot. */
-static __always_inline int ct4_may_hold(const struct ct4_key *key)
-{
-	__u32 at = 0, *bank = epx_lookup(epx_ct4_filter_bank, &at), h;
-	struct ct4_filter_slot *s;
-
-	if (!bank || *bank == 0 || *bank > CT4_FILTER_BANKS)
-		return 1;
-	h = ct4_filter_hash(key);
-	at = (*bank - 1) * CT4_FILTER_SLOTS + ((h >> 6) & (CT4_FILTER_SLOTS - 1));
-	s = epx_lookup(epx_ct4_filter, &at);
-	return !s || (((s->seen | s->made) >> (h & 63)) & 1);
-}
-
-/* epx_ct4's entry at `key`, the filter asked first: where most lookups miss. */
-static __always_inline struct ct4_entry *ct4_get(struct ct4_key *key)
-{
-	return ct4_may_hold(key) ? epx_lookup(epx_ct4, key) : NULL;
-}
-
-/* Write `val` at `key` (BPF_ANY), noted in the filter first. */
-static __always_inline long ct4_put(struct ct4_key *key, struct ct4_entry *val)
-{
-	ct4_filter_note(key);
-	return epx_update(epx_ct4, key, val);
-}
-
 static __always_inline __u64 ct4_lifetime_ns(const struct lb4_config *cfg, __u8 proto, __u8 flags)
 {
 	__u32 secs;
@@ -419,7 +362,7 @@ static __always_inline __u32 ct4_snat_port_use(const struct ct4_entry *old, cons
 static __always_inline int ct4_snat_claim(struct ct4_key *key, struct ct4_entry *rev)
 {
 	epx_delete(epx_ct4, key);
-	return epx_insert(epx_ct4, key, rev); /* noted by the caller, ct4_port_alloc */
+	return epx_insert(epx_ct4, key, rev);
 }
 
 /* Whether the masquerade port range is usable (remapped ports come from it too). Returns 0 or
@@ -483,7 +426,6 @@ static __always_inline __u32 ct4_port_alloc(__be32 saddr, __be32 daddr, __be16 s
 	if (ct4_snat_claim(&key, rev))
 		return EPX_DROP_SNAT_NO_PORT;
 claimed:
-	ct4_filter_note(&key); /* once, for the port taken (nothing looks it up before we return) */
 	*port = key.dport;
 	return 0;
 }
@@ -542,7 +484,7 @@ static __always_inline __u32 ct4_create_once(const struct pkt4 *p, const struct 
 		err = (e.state & CT4_S_REMAP) && ct4_rev_dnat_taken(&key, now);
 		if (!err) {
 			key = ct4_key_make(p->saddr, be_addr, ct4_wire_port(&e, p->sport), be_port, p->proto, CT4_SNAT);
-			err = ct4_put(&key, &s->snat);
+			err = epx_update(epx_ct4, &key, &s->snat);
 		}
 		if (err) {
 			key = ct4_key_make(be_addr, e.snat_addr, be_port, e.snat_port, p->proto, CT4_REV_SNAT);
@@ -575,11 +517,11 @@ static __always_inline __u32 ct4_create_once(const struct pkt4 *p, const struct 
 	/* reply: backend -> client leaves with the frontend as source (a remapped connection's half
 	 * is in place already) */
 	key = ct4_key_make(be_addr, p->saddr, be_port, ct4_wire_port(&e, p->sport), p->proto, CT4_REV_DNAT);
-	err = (e.state & CT4_S_REMAP) && !masq ? 0 : ct4_put(&key, &s->rev_dnat);
+	err = (e.state & CT4_S_REMAP) && !masq ? 0 : epx_update(epx_ct4, &key, &s->rev_dnat);
 	if (!err) {
 		ct4_touch(&e, cfg, p, 0, now);
 		key = ct4_key_make(p->saddr, p->daddr, p->sport, p->dport, p->proto, CT4_SVC);
-		err = ct4_put(&key, &e);
+		err = epx_update(epx_ct4, &key, &e);
 		if (!err) {
 			ct4_ring_push(&key);
 			if (e.state & CT4_S_REMAP)

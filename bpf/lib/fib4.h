@@ -72,7 +72,7 @@ static __always_inline int fib4_candidate(const struct pkt4 *p, __u32 reason)
 	if (!ring)
 		return 0;
 	ring->half = ct4_key_make(p->saddr, p->daddr, p->sport, p->dport, p->proto, CT4_REV_DNAT);
-	return ct4_get(&ring->half) != NULL;
+	return epx_lookup(epx_ct4, &ring->half) != NULL;
 }
 
 /* The kernel's rt_tos2priority: what ip_forward sets skb->priority to. */

@@ -238,9 +238,7 @@ static __always_inline __u32 lb4_forward(struct __sk_buff *skb, struct pkt4 *p, 
 					 struct epx_trace_rec *tr)
 {
 	struct ct4_key key = ct4_key_make(p->saddr, p->daddr, p->sport, p->dport, p->proto, CT4_SVC);
-	/* most packets here have no connection (pod-to-pod traffic, another node's translations): the
-	 * presence filter (common.h) answers them without the table */
-	struct ct4_entry *e = !ct4_may_hold(&key) ? NULL : tr ? ct4_find_svc(&key, now) : ct4_lookup_svc(&key, now);
+	struct ct4_entry *e = tr ? ct4_find_svc(&key, now) : ct4_lookup_svc(&key, now);
 	struct lb4_service *svc;
 	struct lb4_choice c = {};
 	struct lb4_backend be;

@@ -121,7 +121,7 @@ static __always_inline __u32 nat4_snat(struct __sk_buff *skb, struct pkt4 *p, co
 					struct epx_trace_rec *tr)
 {
 	struct ct4_key key = ct4_key_make(p->saddr, p->daddr, p->sport, p->dport, p->proto, CT4_SNAT);
-	struct ct4_entry *half = ct4_get(&key), *owner;
+	struct ct4_entry *half = epx_lookup(epx_ct4, &key), *owner;
 	__u32 reason;
 
 	if (!half)
@@ -181,7 +181,7 @@ static __always_inline __u32 nat4_rev_dnat(struct __sk_buff *skb, struct pkt4 *p
 					   __u64 now, struct epx_trace_rec *tr)
 {
 	struct ct4_key key = ct4_key_make(p->saddr, p->daddr, p->sport, p->dport, p->proto, CT4_REV_DNAT);
-	struct ct4_entry *half = ct4_get(&key), *owner;
+	struct ct4_entry *half = epx_lookup(epx_ct4, &key), *owner;
 	__be16 cport;
 	__u32 reason;
 

@@ -25,7 +25,6 @@ from ebpf_proxy.datapath.ebpf.maps import Maps, be16, be32
 pytestmark = [pytest.mark.bpf, pytest.mark.root]
 
 BPF_MAP_TYPE_HASH, BPF_F_NO_PREALLOC = 1, 1  # bpf/maps.c: epx_ct4 is a plain hash, not preallocated
-BPF_MAP_TYPE_ARRAY, BPF_F_MMAPABLE = 2, 1024  # bpf/maps.c: the presence filter the pass renews
 CAPACITY = MAX_ENTRIES["epx_ct4"]
 VIP, MASQ = be32("10.96.0.10"), be32("172.20.20.15")
 # how far a pass may raise the process's peak RSS: ~0.1 MiB here; the halves' bytes held took
@@ -81,17 +80,10 @@ def _fill(fd: int, now_ns: int) -> tuple[int, int, int]:
 def full_table():
     fd = libbpf.map_create(BPF_MAP_TYPE_HASH, "epx_ct4", ctypes.sizeof(s.CT4Key), ctypes.sizeof(s.CT4Entry),
                            CAPACITY, BPF_F_NO_PREALLOC)
-    filter_fd = libbpf.map_create(BPF_MAP_TYPE_ARRAY, "epx_ct4_filter", 4, ctypes.sizeof(s.CT4FilterSlot),
-                                  s.CT4_FILTER_BANKS * s.CT4_FILTER_SLOTS, BPF_F_MMAPABLE)
-    bank_fd = libbpf.map_create(BPF_MAP_TYPE_ARRAY, "epx_ct4_filter_bank", 4, 4, 1)
-    maps = Maps({**{name: -1 for name in s.MAPS}, "epx_ct4": fd, "epx_ct4_filter": filter_fd,
-                 "epx_ct4_filter_bank": bank_fd})
     try:
-        yield maps, fd
+        yield Maps({**{name: -1 for name in s.MAPS}, "epx_ct4": fd}), fd
     finally:
-        maps.close()
-        for each in (fd, filter_fd, bank_fd):
-            os.close(each)
+        os.close(fd)
 
 
 def test_a_pass_over_a_full_table_collects_what_expired_and_keeps_no_object_per_entry(full_table):

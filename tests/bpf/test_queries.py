@@ -82,8 +82,7 @@ def test_batched_read_spans_many_batches(maps):
 def test_entry_counts(pin_dir, maps):
     w.install(maps, w.web())
     counts = entry_counts(pin_dir)
-    arrays = {"epx_config", "epx_stats", "epx_trace", "epx_ct4_ring", "epx_ct4_filter", "epx_ct4_filter_bank",
-              "epx_config6", "epx_scratch6"}
+    arrays = {"epx_config", "epx_stats", "epx_trace", "epx_ct4_ring", "epx_config6", "epx_scratch6"}
     assert set(counts) == set(s.MAPS) - arrays, "arrays have no fill level"
     assert counts["epx_backend"] == 3 and counts["epx_svc"] == 4
     assert counts["epx_slot"] == 4 and counts["epx_node_addr"] == 2 and counts["epx_pod_cidr"] == 1

@@ -53,8 +53,8 @@ log = logging.getLogger(__name__)
 # installed wheel has no source tree around it.
 BPF_SRC_DIR = Path(os.environ.get("EBPF_PROXY_BPF_DIR") or Path(__file__).resolve().parents[3] / "bpf")
 
-# Capacity of each map (passed as -DEPX_<MAP>_MAX); epx_config, epx_stats, epx_trace,
-# epx_ct4_ring and the epx_ct4_filter pair are fixed-size. EbpfDatapath sizes epx_ct4 from kube-proxy's conntrack settings
+# Capacity of each map (passed as -DEPX_<MAP>_MAX); epx_config, epx_stats, epx_trace and
+# epx_ct4_ring are fixed-size. EbpfDatapath sizes epx_ct4 from kube-proxy's conntrack settings
 # (agent/conntrack.py); this default is their minimum, 131072 connections at 2 entries each.
 MAX_ENTRIES: dict[str, int] = {
     "epx_svc": 65536,
@@ -81,7 +81,6 @@ MAX_ENTRIES: dict[str, int] = {
 }
 # the arrays' sizes are the datapath's own, never configured
 FIXED_ENTRIES = {"epx_config": 1, "epx_stats": structs.REASON_MAX, "epx_trace": 1, "epx_ct4_ring": 1,
-                  "epx_ct4_filter": structs.CT4_FILTER_BANKS * structs.CT4_FILTER_SLOTS, "epx_ct4_filter_bank": 1,
                   "epx_config6": 1, "epx_scratch6": 1}
 
 # bcc program type names (BPF.<name>) and attach types (BPFAttachType.<name>)

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ebpf_proxy.datapath.ebpf import ctfilter, ctscan, libbpf
+from ebpf_proxy.datapath.ebpf import ctscan, libbpf
 from ebpf_proxy.datapath.ebpf import structs as s
 from ebpf_proxy.model.endpoints import v4_texts
 
@@ -767,7 +767,6 @@ class Maps:
         self._batch_ok = True  # BPF_MAP_UPDATE_BATCH works (until a kernel says it does not)
         # halves (key + entry bytes) the last conntrack GC pass found without their connection
         self._orphans = ctscan.Hashes()
-        self._filter: ctfilter.CtFilter | None = None  # epx_ct4's presence filter, mmapped when first used
 
     @classmethod
     def from_loaded(cls, loaded) -> Maps:
@@ -788,9 +787,6 @@ class Maps:
         return cls(fds, owned=True)
 
     def close(self) -> None:
-        if self._filter is not None:
-            self._filter.close()
-            self._filter = None
         if self._owned:
             for fd in self._fds.values():
                 os.close(fd)
@@ -1172,13 +1168,6 @@ class Maps:
         table = self._CT
         return _batches(self._fd(table.name), table.key, table.entry)
 
-    def ct_filter(self) -> ctfilter.CtFilter | None:
-        """The connection table's presence filter (ctfilter.py); None for a table without one
-        (epx_ct6)."""
-        if self._CT.filtered and self._filter is None:
-            self._filter = ctfilter.CtFilter(self._fd("epx_ct4_filter"), self._fd("epx_ct4_filter_bank"))
-        return self._filter
-
     def connections(self, kind: int | None = None, proto: int | None = None) -> list[Connection]:
         """The epx_ct4 entries (only those of `kind` and `proto` when given), decoded. Filtering
         happens on the raw batches: asking for a few entries of a full table decodes only those."""
@@ -1234,13 +1223,9 @@ class Maps:
         live = ctscan.Hashes()  # halves the live connections honour
         closing = ctscan.Hashes()  # halves closing TCP/SCTP connections honour: not when pressed
         entries = owners = gone = collected = 0
-        ct_filter = self.ct_filter()
-        renewal = ct_filter.begin() if ct_filter is not None else None
         for keys, values, n in self._ct_batches():
             entries += n
             kb, vb = ctscan.raw(keys, n, ksz), ctscan.raw(values, n, vsz)
-            if renewal is not None:
-                renewal.add(kb, n, ksz)
             for i in range(n):
                 if kb[i * ksz + kind_at] != s.CT4_SVC:
                     continue  # a half: the second read judges it
@@ -1253,8 +1238,6 @@ class Maps:
                 into = closing if k[layout.proto] in _CLOSABLE and v[layout.flags] & s.CT4_F_CLOSING else live
                 for identity in layout.owner_identities(k, v):
                     into.add(identity)
-        if renewal is not None:
-            ct_filter.commit(renewal)
         live.seal()
         closing.seal()
         # nf_conntrack's gc worker, above 95 % full, also early-drops TCP and SCTP connections that
@@ -1307,11 +1290,7 @@ class Maps:
         return self.delete_connection_entry(self._CT.key_of(c))
 
     def put_connection_entry(self, key: s.CT4Key, entry: s.CT4Entry) -> None:
-        """Write one epx_ct4 entry (ebpf/handover.py: a connection the kernel translated until now).
-        No program noted its key in the presence filter: the filter is off until the next pass."""
-        ct_filter = self.ct_filter()
-        if ct_filter is not None:
-            ct_filter.off()
+        """Write one epx_ct4 entry (ebpf/handover.py: a connection the kernel translated until now)."""
         self._put(self._CT.name, key, entry)
 
     def connection_entry(self, key: s.CT4Key) -> s.CT4Entry | None:
@@ -1428,7 +1407,6 @@ class Maps:
         self._put("epx_config", s.u32(0), s.LB4Config())
         self._put("epx_config6", s.u32(0), s.LB6Config())
         self._put("epx_ct4_ring", s.u32(0), (s.CT4Ring * libbpf.num_possible_cpus())())
-        self._put("epx_ct4_filter_bank", s.u32(0), s.u32(ctfilter.OFF))
         self.reset_stats()
 
 
@@ -1445,7 +1423,6 @@ class _CtTable:
     # already; epx_ct6's In6 structs compare by identity, so they become bytes)
     flat: Callable[[object], object]
     svc_key: Callable[[tuple], object]  # the CT4_SVC key of an owner tuple (saddr, daddr, sport, dport, proto)
-    filtered: bool = False  # the programs ask a presence filter before they look a key up (ctfilter.py)
 
 
 def _same(raw: object) -> object:
@@ -1481,7 +1458,7 @@ def _ct_layout(table: _CtTable) -> ctscan.Layout:
     return ctscan.Layout(table.key, table.entry)
 
 
-_CT4 = _CtTable("epx_ct4", s.CT4Key, s.CT4Entry, _connection, _key_of(ct_key), _same, _svc_key, filtered=True)
+_CT4 = _CtTable("epx_ct4", s.CT4Key, s.CT4Entry, _connection, _key_of(ct_key), _same, _svc_key)
 _CT6 = _CtTable("epx_ct6", s.CT6Key, s.CT6Entry, _connection6, _key_of(ct6_key), _Flat6, _svc_key6)
 Maps._CT = _CT4
 

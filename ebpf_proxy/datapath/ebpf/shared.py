@@ -160,9 +160,6 @@ class SharedNode:
         loaded = loader.load(pin_dir, max_entries=opts.max_entries, reuse=True, cache_dir=opts.cache_dir)
         try:
             maps = Maps.from_loaded(loaded)
-            # the presence filter's banks may predate these programs (an upgrade, a map the loader
-            # recreated): every lookup is made until this agent's first collection renews one
-            maps.ct_filter().off()
             node = self._node_config()
             cluster_cidrs = tuple(c for member in self.members.values() for c in member.node.cluster_cidrs)
             self.devices = devices.Devices(

@@ -283,15 +283,6 @@ class CT4Ring(_Struct):
                 ("fib", u8 * BPF_FIB_LOOKUP_SIZE), ("rev_dnat", CT4Entry), ("snat", CT4Entry), ("rev_snat", CT4Entry)]
 
 
-# the connection table's presence filter (common.h: struct ct4_filter_slot; ctfilter.py)
-CT4_FILTER_SLOTS = 32768
-CT4_FILTER_BANKS = 2
-
-
-class CT4FilterSlot(_Struct):
-    _fields_ = [("seen", u64), ("made", u64)]
-
-
 class Frag4Key(_Struct):
     _fields_ = [("saddr", be32), ("daddr", be32), ("id", be16), ("proto", u8), ("pad", u8)]
 
@@ -485,8 +476,6 @@ MAPS: dict[str, MapSpec] = {
         MapSpec("epx_iface", u32, u32),
         MapSpec("epx_ct4", CT4Key, CT4Entry),  # a plain hash: an LRU would evict established connections
         MapSpec("epx_ct4_ring", u32, CT4Ring, "percpu_array"),
-        MapSpec("epx_ct4_filter", u32, CT4FilterSlot, "array"),
-        MapSpec("epx_ct4_filter_bank", u32, u32, "array"),
         MapSpec("epx_frag4", Frag4Key, Frag4Ports, "lru_hash"),
         MapSpec("epx_sock_rev", Sock4RevKey, Sock4Rev, "lru_hash"),
         MapSpec("epx_config", u32, LB4Config, "array"),
