@@ -488,6 +488,8 @@ class Agent:
         self._sync_service_health([state for state, _changes in taken.values()])
         for family, (state, changes) in taken.items():
             result = results[family]
+            if result is not None:
+                self.metrics.observe_sync_counts(result.counts)
             log.info("synced", extra={
                 "family": f"IPv{family}", "full": changes.full, "services": len(state.services),
                 "changed": len(changes.services), "stale_udp_endpoints": len(changes.stale_udp_endpoints),

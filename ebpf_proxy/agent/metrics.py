@@ -161,6 +161,10 @@ class Metrics:
             "ebpf_proxy_handover_connections_total", "Connections a mode switch found in the other mode's "
             "datapath, by that mode and outcome (adopted, moved, failed, and those left: node, "
             "other_masquerade_address, unknown)", ["from_mode", "outcome"], registry=r)
+        self.tables_proven = Counter(
+            "ebpf_proxy_iptables_tables_proven_total", "Tables a full sync of the iptables datapath did not restore: "
+            "a clean drift audit had proved the kernel holds them as this sync renders them (a restart's "
+            "saving; datapath/iptables/proof.py)", registry=r)
         self.datapath_counters = DatapathCounters()
         r.register(self.datapath_counters)
 
@@ -176,6 +180,10 @@ class Metrics:
         self.sync_duration.observe(seconds)
         (self.sync_full_duration if full else self.sync_partial_duration).observe(seconds)
         self.last_sync_timestamp.set(now_wall)
+
+    def observe_sync_counts(self, counts: dict[str, int]) -> None:
+        """What one family's sync reported doing (SyncResult.counts) that has a metric."""
+        self.tables_proven.inc(counts.get("tables_proven", 0))
 
     def observe_programming(self, trigger_times: list[float], now_wall: float) -> None:
         """kube-proxy's network programming latency: from the EndpointSlice change's trigger time

@@ -742,3 +742,26 @@ def test_an_agent_alone_on_its_node_hands_nothing_over(agent_parts, monkeypatch)
     listed(agent, services=[web_service()], nodes=[node(NODE)])
     assert not agent.prepare_datapath().expected_handover
     agent.sync(full=True)
+
+
+def test_tables_a_full_sync_found_proven_are_counted(agent_parts):
+    """The iptables datapath's `tables_proven` (datapath/iptables/proof.py) reaches /metrics, so
+    an operator sees whether restarts skip their restore."""
+    class Proving(RecordingDatapath):
+        def sync(self, state, changes):
+            result = super().sync(state, changes)
+            result.counts["tables_proven"] = 2 if changes.full else 0
+            return result
+
+    make, _, _ = agent_parts
+    agent = make(datapath_factory=lambda mode, node, **opts: Proving(node, mode=mode, **opts))
+    agent.resolve_mode()
+    listed(agent, services=[web_service()], slices=[web_slice(endpoint("10.244.1.5", NODE))], nodes=[node(NODE)])
+    agent.prepare_datapath()
+    assert metric(agent, "ebpf_proxy_iptables_tables_proven_total") == 0
+    agent.sync(full=True)
+    assert metric(agent, "ebpf_proxy_iptables_tables_proven_total") == 2
+    listed(agent, slices=[web_slice(endpoint("10.244.1.6", NODE), rv="2")])
+    agent.sync(full=False)
+    agent.sync(full=True)
+    assert metric(agent, "ebpf_proxy_iptables_tables_proven_total") == 4
