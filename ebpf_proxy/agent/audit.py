@@ -16,6 +16,11 @@ meanwhile (`syncs`, a count the agent bumps under that lock): if none did, the m
 agent's belief were both still while it read, and its findings stand. Only what needs the lock
 runs under it: the repair of a drift found, and, when syncs kept coming (two tries), the audit
 itself, as before.
+
+The first audit may come sooner than the period (`first_delay`, tried at that pace until a sync
+has completed): an iptables agent's clean audit is what lets its next restart skip the restore
+(datapath/iptables/proof.py), and with only the period a restart within a minute of the last
+(a crash loop, a quick rollout) found no proof and restored every rule.
 """
 
 from __future__ import annotations
@@ -37,9 +42,12 @@ class DriftAuditor:
     reports are merged into one (explain.audit.merge)."""
 
     def __init__(self, datapaths: Callable[[], Sequence[tuple[int, object | None]]], lock: threading.Lock,
-                 metrics: Metrics, *, period: float, repair: bool, syncs: Callable[[], int] | None = None) -> None:
+                 metrics: Metrics, *, period: float, repair: bool, syncs: Callable[[], int] | None = None,
+                 first_delay: float | None = None) -> None:
         """`syncs`: how many syncs have begun, read under `lock` (None: every audit runs under
-        the lock, as a caller without such a count needs)."""
+        the lock, as a caller without such a count needs). `first_delay`: the wait before the
+        first audit, and between tries while there is nothing to audit yet (None: the period)."""
+        self.first_delay = first_delay
         self._datapaths = datapaths
         self._lock = lock
         self._syncs = syncs
@@ -130,13 +138,16 @@ class DriftAuditor:
             self._thread = None
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.period):
+        early = self.first_delay is not None and self.first_delay < self.period
+        while not self._stop.wait(self.first_delay if early else self.period):
             try:
                 self.run_once()
             except AuditUnavailable as exc:
                 log.debug("drift audit skipped: %s", exc)
+                continue  # nothing synced yet: an early first audit keeps trying at its pace
             except Exception:
                 log.exception("drift audit failed")
+            early = False
 
     # ---- on demand, over HTTP -------------------------------------------------------------------
 

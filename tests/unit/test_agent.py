@@ -765,3 +765,12 @@ def test_tables_a_full_sync_found_proven_are_counted(agent_parts):
     agent.sync(full=False)
     agent.sync(full=True)
     assert metric(agent, "ebpf_proxy_iptables_tables_proven_total") == 4
+
+
+@pytest.mark.parametrize("proof_dir, want", [("/var/cache/ebpf-proxy/iptables", 10.0), ("", None)])
+def test_an_iptables_agent_that_keeps_proofs_audits_early(agent_parts, proof_dir, want):
+    """A restart within --audit-period of the last found no proof and restored every rule."""
+    make, _, _ = agent_parts
+    agent = make(flags={"iptables_proof_dir": proof_dir})
+    agent.resolve_mode()
+    assert agent.mode == "iptables" and agent.first_audit_delay() == want

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 
 import pytest
 
@@ -220,3 +221,26 @@ def test_an_audit_a_sync_overlapped_is_not_a_finding(monkeypatch):
     syncs = _Syncs(during=[RuntimeError("dictionary changed size during iteration"), None])
     syncs.auditor(monkeypatch).run_once()
     assert syncs.calls == [(False, False), (False, False)]
+
+
+def test_an_early_first_audit_tries_until_a_sync_then_keeps_the_period(monkeypatch):
+    """first_delay (an iptables agent's proof, agent.first_audit_delay): tried at its pace while
+    nothing has synced, once it ran the period again."""
+    script = _Scripted([], [])
+    monkeypatch.setattr(agent_audit, "audit", script)
+    box: dict[str, object | None] = {"datapath": None}
+    auditor = DriftAuditor(lambda: [(4, box["datapath"])], threading.Lock(), Metrics(), period=30, repair=False,
+                           first_delay=0.02)
+    auditor.start()
+    try:
+        time.sleep(0.2)
+        assert script.calls == [], "no datapath yet: skipped"
+        box["datapath"] = object()
+        deadline = time.monotonic() + 10
+        while not script.calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert script.calls == [False], "the first audit came at the early pace"
+        time.sleep(0.3)
+        assert script.calls == [False], "then the period"
+    finally:
+        auditor.stop()
