@@ -9,10 +9,8 @@ from __future__ import annotations
 import time
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from ebpf_proxy.lab.cluster import AGENT_METRICS_PORT
-from ebpf_proxy.lab.nshttp import http_get
+from tests.e2e.test_stats import scrape
 
 pytestmark = [pytest.mark.root, pytest.mark.e2e]
 
@@ -20,10 +18,7 @@ NODE = "worker1"
 
 
 def _tables_proven(lab) -> float | None:
-    status, body = http_get(lab.netns_of(NODE), f"http://{lab.topology.node(NODE).ip}:{AGENT_METRICS_PORT}/metrics")
-    assert status == 200, body
-    return next((s.value for family in text_string_to_metric_families(body) for s in family.samples
-                 if s.name == "ebpf_proxy_iptables_tables_proven_total"), None)
+    return scrape(lab, NODE).get(("ebpf_proxy_iptables_tables_proven_total", ()))
 
 
 def test_a_restart_soon_after_another_finds_the_early_audits_proof(e2e_lab):
