@@ -102,7 +102,8 @@ enum epx_reason {
 	EPX_PASS_ICMP6_FRAG = 47,        /* ICMPv6 error quoting a packet with a fragment header: untouched (no IPv6 fragment tracking: such a packet was never translated) */
 	EPX_DROP_LOCALHOST6_NO_LOCAL = 48, /* [::1]:<nodePort> of an externalTrafficPolicy=Local NodePort without a local endpoint, on the node's lo (kube-proxy's IPv6 rules never DNAT ::1; its INPUT rule "has no local endpoints" drops it) */
 	EPX_EV_CT_PORT_REMAP = 49,       /* not a verdict: a new connection's client port was taken toward its backend by another live connection (same client port, another frontend): it leaves with another source port, as netfilter's NAT remaps a clashing tuple (ct4.h: ct4_port_alloc); counted once per connection */
-	EPX_REASON_MAX = 50,
+	EPX_EV_CT_CLOSED_FORGOTTEN = 50, /* not a verdict: a SYN (SCTP: INIT) met the entries of a connection that had closed (FIN or RST seen): that connection was forgotten whole, so the new one, a reused client port, starts afresh (lb4_forward), or passes as it came where another node translated it (nat4_snat, nat4_rev_dnat); counted once per connection forgotten */
+	EPX_REASON_MAX = 51,
 };
 #define EPX_DROP_FIRST EPX_DROP_MALFORMED_IP
 #define EPX_DROP_LAST EPX_DROP_REJECT_FAILED /* and EPX_DROP_CT_FULL, _HANDOVER_HELD, _MALFORMED_IPV6, _IPV6_EXTHDRS, _SCTP_FRAG, _LOCALHOST6_NO_LOCAL, appended later (epx_is_drop) */

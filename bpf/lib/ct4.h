@@ -216,6 +216,16 @@ static __always_inline void ct4_forget(struct ct4_key *key, const struct ct4_ent
 	epx_delete(epx_ct4, key);
 }
 
+/* ct4_forget of a connection that had closed (CT4_F_CLOSING), for a new SYN or INIT on its tuple:
+ * counted as EPX_EV_CT_CLOSED_FORGOTTEN, so an operator sees how often closed connections' ports
+ * come back while their entries are still here (netfilter's TIME_WAIT reopen, or a clash with a
+ * connection another node translated, nat4.h). */
+static __always_inline void ct4_forget_closed(struct ct4_key *key, const struct ct4_entry *e)
+{
+	ct4_forget(key, e);
+	stats_count(EPX_EV_CT_CLOSED_FORGOTTEN, 0);
+}
+
 /* The entry at `key` if it has not expired; an expired CT4_SVC entry is removed with its halves. */
 static __always_inline struct ct4_entry *ct4_lookup_svc(struct ct4_key *key, __u64 now)
 {

@@ -110,6 +110,13 @@ static __always_inline void ct6_forget(struct scratch6 *s, struct ct6_key *key, 
 	epx_delete(epx_ct6, key);
 }
 
+/* ct6_forget of a connection that had closed, for a new SYN or INIT on its tuple (ct4_forget_closed). */
+static __always_inline void ct6_forget_closed(struct scratch6 *s, struct ct6_key *key, const struct ct6_entry *e)
+{
+	ct6_forget(s, key, e);
+	stats_count(EPX_EV_CT_CLOSED_FORGOTTEN, 0);
+}
+
 /* The entry at `key` if it has not expired; an expired CT4_SVC entry is removed with its halves. */
 static __always_inline struct ct6_entry *ct6_lookup_svc(struct scratch6 *s, struct ct6_key *key, __u64 now)
 {

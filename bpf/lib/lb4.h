@@ -250,7 +250,7 @@ static __always_inline __u32 lb4_forward(struct __sk_buff *skb, struct pkt4 *p, 
 	if (e && (p->proto == IPPROTO_TCP || p->proto == IPPROTO_SCTP) && (e->flags & CT4_F_CLOSING) &&
 	    (p->tcp_flags & (EPX_TCP_SYN | EPX_TCP_ACK)) == EPX_TCP_SYN) {
 		if (!tr)
-			ct4_forget(&key, e);
+			ct4_forget_closed(&key, e);
 		e = NULL;
 	}
 	if (e) {

@@ -196,7 +196,7 @@ static __always_inline __u32 lb6_forward(struct __sk_buff *skb, struct scratch6 
 	if (e && (p->proto == IPPROTO_TCP || p->proto == IPPROTO_SCTP) && (e->flags & CT4_F_CLOSING) &&
 	    (p->tcp_flags & (EPX_TCP_SYN | EPX_TCP_ACK)) == EPX_TCP_SYN) {
 		if (!tr)
-			ct6_forget(s, &s->key, e);
+			ct6_forget_closed(s, &s->key, e);
 		e = NULL;
 	}
 	if (e) {

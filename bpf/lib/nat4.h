@@ -136,7 +136,7 @@ static __always_inline __u32 nat4_snat(struct __sk_buff *skb, struct pkt4 *p, co
 		if (!tr) {
 			key = ct4_key_make(p->saddr, half->svc_addr, ct4_snat_cport(half, &key), half->svc_port, p->proto,
 					   CT4_SVC);
-			ct4_forget(&key, owner);
+			ct4_forget_closed(&key, owner);
 		}
 		return 0;
 	}
@@ -197,7 +197,7 @@ static __always_inline __u32 nat4_rev_dnat(struct __sk_buff *skb, struct pkt4 *p
 	if (ct_syn_of_another(p->proto, p->tcp_flags, owner->flags)) {
 		if (!tr) {
 			key = ct4_key_make(p->daddr, half->svc_addr, cport, half->svc_port, p->proto, CT4_SVC);
-			ct4_forget(&key, owner);
+			ct4_forget_closed(&key, owner);
 		}
 		return 0;
 	}

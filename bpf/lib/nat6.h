@@ -124,7 +124,7 @@ static __always_inline __u32 nat6_snat(struct __sk_buff *skb, struct scratch6 *s
 	}
 	if (ct_syn_of_another(p->proto, p->tcp_flags, owner->flags)) {
 		if (!tr)
-			ct6_forget(s, &s->owner, owner); /* ct6_owner left its key in s->owner */
+			ct6_forget_closed(s, &s->owner, owner); /* ct6_owner left its key in s->owner */
 		return 0;
 	}
 	addr = half->nat_addr;
@@ -190,7 +190,7 @@ static __always_inline __u32 nat6_rev_dnat(struct __sk_buff *skb, struct scratch
 	}
 	if (ct_syn_of_another(p->proto, p->tcp_flags, owner->flags)) {
 		if (!tr)
-			ct6_forget(s, &s->owner, owner); /* ct6_owner left its key in s->owner */
+			ct6_forget_closed(s, &s->owner, owner); /* ct6_owner left its key in s->owner */
 		return 0;
 	}
 	if (!tr)

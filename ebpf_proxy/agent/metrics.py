@@ -61,7 +61,9 @@ class DatapathCounters(Collector):
                 CounterMetricFamily(self.EVENTS, "Events the datapath counted, by reason (EV_CT_EARLY_DROP: a "
                                     "connection dropped to make room in a full connection table; EV_CT_PORT_REMAP: "
                                     "a new connection given another source port, its client port toward that "
-                                    "backend being another live connection's; EV_HOST_ROUTED_*: "
+                                    "backend being another live connection's; EV_CT_CLOSED_FORGOTTEN: a closed "
+                                    "connection forgotten because a new SYN came on its tuple (a reused client port); "
+                                    "EV_HOST_ROUTED_*: "
                                     "packets the host-routing fast path forwarded; EV_HOST_STACK_*: packets it left "
                                     "to the host stack, and why)", labels=["reason"]))
 

@@ -120,12 +120,13 @@ def endpoints(pkt: Packet) -> tuple[tuple[str, int], tuple[str, int]]:
     return (ip.src, l4.sport), (ip.dst, l4.dport)
 
 
-def step(datapath, maps, prog, pkt, reason):
-    """Run one hop; it must pass, count `reason` once and keep checksums valid."""
+def step(datapath, maps, prog, pkt, reason, events=()):
+    """Run one hop; it must pass, count `reason` once (and each of `events`, EV_* reasons, once, and
+    nothing else) and keep checksums valid."""
     maps.reset_stats()
     out = run(datapath, prog, pkt)
     assert out.verdict == TC_ACT_OK
-    assert counted(maps) == {reason: 1}
+    assert counted(maps) == {reason: 1, **dict.fromkeys(events, 1)}
     assert_checksums_valid(out.pkt)
     return out.pkt
 

@@ -25,10 +25,10 @@ R = s.Reason
 BACKEND = w.REMOTE_EP  # one backend: every connection competes for the same ports
 
 
-def hop(datapath, maps, prog, pkt, reason):
+def hop(datapath, maps, prog, pkt, reason, events=()):
     maps.reset_stats()
     out = run(datapath, prog, pkt)
-    assert counted(maps) == {reason: 1}, f"{prog}: {pkt.summary()}"
+    assert counted(maps) == {reason: 1, **dict.fromkeys(events, 1)}, f"{prog}: {pkt.summary()}"
     assert out.verdict == TC_ACT_OK
     assert_checksums_valid(out.pkt)
     return out.pkt
@@ -44,9 +44,11 @@ class Conn:
     cport: int
     snat_port: int | None = None
 
-    def forward(self, flags: str, new: bool = False) -> None:
+    def forward(self, flags: str, new: bool = False, forgets: bool = False) -> None:
+        """`forgets`: this SYN comes on a closed connection's tuple, which it forgets (counted)."""
         pkt = tcp(self.client, self.cport, w.NODE_IP, w.NODE_PORT, flags=flags)
-        out = hop(self.datapath, self.maps, "tc_ingress", pkt, R.FWD_NEW if new else R.FWD_ESTABLISHED)
+        out = hop(self.datapath, self.maps, "tc_ingress", pkt, R.FWD_NEW if new else R.FWD_ESTABLISHED,
+                  events=(R.EV_CT_CLOSED_FORGOTTEN,) if forgets else ())
         out = hop(self.datapath, self.maps, "tc_egress", out, R.SNAT)
         (addr, port), dst = endpoints(out)
         assert addr == w.NODE_IP and dst == BACKEND
@@ -60,8 +62,9 @@ class Conn:
         out = hop(self.datapath, self.maps, "tc_egress", out, R.REV_DNAT)
         assert endpoints(out) == ((w.NODE_IP, w.NODE_PORT), (self.client, self.cport))
 
-    def open(self) -> Conn:
-        self.forward("S", new=True)
+    def open(self, reusing: bool = False) -> Conn:
+        """`reusing`: the client port's last connection to the NodePort closed and is still tracked."""
+        self.forward("S", new=True, forgets=reusing)
         self.reply("SA")
         self.forward("A")
         self.forward("PA")  # the request
@@ -112,7 +115,7 @@ def test_many_sequential_connections_through_few_ports(datapath, maps, ports):
     ports(4)
     used = set()
     for i in range(200):
-        conn = Conn(datapath, maps, w.OUTSIDE, 20000 + i % 37).open()
+        conn = Conn(datapath, maps, w.OUTSIDE, 20000 + i % 37).open(reusing=i >= 37)
         used.add(conn.snat_port)
         conn.client_closes()
     assert used <= {61000, 61001, 61002, 61003}

@@ -161,7 +161,8 @@ def test_a_syn_ack_of_a_connection_another_node_translated_is_not_taken_by_a_clo
     step6(datapath, maps6, "tc_ingress", tcp6(*client, *backend), R.PASS_NO_SERVICE)
     for flags, payload in (("SA", b""), ("PA", b'{"pod": "web"}\n')):
         reply = tcp6(*backend, *client, flags=flags, payload=payload)
-        step6(datapath, maps6, "tc_egress", reply, R.PASS_NO_SERVICE, expect=bytes(reply))
+        forgotten = (R.EV_CT_CLOSED_FORGOTTEN,) if flags == "SA" else ()  # once, by the SYN-ACK
+        step6(datapath, maps6, "tc_egress", reply, R.PASS_NO_SERVICE, expect=bytes(reply), events=forgotten)
     assert not maps6.connections6(), "the closed connection, or a half of it, is left"
 
 
@@ -182,8 +183,21 @@ def test_a_syn_of_a_connection_another_node_translated_is_not_taken_by_a_closed_
     assert conns6(maps6)[s.CT4_SVC].flags & s.CT4_F_CLOSING
 
     syn = tcp6(*client, *backend)
-    step6(datapath, maps6, "tc_egress", syn, R.PASS_NO_SERVICE, expect=bytes(syn))
+    step6(datapath, maps6, "tc_egress", syn, R.PASS_NO_SERVICE, expect=bytes(syn), events=(R.EV_CT_CLOSED_FORGOTTEN,))
     assert not maps6.connections6(), "the closed connection, or a half of it, is left"
+
+
+def test_syn_on_a_closing_connection_starts_a_new_one(datapath, maps6):
+    """IPv4's test_tc_conntrack twin: a client port that comes back through the same frontend
+    after its connection was reset is a new connection, and the closed one is counted forgotten."""
+    w6.install6(maps6, w6.web6())
+    syn = tcp6(POD6, 40000, VIP6, 80)
+    step6(datapath, maps6, "tc_ingress", syn, R.FWD_NEW)
+    run(datapath, "tc_ingress", tcp6(POD6, 40000, VIP6, 80, flags="R"))
+    assert conns6(maps6)[s.CT4_SVC].flags & s.CT4_F_CLOSING
+    step6(datapath, maps6, "tc_ingress", syn, R.FWD_NEW, events=(R.EV_CT_CLOSED_FORGOTTEN,))
+    assert not conns6(maps6)[s.CT4_SVC].flags & s.CT4_F_CLOSING
+    step6(datapath, maps6, "tc_ingress", syn, R.FWD_ESTABLISHED)  # retransmitted: the new one, open
 
 
 @pytest.mark.parametrize("proto", [w6.TCP_P, w6.UDP_P])

@@ -323,7 +323,7 @@ def test_an_init_on_an_aborted_association_starts_a_new_one(datapath, maps):
     step(datapath, maps, "tc_ingress", sctp(w.POD_CLIENT, 40000, w.VIP, 80), R.FWD_NEW)
     step(datapath, maps, "tc_ingress", sctp(w.POD_CLIENT, 40000, w.VIP, 80, SCTPChunkAbort(), tag=1), R.FWD_ESTABLISHED)
     assert _svc_entry(maps, 40000).flags & s.CT4_F_DONE
-    step(datapath, maps, "tc_ingress", sctp(w.POD_CLIENT, 40000, w.VIP, 80), R.FWD_NEW)
+    step(datapath, maps, "tc_ingress", sctp(w.POD_CLIENT, 40000, w.VIP, 80), R.FWD_NEW, events=(R.EV_CT_CLOSED_FORGOTTEN,))
     assert not _svc_entry(maps, 40000).flags & s.CT4_F_CLOSING
 
 
@@ -463,7 +463,8 @@ def test_ipv6_an_abort_closes_and_an_init_starts_anew(datapath, maps6):
     w6.step6(datapath, maps6, "tc_ingress", w6.sctp6(w6.POD6, 40000, w6.VIP6, 80, SCTPChunkAbort(), tag=1),
              R.FWD_ESTABLISHED)
     assert entry().flags & s.CT4_F_DONE
-    w6.step6(datapath, maps6, "tc_ingress", w6.sctp6(w6.POD6, 40000, w6.VIP6, 80), R.FWD_NEW)
+    w6.step6(datapath, maps6, "tc_ingress", w6.sctp6(w6.POD6, 40000, w6.VIP6, 80), R.FWD_NEW,
+             events=(R.EV_CT_CLOSED_FORGOTTEN,))
     assert not entry().flags & s.CT4_F_CLOSING
 
 

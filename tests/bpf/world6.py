@@ -165,13 +165,14 @@ def assert_l4_checksum_valid(pkt: Packet) -> None:
     raise AssertionError("no TCP, UDP, SCTP or ICMPv6 error to check")
 
 
-def step6(datapath, maps, prog: str, pkt: Packet, reason: s.Reason, expect: bytes | None = None) -> Packet:
-    """Run one hop: it must pass, count `reason` once, keep the L4 checksum valid and, with
-    `expect`, produce exactly those bytes."""
+def step6(datapath, maps, prog: str, pkt: Packet, reason: s.Reason, expect: bytes | None = None,
+          events: tuple[s.Reason, ...] = ()) -> Packet:
+    """Run one hop: it must pass, count `reason` once (and each of `events`, EV_* reasons, once,
+    and nothing else), keep the L4 checksum valid and, with `expect`, produce exactly those bytes."""
     maps.reset_stats()
     out = run(datapath, prog, pkt)
     assert out.verdict == TC_ACT_OK
-    assert counted(maps) == {reason: 1}
+    assert counted(maps) == {reason: 1, **dict.fromkeys(events, 1)}
     assert_l4_checksum_valid(out.pkt)
     if expect is not None:
         assert out.raw == expect

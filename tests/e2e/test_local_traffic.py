@@ -377,13 +377,65 @@ def test_one_client_port_through_two_frontends_to_one_backend(tt_lab, frontends)
 
 def _port_remaps(lab: Lab) -> int:
     """EV_CT_PORT_REMAP as worker1's datapath counted it (0 in iptables mode: no maps)."""
+    return _worker1_events(lab, s.Reason.EV_CT_PORT_REMAP)
+
+
+def _worker1_events(lab: Lab, reason: s.Reason) -> int:
+    """The EV_* `reason` as worker1's datapath counted it (0 in iptables mode: no maps)."""
     if lab.mode != "ebpf":
         return 0
     maps = pins.open_maps(lab.dir / "bpffs" / "worker1")
     try:
-        return maps.stats().get(s.Reason.EV_CT_PORT_REMAP, (0, 0))[0]
+        return maps.stats().get(reason, (0, 0))[0]
     finally:
         maps.close()
+
+
+# One client port, one frontend, twice in a row: the first connection ends with an RST (SO_LINGER
+# 0: no TIME_WAIT on the client, so the port is free at once), the second SYN comes on its tuple.
+SAME_PORT_AGAIN_PROBE = r"""
+import json, socket, struct, sys
+target, rounds = (sys.argv[1], int(sys.argv[2])), int(sys.argv[3])
+answered, failed = 0, []
+for _ in range(rounds):
+    free = socket.socket()
+    free.bind(("", 0))
+    port = free.getsockname()[1]
+    free.close()
+    for attempt in (1, 2):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.settimeout(1.5)
+        try:
+            sock.bind(("", port))
+            sock.connect(target)
+            if sock.recv(4096):
+                answered += 1
+            else:
+                failed.append(f"port {port}, connection {attempt}: closed")
+        except OSError as exc:
+            failed.append(f"port {port}, connection {attempt}: {exc}")
+        sock.close()
+print(json.dumps({"answered": answered, "failed": failed}))
+"""
+
+
+def test_a_client_port_reused_after_a_reset_is_a_new_connection(tt_lab):
+    """A pod resets its connection through a clusterIP and connects again from the same port
+    (kube-proxy's conntrack: a SYN on a CLOSE entry starts a new connection). Both modes answer
+    every connection; in ebpf mode each closed connection is forgotten for its successor and
+    counted (EV_CT_CLOSED_FORGOTTEN on the client's node), once per reuse."""
+    tt_lab.set_proxy_config(Config("ClusterCIDR").kube_proxy_configuration())
+    tt_lab.wait_converged()
+    before = _worker1_events(tt_lab, s.Reason.EV_CT_CLOSED_FORGOTTEN)
+    done = tt_lab.exec("client-a", [sys.executable, "-c", SAME_PORT_AGAIN_PROBE, SERVICES["Cluster"][0], "80", "5"],
+                       capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip(), f"the probe failed: {done.stderr[-2000:]}"
+    report = json.loads(done.stdout)
+    assert report["answered"] == 10 and not report["failed"], f"{tt_lab.mode}: {report['failed']}"
+    if tt_lab.mode == "ebpf":
+        assert _worker1_events(tt_lab, s.Reason.EV_CT_CLOSED_FORGOTTEN) - before == 5
 
 
 def test_flush_connections_empties_the_tables_conntrack_F_does_not_see(tt_lab):

@@ -55,7 +55,7 @@ def test_verdicts_follow_the_reason_families():
     assert [r for r, v in verdicts.items() if v == "none"] == [R.CONTINUE]
     assert [r for r, v in verdicts.items() if v == "event"] == [
         R.EV_CT_EARLY_DROP, R.EV_HOST_ROUTED_PEER, R.EV_HOST_ROUTED_NEIGH, R.EV_HOST_STACK_FIB, R.EV_HOST_STACK_MTU,
-        R.EV_HOST_STACK_SKIP, R.EV_CT_PORT_REMAP]
+        R.EV_HOST_STACK_SKIP, R.EV_CT_PORT_REMAP, R.EV_CT_CLOSED_FORGOTTEN]
     assert {r for r, v in verdicts.items() if v == "drop"} == {r for r in Reason if r.is_drop}
     assert {r for r, v in verdicts.items() if v == "reject"} == {R.REJECT, R.SOCK_REJECT}
     assert {r for r, v in verdicts.items() if v == "pass"} == {r for r in Reason if r.name.startswith("PASS_")}

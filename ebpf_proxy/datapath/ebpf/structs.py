@@ -71,6 +71,7 @@ class Reason(enum.IntEnum):
     PASS_ICMP6_FRAG = 47
     DROP_LOCALHOST6_NO_LOCAL = 48
     EV_CT_PORT_REMAP = 49  # an event (one connection leaving with another source port), not a packet verdict
+    EV_CT_CLOSED_FORGOTTEN = 50  # an event (a closed connection forgotten for a new SYN on its tuple), not a verdict
 
     @property
     def is_drop(self) -> bool:
@@ -136,9 +137,10 @@ REASON_DESCRIPTIONS: dict[Reason, str] = {
     Reason.PASS_ICMP6_FRAG: "ICMPv6 error quoting a packet with a fragment header: untouched (no IPv6 fragment tracking: such a packet was never translated)",
     Reason.DROP_LOCALHOST6_NO_LOCAL: "[::1]:<nodePort> of an externalTrafficPolicy=Local NodePort without a local endpoint, on the node's lo (kube-proxy's IPv6 rules never DNAT ::1; its INPUT rule \"has no local endpoints\" drops it)",
     Reason.EV_CT_PORT_REMAP: "not a verdict: a new connection's client port was taken toward its backend by another live connection (same client port, another frontend): it leaves with another source port, as netfilter's NAT remaps a clashing tuple (ct4.h: ct4_port_alloc); counted once per connection",
+    Reason.EV_CT_CLOSED_FORGOTTEN: "not a verdict: a SYN (SCTP: INIT) met the entries of a connection that had closed (FIN or RST seen): that connection was forgotten whole, so the new one, a reused client port, starts afresh (lb4_forward), or passes as it came where another node translated it (nat4_snat, nat4_rev_dnat); counted once per connection forgotten",
 }
 
-REASON_MAX = 50
+REASON_MAX = 51
 
 # Origins (EPX_ORIGIN_*)
 ORIGIN_POD, ORIGIN_NODE, ORIGIN_EXTERNAL, ORIGIN_LOCALHOST = 0, 1, 2, 3
