@@ -32,12 +32,13 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from ebpf_proxy.bench.results import BPF_COST_PATHS
 from ebpf_proxy.bench.stats import median, percentile
 from ebpf_proxy.datapath.ebpf import loader, testrun
 from ebpf_proxy.datapath.ebpf import structs as s
 from ebpf_proxy.datapath.ebpf.maps import Backend, Frontend, Maps, NodeSettings, Service
 
-PATHS = ("clusterip_syn", "established", "nodeport")
+PATHS = BPF_COST_PATHS  # one definition, in the results' schema
 ROOT = Path("/run/ebpf-proxy/bench-bpfcost")
 
 NODE_IP = "192.168.50.10"

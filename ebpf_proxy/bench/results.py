@@ -58,9 +58,9 @@ SUMMARY_KEYS = ("metric", "path", "mode", "services", "value", "unit", "p50", "p
 METRICS = ("conn_rate", "udp_rate", "cpu_per_conn", "cpu_per_req", "bpf_ns_per_packet", "xdp_pps", "update_latency",
            "full_sync", "burst_converge", "rss")
 XDP_PATHS = ("xdp-native", "xdp-generic", "tc-only", "netfilter")  # where the node drops (bench/xdppps.py)
-PATHS = ("clusterip", "nodeport-cluster", "nodeport-local", "clusterip6", "direct", "direct6", "podip", "clusterip_syn",
-         "established", "nodeport",
-         "load_tc_ingress", "load_tc_egress", *XDP_PATHS, None)
+BPF_COST_PATHS = ("clusterip_syn", "established", "nodeport")  # the packets bench/bpfcost.py times
+PATHS = ("clusterip", "nodeport-cluster", "nodeport-local", "clusterip6", "direct", "direct6", "podip",
+         *BPF_COST_PATHS, "load_tc_ingress", "load_tc_egress", *XDP_PATHS, None)
 MODES = ("direct", "iptables", "ebpf")
 RATE_METRICS = ("conn_rate", "udp_rate")
 HIGHER_IS_BETTER = frozenset((*RATE_METRICS, "xdp_pps"))

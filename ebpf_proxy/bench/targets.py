@@ -14,12 +14,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ebpf_proxy.bench import ports
-from ebpf_proxy.bench.results import summary_index
+from ebpf_proxy.bench.results import BPF_COST_PATHS, summary_index
 
 RATIO_SERVICES = 10_000  # the size the connection-rate ratios are asked at
 FLAT_SIZES = (1, 10_000, 100_000)  # the sizes the BPF cost per packet must be flat across
 FLAT_SPREAD = 0.10  # flat: (max - min) / min over FLAT_SIZES
-FLAT_PATHS = ("clusterip_syn", "established", "nodeport")  # bench/bpfcost.py's PATHS (it needs the eBPF datapath)
 BIG = 100_000  # the control-plane targets at this size ask for 10 endpoints per Service
 BIG_ENDPOINTS = 10
 
@@ -83,7 +82,7 @@ def evaluate(summary: Iterable[dict], endpoints_per_service: int | None = None) 
     from its parameters (the 100,000-Service targets ask for 10)."""
     idx = summary_index(summary)
     out = [_ratio(idx, "ebpf", "direct", 1.0), _ratio(idx, "ebpf", "iptables", 1.3)]
-    out += [_flat(idx, path) for path in FLAT_PATHS]
+    out += [_flat(idx, path) for path in BPF_COST_PATHS]
     for size, limit in ((RATIO_SERVICES, 2.0), (BIG, 10.0)):
         for mode in ("iptables", "ebpf"):
             out.append(_below(idx, "full_sync", mode, size, limit, "s", "full sync (agent start → kernel complete)",

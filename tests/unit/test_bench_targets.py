@@ -1,6 +1,7 @@
 """bench/targets.py: each target read from a run's summary rows (met, not met, not measured)."""
 
-from ebpf_proxy.bench.targets import FLAT_PATHS, evaluate
+from ebpf_proxy.bench.results import BPF_COST_PATHS
+from ebpf_proxy.bench.targets import evaluate
 
 
 def row(metric, path, mode, services, value, p99=None):
@@ -33,7 +34,7 @@ def test_the_ratios_are_taken_side_by_side_at_10k_against_the_pod_ips_for_direct
 
 
 def test_the_bpf_cost_must_be_flat_within_ten_percent_across_sizes():
-    summary = [row("bpf_ns_per_packet", path, "ebpf", n, ns) for path in FLAT_PATHS
+    summary = [row("bpf_ns_per_packet", path, "ebpf", n, ns) for path in BPF_COST_PATHS
                for n, ns in ((1, 800), (10_000, 870), (100_000, 900 if path == "established" else 880))]
     v = evaluate(summary)
     assert verdict(v, "(clusterip_syn)").met is True  # 880 / 800: 10 %
