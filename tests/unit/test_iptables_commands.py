@@ -1,4 +1,4 @@
-"""IptablesCommands' sysctl reads and run_command. The sysctls: in the agent (its own namespace,
+"""Sysctls' reads and writes, and run_command. The sysctls: in the agent (its own namespace,
 the plain runner) the value is read from /proc/sys by the agent itself, a process start less per
 read on a restart's full sync; with a command prefix (another namespace) or an injected runner,
 `cat` runs as before. run_command: its streams are memory files, whole in and out."""
@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import subprocess
 
+import pytest
+
 from ebpf_proxy.datapath.iptables import apply
-from ebpf_proxy.datapath.iptables.apply import IptablesCommands
+from ebpf_proxy.datapath.iptables.apply import IptablesError, Sysctls
 
 KEY = "net.ipv4.ip_forward"  # in every network namespace, readable without privileges
 
@@ -20,9 +22,9 @@ def test_the_agents_own_namespace_is_read_without_a_command(monkeypatch):
         raise AssertionError("a process was started to read a sysctl")
 
     monkeypatch.setattr(subprocess, "run", no_command)
-    cmd = IptablesCommands()
-    assert cmd.sysctl_get(KEY) == expected
-    assert cmd.sysctl_get("net.netfilter.no_such_key_here") is None
+    sysctls = Sysctls()
+    assert sysctls.get(KEY) == expected
+    assert sysctls.get("net.netfilter.no_such_key_here") is None
 
 
 def test_another_namespace_reads_with_cat_through_the_plain_runner(monkeypatch):
@@ -34,9 +36,9 @@ def test_another_namespace_reads_with_cat_through_the_plain_runner(monkeypatch):
 
     monkeypatch.setattr(apply, "run_command", plain)  # the plain runner, recording
     prefix = ("nsenter", "--net=/run/netns/x")
-    assert IptablesCommands(prefix=prefix).sysctl_get(KEY) == "1"
+    assert Sysctls(prefix=prefix).get(KEY) == "1"
     assert seen == [(*prefix, "cat", "/proc/sys/net/ipv4/ip_forward")]
-    IptablesCommands().sysctl_get(KEY)  # no prefix: read in place, as above
+    Sysctls().get(KEY)  # no prefix: read in place, as above
     assert len(seen) == 1
 
 
@@ -47,8 +49,26 @@ def test_an_injected_runner_reads_with_cat():
         seen.append(tuple(cmd))
         return subprocess.CompletedProcess(cmd, 1, "", "No such file")
 
-    assert IptablesCommands(runner=runner).sysctl_get(KEY) is None
+    assert Sysctls(runner=runner).get(KEY) is None
     assert seen == [("cat", "/proc/sys/net/ipv4/ip_forward")]
+
+
+def test_a_write_goes_through_sh_and_a_failed_one_names_its_command():
+    seen = []
+
+    def runner(cmd, stdin=None):
+        seen.append(tuple(cmd))
+        return subprocess.CompletedProcess(cmd, 0 if len(seen) == 1 else 1, "", "Read-only file system")
+
+    prefix = ("nsenter", "--net=/run/netns/x")
+    sysctls = Sysctls(prefix=prefix, runner=runner)
+    sysctls.set("net.ipv4.conf.all.route_localnet", "1")
+    assert seen == [(*prefix, "sh", "-c", 'printf %s "$1" > "$2"', "sysctl-set", "1",
+                     "/proc/sys/net/ipv4/conf/all/route_localnet")]
+    with pytest.raises(IptablesError, match=r"/proc/sys/net/ipv4/conf/all/route_localnet exited 1: Read-only"):
+        sysctls.set("net.ipv4.conf.all.route_localnet", "1")
+    with pytest.raises(ValueError, match="not a sysctl key: '../etc/passwd'"):
+        sysctls.get("../etc/passwd")
 
 
 # ---- run_command: memory files, not pipes ----------------------------------------------------
@@ -76,7 +96,7 @@ def test_run_command_names_a_command_that_does_not_exist():
 
 def test_sysctls_are_read_while_the_backend_detection_still_runs():
     """A restart's first full sync reads its sysctls and renders before the detection's saves end
-    (IptablesDatapath._sysctl): only the restore and the jumps need the chosen backend."""
+    (IptablesDatapath._sysctls): only the restore and the jumps need the chosen backend."""
     import threading
 
     from ebpf_proxy.datapath.iptables import IptablesDatapath

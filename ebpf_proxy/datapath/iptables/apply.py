@@ -131,10 +131,21 @@ class IptablesCommands:
     def new_chain(self, table: str, chain: str) -> None:
         self._checked((*self._iptables, "-w", "-t", table, "-N", chain))
 
-    # Sysctls go through /proc/sys with cat and sh rather than procps' sysctl, which slim images
-    # lack; /proc/sys/net shows the network namespace of the process reading it.
 
-    def sysctl_get(self, key: str) -> str | None:
+class Sysctls:
+    """The kernel settings the iptables datapath reads and makes (route_localnet,
+    nf_conntrack_tcp_be_liberal), in the network namespace its commands run in: its own, or
+    another one through `prefix`. Apart from IptablesCommands because they need no iptables
+    backend: a restart reads them while the backend's detection still runs.
+
+    Through /proc/sys with cat and sh rather than procps' sysctl, which slim images lack;
+    /proc/sys/net shows the network namespace of the process reading it."""
+
+    def __init__(self, *, prefix: Sequence[str] = (), runner: Runner | None = None) -> None:
+        self._prefix = tuple(prefix)
+        self._run = runner or run_command
+
+    def get(self, key: str) -> str | None:
         """The value, or None when the key does not exist (e.g. conntrack module not loaded).
         Read by this process where the commands run in its own namespace with the plain runner
         (the agent): a `cat` each was a process start on a restart's full sync, three of them."""
@@ -148,8 +159,12 @@ class IptablesCommands:
         result = self._run((*self._prefix, "cat", path), None)
         return (result.stdout or "").strip() if result.returncode == 0 else None
 
-    def sysctl_set(self, key: str, value: str) -> None:
-        self._checked((*self._prefix, "sh", "-c", 'printf %s "$1" > "$2"', "sysctl-set", value, _sysctl_path(key)))
+    def set(self, key: str, value: str) -> None:
+        """Write `value`; IptablesError (naming the command) when the write fails."""
+        cmd = (*self._prefix, "sh", "-c", 'printf %s "$1" > "$2"', "sysctl-set", value, _sysctl_path(key))
+        result = self._run(cmd, None)
+        if result.returncode != 0:
+            raise IptablesError(cmd, result)
 
 
 _SYSCTL_KEY_RE = re.compile(r"[a-z0-9_]+(\.[a-z0-9_]+)+")

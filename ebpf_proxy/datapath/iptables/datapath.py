@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 from ebpf_proxy.datapath.base import Datapath, SyncResult
 from ebpf_proxy.datapath.iptables import chains as ch
-from ebpf_proxy.datapath.iptables.apply import IptablesCommands, Runner, run_command
+from ebpf_proxy.datapath.iptables.apply import IptablesCommands, Runner, Sysctls, run_command
 from ebpf_proxy.datapath.iptables.backend import Detected, detect_reading, family_commands
 from ebpf_proxy.datapath.iptables.backend import commands as backend_commands
 from ebpf_proxy.datapath.iptables.conntrack import ConntrackCleaner, stale_filters
@@ -116,7 +116,7 @@ class IptablesDatapath(Datapath):
         self._runner = runner
         # the sysctls need no iptables backend: read without waiting for the detection (_cmd), so a
         # restart's first full sync renders while the detection's thread still reads its saves
-        self._sysctl = IptablesCommands(prefix=self._prefix, runner=runner)
+        self._sysctls = Sysctls(prefix=self._prefix, runner=runner)
         self._given = {"iptables": iptables, "iptables_save": iptables_save, "iptables_restore": iptables_restore}
         self._commands: IptablesCommands | None = None
         self._commands_set = threading.Event()
@@ -262,11 +262,11 @@ class IptablesDatapath(Datapath):
         """Node settings kube-proxy makes at start: route_localnet for localhost NodePorts (IPv4
         only: an IPv4 sysctl, and IPv6 has no localhost NodePorts), and whether
         nf_conntrack_tcp_be_liberal spares us the INVALID-drop rule."""
-        liberal = self._sysctl.sysctl_get(TCP_BE_LIBERAL)
+        liberal = self._sysctls.get(TCP_BE_LIBERAL)
         self._drop_invalid = liberal in (None, "0")
         if (self.node.family == 4 and RenderContext.for_node(self.node).localhost_nodeports
-                and self._sysctl.sysctl_get(ROUTE_LOCALNET) != "1"):
-            self._sysctl.sysctl_set(ROUTE_LOCALNET, "1")
+                and self._sysctls.get(ROUTE_LOCALNET) != "1"):
+            self._sysctls.set(ROUTE_LOCALNET, "1")
 
     def _read_held(self) -> Held:
         """Held, from an iptables-save of each table."""
