@@ -37,3 +37,9 @@ def parent(pid: int | None) -> int | None:
 def alive(pid: int | None) -> bool:
     """Whether `pid` is a running process (None, a pid not running, or a zombie: False)."""
     return state(pid) not in (None, "Z", "X")
+
+
+def stopped(pid: int | None) -> bool:
+    """Whether `pid` is stopped by a signal (SIGSTOP, as `lab apiserver freeze` sends) or traced:
+    alive, but running nothing."""
+    return state(pid) in ("T", "t")

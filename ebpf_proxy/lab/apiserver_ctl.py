@@ -21,7 +21,7 @@ import signal
 import time
 
 from ebpf_proxy import procs
-from ebpf_proxy.lab.cluster import Lab, LabError, _frozen, _stop_pid
+from ebpf_proxy.lab.cluster import Lab, LabError, _stop_pid
 
 ACTIONS = ("stop", "start", "restart", "freeze", "thaw")
 
@@ -31,7 +31,7 @@ def state(lab: Lab) -> str:
     pid = lab.data.get("apiserver", {}).get("pid")
     if not procs.alive(pid):
         return "stopped"
-    return "frozen" if _frozen(pid) else "running"
+    return "frozen" if procs.stopped(pid) else "running"
 
 
 def _pid(lab: Lab) -> int:

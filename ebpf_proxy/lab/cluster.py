@@ -62,11 +62,6 @@ def _wait_file(path: Path, deadline: float, what: str, proc: subprocess.Popen | 
         time.sleep(0.02)
 
 
-def _frozen(pid: int | None) -> bool:
-    """Stopped by SIGSTOP (`lab apiserver freeze`): alive, but answering nothing."""
-    return procs.state(pid) in ("T", "t")
-
-
 def _stop_pid(pid: int | None, timeout: float = 5.0) -> None:
     _stop_pids([pid], timeout)
 
@@ -605,7 +600,7 @@ class Lab:
         return {
             "name": self.name,
             "mode": self.mode,
-            "apiserver": {**api, "alive": procs.alive(api.get("pid")), "frozen": _frozen(api.get("pid"))},
+            "apiserver": {**api, "alive": procs.alive(api.get("pid")), "frozen": procs.stopped(api.get("pid"))},
             "kubeconfig": str(self.kubeconfig),
             "nodes": [{"name": n.name, "ip": n.ip, "ips": list(n.ips), "podCIDRs": list(n.pod_cidrs), "extraIPs": list(n.extra_ips), "podCIDR": n.pod_cidr, "zone": n.zone,
                        "agent": {**self.data["agents"].get(n.name, {}),
