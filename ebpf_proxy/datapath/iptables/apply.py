@@ -99,7 +99,6 @@ class IptablesCommands:
         self._iptables = (*prefix, *iptables)
         self._save = (*prefix, *iptables_save)
         self._restore = (*prefix, *iptables_restore)
-        self._prefix = tuple(prefix)
         self._run = runner or run_command
 
     def _checked(self, cmd: Sequence[str], stdin: str | None = None) -> str:
