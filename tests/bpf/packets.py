@@ -120,13 +120,18 @@ def endpoints(pkt: Packet) -> tuple[tuple[str, int], tuple[str, int]]:
     return (ip.src, l4.sport), (ip.dst, l4.dport)
 
 
+def once_each(reason, events=()) -> dict:
+    """What one hop should count: `reason` once, each of `events` (EV_* reasons) once, nothing else."""
+    return {reason: 1, **dict.fromkeys(events, 1)}
+
+
 def step(datapath, maps, prog, pkt, reason, events=()):
     """Run one hop; it must pass, count `reason` once (and each of `events`, EV_* reasons, once, and
     nothing else) and keep checksums valid."""
     maps.reset_stats()
     out = run(datapath, prog, pkt)
     assert out.verdict == TC_ACT_OK
-    assert counted(maps) == {reason: 1, **dict.fromkeys(events, 1)}
+    assert counted(maps) == once_each(reason, events)
     assert_checksums_valid(out.pkt)
     return out.pkt
 

@@ -17,7 +17,16 @@ import pytest
 
 from ebpf_proxy.datapath.ebpf import structs as s
 from tests.bpf import world as w
-from tests.bpf.packets import TC_ACT_OK, TC_ACT_SHOT, assert_checksums_valid, counted, endpoints, run, tcp
+from tests.bpf.packets import (
+    TC_ACT_OK,
+    TC_ACT_SHOT,
+    assert_checksums_valid,
+    counted,
+    endpoints,
+    once_each,
+    run,
+    tcp,
+)
 
 pytestmark = [pytest.mark.bpf, pytest.mark.root]
 
@@ -28,7 +37,7 @@ BACKEND = w.REMOTE_EP  # one backend: every connection competes for the same por
 def hop(datapath, maps, prog, pkt, reason, events=()):
     maps.reset_stats()
     out = run(datapath, prog, pkt)
-    assert counted(maps) == {reason: 1, **dict.fromkeys(events, 1)}, f"{prog}: {pkt.summary()}"
+    assert counted(maps) == once_each(reason, events), f"{prog}: {pkt.summary()}"
     assert out.verdict == TC_ACT_OK
     assert_checksums_valid(out.pkt)
     return out.pkt

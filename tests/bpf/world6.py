@@ -19,7 +19,7 @@ from scapy.packet import Packet, Raw
 
 from ebpf_proxy.datapath.ebpf import structs as s
 from ebpf_proxy.datapath.ebpf.maps import Backend, Frontend, Maps, Maps6, Service
-from tests.bpf.packets import MAC_NODE, MAC_PEER, TC_ACT_OK, counted, run
+from tests.bpf.packets import MAC_NODE, MAC_PEER, TC_ACT_OK, counted, once_each, run
 
 NODE6 = "fd00:50::10"
 NODE6_2 = "fd00:20::10"
@@ -172,7 +172,7 @@ def step6(datapath, maps, prog: str, pkt: Packet, reason: s.Reason, expect: byte
     maps.reset_stats()
     out = run(datapath, prog, pkt)
     assert out.verdict == TC_ACT_OK
-    assert counted(maps) == {reason: 1, **dict.fromkeys(events, 1)}
+    assert counted(maps) == once_each(reason, events)
     assert_l4_checksum_valid(out.pkt)
     if expect is not None:
         assert out.raw == expect

@@ -365,19 +365,14 @@ def test_one_client_port_through_two_frontends_to_one_backend(tt_lab, frontends)
         targets = ",".join(f"{SERVICES[policy][0]}:80" for policy in SERVICES)
     else:
         targets = ",".join(f"{NODE_IPS['worker1']}:{SERVICES[policy][1]}" for policy in SERVICES)
-    remaps_before = _port_remaps(tt_lab)
+    remaps_before = _worker1_events(tt_lab, s.Reason.EV_CT_PORT_REMAP)
     done = tt_lab.exec("client-a", [sys.executable, "-c", SHARED_PORT_PROBE, targets, "20"],
                        capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.strip(), f"the probe failed: {done.stderr[-2000:]}"
     report = json.loads(done.stdout)
     assert report["opened"] == 40 and not report["failed"], f"{tt_lab.mode}: {report['failed']}"
     if tt_lab.mode == "ebpf":  # the rounds met the clash (each picks the same backend twice at 1 in 2)
-        assert _port_remaps(tt_lab) > remaps_before, "no round clashed: the test proved nothing"
-
-
-def _port_remaps(lab: Lab) -> int:
-    """EV_CT_PORT_REMAP as worker1's datapath counted it (0 in iptables mode: no maps)."""
-    return _worker1_events(lab, s.Reason.EV_CT_PORT_REMAP)
+        assert _worker1_events(tt_lab, s.Reason.EV_CT_PORT_REMAP) > remaps_before, "no round clashed: the test proved nothing"
 
 
 def _worker1_events(lab: Lab, reason: s.Reason) -> int:
