@@ -38,7 +38,6 @@ from ebpf_proxy.datapath.ebpf import loader, testrun
 from ebpf_proxy.datapath.ebpf import structs as s
 from ebpf_proxy.datapath.ebpf.maps import Backend, Frontend, Maps, NodeSettings, Service
 
-PATHS = BPF_COST_PATHS  # one definition, in the results' schema
 ROOT = Path("/run/ebpf-proxy/bench-bpfcost")
 
 NODE_IP = "192.168.50.10"
@@ -154,7 +153,7 @@ def sample(loaded: loader.Loaded, services: int, samples: int, first_port: int) 
     the last Service's, so the lookup is of an entry written last into a full map."""
     fd = loaded.prog_fds["tc_ingress"]
     vip = service_vip(services - 1)
-    out: dict[str, list[int]] = {path: [] for path in PATHS}
+    out: dict[str, list[int]] = {path: [] for path in BPF_COST_PATHS}
     for k in range(samples):
         sport = first_port + k
         out["clusterip_syn"].append(_run(fd, tcp_packet(POD_CLIENT, sport, vip, PORT, SYN), "clusterip_syn"))
@@ -173,7 +172,7 @@ def measure(services: int, endpoints: int = 10, samples: int = 1000, repeats: in
     capacity = max(capacity or services, services)
     if services < 1 or samples < 1 or samples * repeats > MAX_SAMPLES:
         raise ValueError(f"services={services}, samples={samples}, repeats={repeats}: out of range")
-    per_path: dict[str, list[dict[str, float]]] = {path: [] for path in PATHS}
+    per_path: dict[str, list[dict[str, float]]] = {path: [] for path in BPF_COST_PATHS}
     with private_datapath(map_sizes(capacity, endpoints), cache_dir) as loaded:
         maps = Maps.from_loaded(loaded)
         fill(maps, services, endpoints)

@@ -8,6 +8,7 @@ import pytest
 from scapy.layers.l2 import Ether
 
 from ebpf_proxy.bench import bpfcost
+from ebpf_proxy.bench.results import BPF_COST_PATHS
 from ebpf_proxy.datapath.ebpf.maps import Frontend
 from tests.bpf.packets import assert_checksums_valid
 
@@ -23,7 +24,7 @@ def test_its_packets_are_valid():
 
 def test_measures_each_path_and_cleans_up(tmp_path):
     runs = bpfcost.measure(50, endpoints=3, samples=40, repeats=2, capacity=100, cache_dir=tmp_path / "cache")
-    assert set(runs) == set(bpfcost.PATHS)
+    assert set(runs) == set(BPF_COST_PATHS)
     for path, per_repeat in runs.items():
         assert len(per_repeat) == 2
         assert all(0 < r["median"] <= r["p99"] for r in per_repeat), (path, per_repeat)
