@@ -102,10 +102,7 @@ class IptablesCommands:
         self._run = runner or run_command
 
     def _checked(self, cmd: Sequence[str], stdin: str | None = None) -> str:
-        result = self._run(cmd, stdin)
-        if result.returncode != 0:
-            raise IptablesError(cmd, result)
-        return result.stdout or ""
+        return _checked(self._run, cmd, stdin)
 
     def save(self, table: str) -> str:
         return self._checked((*self._save, "-t", table))
@@ -160,10 +157,16 @@ class Sysctls:
 
     def set(self, key: str, value: str) -> None:
         """Write `value`; IptablesError (naming the command) when the write fails."""
-        cmd = (*self._prefix, "sh", "-c", 'printf %s "$1" > "$2"', "sysctl-set", value, _sysctl_path(key))
-        result = self._run(cmd, None)
-        if result.returncode != 0:
-            raise IptablesError(cmd, result)
+        path = _sysctl_path(key)
+        _checked(self._run, (*self._prefix, "sh", "-c", 'printf %s "$1" > "$2"', "sysctl-set", value, path))
+
+
+def _checked(run: Runner, cmd: Sequence[str], stdin: str | None = None) -> str:
+    """`cmd`'s output; IptablesError, naming the command and its stderr, when it fails."""
+    result = run(cmd, stdin)
+    if result.returncode != 0:
+        raise IptablesError(cmd, result)
+    return result.stdout or ""
 
 
 _SYSCTL_KEY_RE = re.compile(r"[a-z0-9_]+(\.[a-z0-9_]+)+")
