@@ -7,7 +7,9 @@ per-CPU map epx_trace; this module reads that record back and puts it into the o
 (result.Trace). The hooks run in the kernel's order for the packet's origin:
 
   external  xdp_lb, then tc_ingress, on the device the packet arrives through (the route back to
-            its source, or `flow.in_iface`)
+            its source, or `flow.in_iface`); xdp_lb only where that device carries it (the
+            agent's --bpf-xdp-mode generic or native; with off, the default, tc_ingress alone
+            decides, and makes the same drops)
   pod       tc_ingress on the pod's device (its routed veth, or its port of the pod bridge)
   host      the cgroup connect4/connect6 (TCP) or sendmsg4/sendmsg6 (UDP) program. BPF_PROG_TEST_RUN
             cannot run CGROUP_SOCK_ADDR programs, so a short-lived child process joins the node's
@@ -42,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ebpf_proxy.datapath.ebpf import inspect, libbpf, pins, testrun
-from ebpf_proxy.datapath.ebpf.loader import PROGS_SUBDIR
+from ebpf_proxy.datapath.ebpf.loader import PROGS_SUBDIR, xdp_program_is_ours
 from ebpf_proxy.datapath.ebpf import structs as s
 from ebpf_proxy.datapath.ebpf.maps import Maps, Maps6, ip6_str, ip_str, port_int, slot_bank
 from ebpf_proxy.explain.packet import FlowSpec, host_port, is_loopback, split_host_port
@@ -645,7 +647,7 @@ def _trace(dp: _Datapath, ipr, flow: FlowSpec, names: Names | None, cgroup: str 
     frame = build_frame(flow, dst_mac=_mac(ipr, ifindex))
     details["ingress"] = ifname
 
-    if flow.origin == "external":
+    if flow.origin == "external" and xdp_program_is_ours(ipr, ifindex):  # a packet meets XDP only where it is attached
         retval, rec = _run_xdp(dp, frame, ifindex)
         reason = s.Reason(rec.reason)
         if retval == XDP_DROP:

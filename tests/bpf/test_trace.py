@@ -244,6 +244,7 @@ from ebpf_proxy.model import Protocol  # noqa: E402
 from tests.bpf import netlab  # noqa: E402
 from tests.bpf.test_attach import BACKEND_PORT, DEAD_VIP, LB_IP, NODE_PORT, PORT, SETTINGS, VIP  # noqa: E402
 from tests.bpf.test_attach import lab  # noqa: E402,F401 (the fixture)
+from pyroute2 import IPRoute  # noqa: E402
 
 BACKEND = f"{netlab.BACKEND_IP}:{BACKEND_PORT}"
 
@@ -276,11 +277,11 @@ def test_trace_ebpf_explains_what_real_packets_do(lab, datapath, maps, pin_dir):
     out = node_trace(lab, pin_dir, FlowSpec(netlab.OUTSIDE_IP, netlab.NODE_OUTSIDE_SIDE, NODE_PORT, origin="external"))
     assert (out.verdict, out.backends, out.masquerade, out.source_after, out.service) == \
         ("dnat", (BACKEND,), True, netlab.NODE_OUTSIDE_SIDE, None)
-    assert [st.hook for st in out.steps] == ["xdp", "tc-ingress", "tc-egress"]
+    assert [st.hook for st in out.steps] == ["tc-ingress", "tc-egress"], "no XDP on vout: TC alone decides"
 
     denied = node_trace(lab, pin_dir, FlowSpec(netlab.OUTSIDE_IP, LB_IP, PORT, origin="external"))
     assert (denied.verdict, denied.reason.split(":")[0], [st.hook for st in denied.steps]) == \
-        ("drop", "DROP_SOURCE_RANGE", ["xdp"])
+        ("drop", "DROP_SOURCE_RANGE", ["tc-ingress"])
     assert "loadBalancerSourceRanges" in denied.sentence()
 
     dead = node_trace(lab, pin_dir, FlowSpec(netlab.POD_IP, DEAD_VIP, PORT, origin="pod"))
@@ -295,6 +296,29 @@ def test_trace_ebpf_explains_what_real_packets_do(lab, datapath, maps, pin_dir):
     assert lab.client("pod", "tcp", VIP, PORT)[1].split(":")[0] == netlab.POD_IP
     assert lab.client("outside", "tcp", netlab.NODE_OUTSIDE_SIDE, NODE_PORT)[1].split(":")[0] == netlab.NODE_OUTSIDE_SIDE
     assert lab.client("pod", "tcp", DEAD_VIP, PORT) == ["error", "ConnectionRefusedError"]
+
+
+@pytest.mark.parametrize("xdp", ["off", "generic"])
+def test_trace_ebpf_runs_xdp_lb_only_where_it_is_attached(lab, datapath, maps, pin_dir, xdp):
+    """An outside packet meets xdp_lb only on a device that carries it (the agent's --bpf-xdp-mode
+    generic or native; off, the default, attaches none): the trace names the hook that decides,
+    and the same packet sent for real is dropped there, for the reason the trace gave."""
+    with IPRoute(netns=lab.ns["node"]) as ipr:
+        if xdp != "off":
+            loader.attach_xdp(ipr, lab.ifindex("vout"), datapath.prog_fds["xdp_lb"], xdp)
+        attached = loader.xdp_program_is_ours(ipr, lab.ifindex("vout"))
+    assert attached == (xdp != "off")
+    first = ["xdp"] if attached else []
+    out = node_trace(lab, pin_dir, FlowSpec(netlab.OUTSIDE_IP, netlab.NODE_OUTSIDE_SIDE, NODE_PORT, origin="external"))
+    assert (out.verdict, [st.hook for st in out.steps]) == ("dnat", first + ["tc-ingress", "tc-egress"])
+    if attached:
+        assert out.steps[0].action.startswith("XDP_PASS") and out.steps[0].unit == "xdp_lb@vout"
+    denied = node_trace(lab, pin_dir, FlowSpec(netlab.OUTSIDE_IP, LB_IP, PORT, origin="external"))
+    assert (denied.verdict, denied.reason.split(":")[0], [st.hook for st in denied.steps]) == \
+        ("drop", "DROP_SOURCE_RANGE", first or ["tc-ingress"])
+    maps.reset_stats()
+    assert lab.client("outside", "tcp", LB_IP, PORT, timeout=1.0) == ["error", "TimeoutError"]
+    assert maps.stats()[s.Reason.DROP_SOURCE_RANGE][0] >= 1  # the SYN (and its retransmissions), not answered
 
 
 @pytest.mark.parametrize("proto", [Protocol.TCP, Protocol.UDP])
@@ -333,7 +357,7 @@ def test_trace_ebpf_explains_sctp(lab, datapath, maps, pin_dir):
     assert f"DNAT to {BACKEND}" in pod.steps[0].action
     out = node_trace(lab, pin_dir, FlowSpec(netlab.OUTSIDE_IP, netlab.NODE_OUTSIDE_SIDE, NODE_PORT,
                                             protocol=Protocol.SCTP, origin="external"))
-    assert (out.verdict, out.masquerade, [st.hook for st in out.steps]) == ("dnat", True, ["xdp", "tc-ingress", "tc-egress"])
+    assert (out.verdict, out.masquerade, [st.hook for st in out.steps]) == ("dnat", True, ["tc-ingress", "tc-egress"])
     dead = node_trace(lab, pin_dir, FlowSpec(netlab.POD_IP, DEAD_VIP, PORT, protocol=Protocol.SCTP, origin="pod"))
     assert (dead.verdict, dead.reason.split(":")[0]) == ("reject", "REJECT")
     with pytest.raises(TraceError, match="node-originated SCTP"):

@@ -66,7 +66,7 @@ def node_trace(lab, pin_dir, flow: FlowSpec, **kw):
     return run_in_netns(lab.ns["node"], trace_ebpf, flow, pin_dir, **kw)
 
 
-def test_ipv6_flows_are_explained_by_the_programs(lab6, maps, pin_dir):
+def test_ipv6_flows_are_explained_by_the_programs(lab6, datapath, maps, pin_dir):
     lab = lab6
     before = quiet_state(maps)
     names = {(VIP6, PORT, "TCP"): "default/web:http"}
@@ -77,6 +77,8 @@ def test_ipv6_flows_are_explained_by_the_programs(lab6, maps, pin_dir):
     assert [(st.hook, st.unit) for st in pod.steps] == [("tc-ingress", "tc_ingress@vpod"), ("tc-egress", "tc_egress@vbe")]
     assert pod.details["picked"] == BACKEND
 
+    with IPRoute(netns=lab.ns["node"]) as ipr:  # as --bpf-xdp-mode generic attaches it: the trace runs it first
+        loader.attach_xdp(ipr, lab.ifindex("vout"), datapath.prog_fds["xdp_lb"], "generic")
     out = node_trace(lab, pin_dir, FlowSpec(OUTSIDE6, NODE_OUT6, NODE_PORT, origin="external"))
     assert (out.verdict, out.backends, out.masquerade, out.source_after) == ("dnat", (BACKEND,), True, NODE_OUT6)
     assert [st.hook for st in out.steps] == ["xdp", "tc-ingress", "tc-egress"]

@@ -600,22 +600,27 @@ def xdp_program_id(ipr, ifindex: int) -> int:
     return (xdp.get("IFLA_XDP_PROG_ID") or 0) if xdp is not None else 0
 
 
-def detach_xdp(ipr, ifindex: int, mode: str = "generic", only_ours: bool = True) -> bool:
-    """Remove the XDP program of `ifindex` (by default only if it is ours, by program name).
-    Returns whether one was removed. Idempotent."""
+def xdp_program_is_ours(ipr, ifindex: int) -> bool:
+    """Whether `ifindex` carries our XDP program (by program name, any build): what the agent
+    attaches in --bpf-xdp-mode generic or native, and what a trace runs before tc_ingress."""
     prog_id = xdp_program_id(ipr, ifindex)
     if not prog_id:
         return False
-    if only_ours:
-        try:
-            fd = libbpf.prog_fd_by_id(prog_id)
-        except OSError:
-            return False  # replaced or gone meanwhile
-        try:
-            if libbpf.prog_info(fd)[0].name.decode() != XDP_PROGRAM_NAME:
-                return False
-        finally:
-            os.close(fd)
+    try:
+        fd = libbpf.prog_fd_by_id(prog_id)
+    except OSError:
+        return False  # replaced or gone meanwhile
+    try:
+        return libbpf.prog_info(fd)[0].name.decode() == XDP_PROGRAM_NAME
+    finally:
+        os.close(fd)
+
+
+def detach_xdp(ipr, ifindex: int, mode: str = "generic", only_ours: bool = True) -> bool:
+    """Remove the XDP program of `ifindex` (by default only if it is ours, by program name).
+    Returns whether one was removed. Idempotent."""
+    if not xdp_program_id(ipr, ifindex) or (only_ours and not xdp_program_is_ours(ipr, ifindex)):
+        return False
     detached = False
     for flags in (_XDP_FLAGS[mode], *(f for m, f in _XDP_FLAGS.items() if m != mode)):
         with contextlib.suppress(Exception):
