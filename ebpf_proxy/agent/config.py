@@ -84,10 +84,14 @@ class AgentConfig:
     # capacities of the eBPF datapath's maps other than the connection table (sized above), for
     # clusters beyond the defaults (65,536 frontends and backends): ((map name, entries), ...)
     bpf_map_sizes: tuple[tuple[str, int], ...] = ()
-    # how the early-drop XDP program attaches to the node's outside-facing devices: generic (any
-    # driver, after the skb is built), native (in the driver, before it: the fast one, where the
-    # driver supports it, veth included), off (TC alone decides every packet)
-    bpf_xdp_mode: str = "generic"
+    # how the early-drop XDP program attaches to the node's outside-facing devices: off (TC alone
+    # decides every packet, and makes the same drops), native (in the driver, before the skb is
+    # built: the fast one, where the driver supports it), generic (any driver, after the skb is
+    # built). Off by default, as Cilium's XDP acceleration: generic XDP drops no faster than TC
+    # and costs every packet through the device (~1.6 µs of kernel CPU per connection crossing
+    # a node, docs/benchmarks/2026-11-28-podip-profile), and native XDP on a NIC reconfigures
+    # its queues as it attaches: an operator asks for it
+    bpf_xdp_mode: str = "off"
     # the host-routing fast path (bpf/lib/fib4.h): tc_ingress forwards what it translated itself
     # (bpf_fib_lookup, bpf_redirect_peer/_neigh), skipping the node's routing and netfilter stack;
     # auto: on where the kernel has the helpers

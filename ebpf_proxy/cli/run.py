@@ -75,10 +75,12 @@ def _bool_flag(*names: str, help: str):  # noqa: A002 (click's name)
               help="Capacities of eBPF maps, e.g. epx_svc=262144,epx_backend=1048576,epx_slot=2097152 for "
                    "100,000 Services of 10 endpoints (defaults: 65,536 frontends and backends, 262,144 slots; "
                    "the connection table follows --conntrack-*). A changed size recreates that map at start.")
-@click.option("--bpf-xdp-mode", default=None, metavar="generic|native|off",
-              help="How the eBPF mode's early-drop XDP program attaches to outside-facing devices: generic "
-                   "(any driver, default), native (in the driver, before an skb exists; where the driver "
-                   "supports it) or off (the TC program decides every packet).")
+@click.option("--bpf-xdp-mode", default=None, metavar="off|native|generic",
+              help="How the eBPF mode's early-drop XDP program attaches to outside-facing devices: off "
+                   "(default: the TC program decides every packet, with the same drops), native (in the "
+                   "driver, before an skb exists: the fast drops, where the driver supports it; the NIC "
+                   "may reset its queues as it attaches) or generic (any driver; drops no faster than TC "
+                   "and costs every packet a little).")
 @click.option("--bpf-host-routing", default=None, metavar="auto|on|off",
               help="eBPF mode: forward translated packets (and replies of tracked connections) straight to "
                    "their pod or next hop with bpf_fib_lookup and bpf_redirect_peer/_neigh, skipping the "

@@ -65,10 +65,10 @@ class _Clock:
         return self.now
 
 
-def _datapath(lab, cgroup: Path, clock=None) -> EbpfDatapath:
+def _datapath(lab, cgroup: Path, clock=None, **kw) -> EbpfDatapath:
     return EbpfDatapath(NODE, cgroup_path=str(cgroup), bpffs=str(lab.bpffs), pod_device_patterns=("vpod", "vbe"),
                         bpf_cache_dir=str(PROGRAM_CACHE),
-                        max_entries=SMALL_MAPS, **({"clock": clock} if clock else {}))
+                        max_entries=SMALL_MAPS, **({"clock": clock} if clock else {}), **kw)
 
 
 def _sync(lab, dp: EbpfDatapath, state: ProxyState):
@@ -105,7 +105,7 @@ def test_life_cycle(node):
     lab, state = node, _state()
     cgroup = lab.cgroup()
     clock = _Clock()
-    dp = _datapath(lab, cgroup, clock)
+    dp = _datapath(lab, cgroup, clock, xdp_mode="generic")  # an operator's opt-in: XDP kept across restarts too
     counts = _sync(lab, dp, state)
     assert counts["full_sync"] == 1 and counts["map_writes"] > 0
     assert counts["programs_compiled"] + counts["programs_from_cache"] == 1, "loaded here: compiled, or from the cache"
@@ -131,7 +131,7 @@ def test_life_cycle(node):
     assert _attached(lab) == {"lo": "tc", "vpod": "tc", "vbe": "tc", "vout": "tc,xdp"}
     _traffic_ok(lab, cgroup)
 
-    restarted = _datapath(lab, cgroup)
+    restarted = _datapath(lab, cgroup, xdp_mode="generic")
     run_in_netns(lab.ns["node"], restarted.prefetch)  # as the agent does while it lists
     counts = _sync(lab, restarted, state)
     assert counts["maps_read_ahead"] == 1, "the pins' read-back came from the helper process"
@@ -210,7 +210,7 @@ def test_a_full_service_map_programs_what_fits_attaches_and_names_the_rest(node)
         assert str(caught.value).endswith(
             "1 service port(s) not programmed (default/web:udp): BPF map epx_svc is full (2 entries): "
             "raise its capacity with --bpf-map-sizes epx_svc=N (N > 2)")
-        assert _attached(lab) == {"lo": "tc", "vpod": "tc", "vbe": "tc", "vout": "tc,xdp"}
+        assert _attached(lab) == {"lo": "tc", "vpod": "tc", "vbe": "tc", "vout": "tc"}  # no XDP: off by default
         assert lab.client("pod", "tcp", VIP, 80)[:1] == ["ok"], "the port that fit serves"
         assert lab.client("pod", "udp", VIP, 80)[0] == "error", "the one that did not is not there"
         with pytest.raises(ServicesDidNotFit):  # retried: still no room

@@ -151,7 +151,7 @@ def test_dual_stack_one_load_both_families_restart_and_cleanup(lab):
     assert counts6["bpf_services"] == 4 and counts6["bpf_backends"] == 2 and counts6["bpf_devices"] == 4
     assert counts6["bpf_ct_capacity"] == SMALL_MAPS["epx_ct6"]
     assert _served6(lab)
-    assert _attached(lab) == {"lo": "tc", "vpod": "tc", "vbe": "tc", "vout": "tc,xdp"}, "attached once"
+    assert _attached(lab) == {"lo": "tc", "vpod": "tc", "vbe": "tc", "vout": "tc"}, "attached once"
     assert len(_cgroup_programs(cgroup)) == len(pins.CGROUP_PROGRAMS)
     _traffic6_ok(lab)
     _traffic4_ok(lab)
@@ -175,7 +175,7 @@ def test_dual_stack_one_load_both_families_restart_and_cleanup(lab):
 
     dp4.close()
     dp6.close()  # SIGTERM: everything stays, IPv6 included
-    assert _attached(lab) == {"lo": "tc", "vpod": "tc", "vbe": "tc", "vout": "tc,xdp"}
+    assert _attached(lab) == {"lo": "tc", "vpod": "tc", "vbe": "tc", "vout": "tc"}
     assert _served6(lab)
     _traffic6_ok(lab)
 
@@ -211,7 +211,7 @@ def test_an_ipv6_only_node_loads_attaches_serves_and_collects_its_connections(la
     try:
         counts = _sync(lab, dp, _state(6))
         assert counts["programs_compiled"] + counts["programs_from_cache"] == 1, "the IPv6 datapath loads alone"
-        assert _attached(lab) == {"lo": "tc", "vpod": "tc", "vbe": "tc", "vout": "tc,xdp"}
+        assert _attached(lab) == {"lo": "tc", "vpod": "tc", "vbe": "tc", "vout": "tc"}
         assert _served6(lab)
         _traffic6_ok(lab)
         assert lab.client("pod", "tcp", VIP4, 80)[0] == "error", "no IPv4 service on an IPv6-only node"

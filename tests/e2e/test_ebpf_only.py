@@ -309,6 +309,7 @@ def test_zz_mode_switch_leaves_nothing_of_the_other_mode(lab):
         saved = lab.iptables_save(node)
         assert "KUBE-" not in saved, f"{node}: iptables chains left in ebpf mode"
         on = ours_on(lab, node)
-        assert on["eth0"] == "tc,xdp" and all(v == "tc" for d, v in on.items() if d.startswith("lxc")), on
+        # TC on every device; no XDP (--bpf-xdp-mode off, the default)
+        assert on["eth0"] == "tc" and all(v == "tc" for d, v in on.items() if d.startswith("lxc")), on
         assert len(cgroup_programs(lab, node)) == len(pins.CGROUP_PROGRAMS)
     assert lab.probe("client-1", f"{VIP}:80", count=4).all_ok

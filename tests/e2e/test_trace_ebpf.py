@@ -86,14 +86,45 @@ def test_outside_to_worker2_nodeport_is_dropped_for_externaltrafficpolicy(lab):
         ("drop", "DROP_NO_LOCAL_EXTERNAL", (), None)
     assert t.service == "default/my-nginx:http"
     assert "externalTrafficPolicy=Local" in t.sentence()
-    assert [st.hook for st in t.steps] == ["xdp"], "dropped by XDP before an skb exists"
+    assert [st.hook for st in t.steps] == ["tc-ingress"], "no XDP by default (--bpf-xdp-mode off): TC drops it"
     report = lab.probe("outside", f"{W2}:{NODE_PORT}", timeout=1.0)
     assert report.summary["timeout"] == 1
 
 
+def test_with_xdp_generic_the_drop_is_xdps_and_back_off_it_is_detached(lab):
+    """An operator's --bpf-xdp-mode generic: worker2's restarted agent attaches xdp_lb to eth0, the
+    trace names XDP as the hook that drops, and the packet is dropped for real; restarted with
+    the default (off) again, the agent detaches it (an agent of an older default leaves none) and
+    TC drops the same packet."""
+    flow = FlowSpec(OUTSIDE, W2, NODE_PORT, origin="external")
+    try:
+        lab.stop_agent("worker2")
+        lab.start_agent("worker2", extra_args=["--bpf-xdp-mode", "generic"])
+        assert _xdp_on_eth0(lab, "worker2") == "xdpgeneric"
+        t = trace_on(lab, "worker2", flow)
+        assert (t.verdict, t.reason.split(":")[0], [st.hook for st in t.steps]) == \
+            ("drop", "DROP_NO_LOCAL_EXTERNAL", ["xdp"])
+        assert lab.probe("outside", f"{W2}:{NODE_PORT}", timeout=1.0).summary["timeout"] == 1
+    finally:
+        lab.stop_agent("worker2")
+        lab.start_agent("worker2")
+    assert _xdp_on_eth0(lab, "worker2") is None
+    assert [st.hook for st in trace_on(lab, "worker2", flow).steps] == ["tc-ingress"]
+    assert lab.probe("outside", f"{W2}:{NODE_PORT}", timeout=1.0).summary["timeout"] == 1
+
+
+def _xdp_on_eth0(lab, node: str) -> str | None:
+    """How an XDP program is attached to the node's eth0 (xdpgeneric, xdpdrv), or None."""
+    from pyroute2 import IPRoute
+
+    with IPRoute(netns=naming.node_netns(lab.name, node)) as ipr:
+        link = ipr.get_links(ipr.link_lookup(ifname="eth0")[0])[0]
+    return (link.get("xdp") or {}).get("IFLA_XDP_ATTACHED")
+
+
 @pytest.mark.parametrize("client,node,flow,backends,masquerade,seen_as,programs,count,pods", [
     pytest.param("outside", "worker3", FlowSpec(OUTSIDE, W3, NODE_PORT, origin="external"), (f"{POD2}:80",),
-                 False, OUTSIDE, [("xdp", "xdp_lb"), ("tc-ingress", "tc_ingress"), ("tc-egress", "tc_egress")],
+                 False, OUTSIDE, [("tc-ingress", "tc_ingress"), ("tc-egress", "tc_egress")],
                  5, {"my-nginx-2"}, id="outside to worker3: its own pod, unmasqueraded"),
     pytest.param("worker2", "worker2", FlowSpec(W2, W2, NODE_PORT, origin="host"), BOTH,
                  True, W2, [("cgroup/connect4", "sock_connect4")],

@@ -1,6 +1,6 @@
 """The bench's NodePort flood (bench/xdppps.py) on the e2e lab, in every mode: each SYN the generator
 sends to a node without a local endpoint of an externalTrafficPolicy=Local NodePort is counted
-exactly once as that drop (ebpf: DROP_NO_LOCAL_EXTERNAL, by XDP in the agents' default XDP mode;
+exactly once as that drop (ebpf: DROP_NO_LOCAL_EXTERNAL, by TC in the agents' default XDP mode, off;
 iptables: kube-proxy's DROP rule in filter KUBE-EXTERNAL-SERVICES), so the bench's xdp_pps rows
 count what the node did, not what was sent."""
 

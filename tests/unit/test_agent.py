@@ -161,7 +161,7 @@ def test_first_sync_programs_the_listed_state(agent_parts):
     dp = agent.prepare_datapath()
     assert dp.opts == {"mode": "iptables", "cgroup_path": None, "bpffs": "/sys/fs/bpf",
                        "bpf_cache_dir": "/var/cache/ebpf-proxy/bpf", "backend": "auto", "max_entries": None,
-                       "xdp_mode": "generic", "host_routing": "auto", "ct_gc_period": 10.0,
+                       "xdp_mode": "off", "host_routing": "auto", "ct_gc_period": 10.0,
                        "proof_dir": "/var/cache/ebpf-proxy/iptables"}
     assert agent.node_config == NodeConfig(node_name=NODE, node_ips=("192.168.1.10", "10.244.1.1"),
                                            cluster_cidrs=("10.244.0.0/16",),

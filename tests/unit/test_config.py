@@ -428,7 +428,7 @@ def test_bad_conntrack_field_names_the_field(tmp_path):
 
 
 def test_bpf_xdp_mode_flag():
-    assert load_config({}).bpf_xdp_mode == "generic"
+    assert load_config({}).bpf_xdp_mode == "off"  # as Cilium's XDP acceleration: an operator asks for it
     assert load_config({"bpf_xdp_mode": "native"}).bpf_xdp_mode == "native"
     with pytest.raises(ConfigError, match="^--bpf-xdp-mode: .*'driver'"):
         load_config({"bpf_xdp_mode": "driver"})

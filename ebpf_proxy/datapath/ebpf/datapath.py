@@ -114,7 +114,7 @@ class EbpfDatapath(Datapath):
         cgroup_path: str | None = None,
         bpffs: str = DEFAULT_BPFFS,
         pod_device_patterns: Sequence[str] = devices.DEFAULT_POD_PATTERNS,
-        xdp_mode: str = "generic",
+        xdp_mode: str = "off",
         watch_devices: bool = True,
         max_entries: Mapping[str, int] | None = None,
         ct_gc_period: float = CT_GC_PERIOD,
