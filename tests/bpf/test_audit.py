@@ -4,12 +4,13 @@ flows again, and the ids (so the connections) stay."""
 
 from __future__ import annotations
 
-import subprocess
+import os
+import socket
 import time
 
 import pytest
 
-from ebpf_proxy.datapath.ebpf import EbpfDatapath, pins
+from ebpf_proxy.datapath.ebpf import EbpfDatapath, libbpf, pins
 from ebpf_proxy.datapath.ebpf import structs as s
 from ebpf_proxy.datapath.ebpf.maps import Backend, Frontend, NodeSettings, Service
 from ebpf_proxy.explain import audit_ebpf
@@ -18,13 +19,24 @@ from ebpf_proxy.lab._setns import run_in_netns
 from ebpf_proxy.model import ProxyState
 from tests.bpf.conftest import PROGRAM_CACHE, SMALL_MAPS
 from tests.bpf.test_datapath import NODE, NODE_PORT, VIP, _datapath, _state, _sync, _traffic_ok, node  # noqa: F401
-from tests.netns_util import nsenter
 
 pytestmark = [pytest.mark.bpf, pytest.mark.root]
 
 
 def _audit(lab, dp, repair=False):
     return run_in_netns(lab.ns["node"], audit, dp, repair)
+
+
+def _detach_tc_ingress(dev: str) -> None:
+    """Somebody removes the program on `dev`'s TC ingress (tcx on this kernel, which `tc filter
+    del` does not see), in the calling thread's netns."""
+    index = socket.if_nametoindex(dev)
+    for prog_id in libbpf.prog_query(index, libbpf.ATTACH_TCX_INGRESS):
+        fd = libbpf.prog_fd_by_id(prog_id)
+        try:
+            libbpf.prog_detach(fd, index, libbpf.ATTACH_TCX_INGRESS)
+        finally:
+            os.close(fd)
 
 
 def test_tampering_is_found_named_and_repaired(node):
@@ -53,7 +65,7 @@ def test_tampering_is_found_named_and_repaired(node):
         maps.set_node_addrs([*maps.node_addrs(), "192.0.2.98"])
     finally:
         maps.close()
-    subprocess.run([*nsenter(lab.ns["node"]), "tc", "filter", "del", "dev", "vpod", "ingress"], check=True)
+    run_in_netns(lab.ns["node"], _detach_tc_ingress, "vpod")
     assert lab.client("pod", "tcp", VIP, 80)[0] == "error", "the tampering breaks the service"
 
     report = _audit(lab, dp)

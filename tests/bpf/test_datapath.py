@@ -76,13 +76,12 @@ def _sync(lab, dp: EbpfDatapath, state: ProxyState):
 
 
 def _attached(lab) -> dict[str, str]:
-    """device -> what of ours is on it (tc filters, xdp), as tc/ip show them."""
+    """device -> what of ours is on it (tc: tcx programs or cls_bpf filters; xdp), as the kernel shows them."""
     out = {}
+    tc = run_in_netns(lab.ns["node"], loader.tc_attached_by_device)
     for dev in ("lo", "vpod", "vbe", "vout"):  # lo: tc_lo on ingress (bpf/lib/lo6.h)
-        tc = "".join(subprocess.run([*nsenter(lab.ns["node"]), "tc", "filter", "show", "dev", dev, hook],
-                                    capture_output=True, text=True).stdout for hook in ("ingress", "egress"))
         link = subprocess.run([*nsenter(lab.ns["node"]), "ip", "link", "show", dev], capture_output=True, text=True).stdout
-        out[dev] = ",".join(x for x, present in (("tc", "epx_" in tc), ("xdp", "xdp_lb" in link)) if present)
+        out[dev] = ",".join(x for x, present in (("tc", bool(tc[dev])), ("xdp", "xdp_lb" in link)) if present)
     return out
 
 

@@ -9,7 +9,7 @@ import time
 import pytest
 from pyroute2 import IPRoute
 
-from ebpf_proxy.datapath.ebpf import devices, libbpf
+from ebpf_proxy.datapath.ebpf import devices, libbpf, loader
 from ebpf_proxy.datapath.ebpf import structs as s
 from ebpf_proxy.datapath.ebpf.devices import EXTERNAL, POD, Device, Link, Route, classify, iface_flags
 from ebpf_proxy.lab._setns import run_in_netns
@@ -52,11 +52,10 @@ def test_patterns_are_configurable_and_cidrs_may_be_empty():
 
 
 def _filters(ns: str, dev: str) -> list[str]:
-    out = []
-    for hook in ("ingress", "egress"):
-        text = subprocess.run([*nsenter(ns), "tc", "filter", "show", "dev", dev, hook], capture_output=True, text=True).stdout
-        out += [f"{hook}:{name}" for name in ("epx_ingress", "epx_egress") if name in text]
-    return out
+    """Our TC programs on `dev`, "hook:name" (through tcx on this kernel; cls_bpf filters where not)."""
+    names = run_in_netns(ns, loader.tc_attached_by_device)[dev]
+    return [f"{hook}:{name}" for hook, name in (("ingress", "epx_ingress"), ("egress", "epx_egress"))
+            for _ in range(names.count(name))]
 
 
 def _xdp(ns: str, dev: str) -> bool:
@@ -128,17 +127,18 @@ def test_attach_follow_and_detach(datapath):
         foreign = libbpf.prog_load(libbpf.PROG_TYPE_SCHED_CLS, libbpf.return_constant_program(0), name="someone")
         try:  # someone else's filter on the same hook must survive our cleanup
             with IPRoute(netns=node) as ipr:
+                ipr.tc("add", "clsact", index=lab.ifindex("vout"))  # ours are on tcx: clsact is the other tool's
                 ipr.tc("add-filter", "bpf", index=lab.ifindex("vout"), handle=1, prio=7, protocol=3, fd=foreign,
                        name="someone-else", parent="ffff:fff2", classid=1, direct_action=True)
         finally:
             os.close(foreign)
         counts = run_in_netns(node, devices.detach_all)
-        assert counts == {"tc_filters": 6, "xdp": 2}
+        assert counts == {"tc": 6, "xdp": 2}
         for dev in ("vpod", "vbe", "vout"):
             assert _filters(node, dev) == [] and not _xdp(node, dev), dev
         assert "someone-else" in subprocess.run([*nsenter(node), "tc", "filter", "show", "dev", "vout", "ingress"],
                                                 capture_output=True, text=True).stdout
-        assert run_in_netns(node, devices.detach_all) == {"tc_filters": 0, "xdp": 0}, "idempotent"
+        assert run_in_netns(node, devices.detach_all) == {"tc": 0, "xdp": 0}, "idempotent"
 
 
 def test_native_xdp_attaches_in_the_driver_and_cleanup_removes_it(datapath):
@@ -159,6 +159,38 @@ def test_native_xdp_attaches_in_the_driver_and_cleanup_removes_it(datapath):
         assert not _xdp(node, "vout") and not _xdp(node, "vbe")
 
 
+def test_an_older_agents_filters_give_way_to_tcx(datapath):
+    """An agent of a version that attached cls_bpf filters, restarted as this one: its filters
+    are replaced by the same programs through tcx (attached first, so no packet meets neither),
+    and traffic flows through them; tcx is refused for an IPRoute of another namespace, whose
+    ifindex it would take in the caller's."""
+    with netlab.NetLab() as lab:
+        node = lab.ns["node"]
+        fds = datapath.prog_fds
+        vpod = lab.ifindex("vpod")
+
+        def attach(tcx):
+            with IPRoute() as ipr:
+                loader.attach_tc(ipr, vpod, fds["tc_ingress"], fds["tc_egress"], tcx=tcx)
+
+        run_in_netns(node, attach, False)
+        shown = subprocess.run([*nsenter(node), "tc", "filter", "show", "dev", "vpod", "ingress"],
+                               capture_output=True, text=True).stdout
+        assert "epx_ingress" in shown
+        assert run_in_netns(node, libbpf.prog_query, vpod, libbpf.ATTACH_TCX_INGRESS) == []
+        run_in_netns(node, attach, None)  # the default: tcx, on this kernel
+        assert run_in_netns(node, libbpf.prog_query, vpod, libbpf.ATTACH_TCX_INGRESS) == \
+            [libbpf.object_id(fds["tc_ingress"], "prog")]
+        assert subprocess.run([*nsenter(node), "tc", "filter", "show", "dev", "vpod", "ingress"],
+                              capture_output=True, text=True).stdout == ""
+        assert _filters(node, "vpod") == ["ingress:epx_ingress", "egress:epx_egress"]
+        run_in_netns(node, attach, None)
+        assert _filters(node, "vpod") == ["ingress:epx_ingress", "egress:epx_egress"], "attached once"
+        with IPRoute(netns=node) as ipr, pytest.raises(ValueError, match="tcx would take the ifindex in the wrong"):
+            loader.attach_tc(ipr, vpod, fds["tc_ingress"], None, tcx=True)
+        assert run_in_netns(node, devices.detach_all)["tc"] == 2
+
+
 def test_the_loopback_device_gets_tc_lo_on_its_ingress_alone(datapath):
     """With a tc_lo program (bpf/lib/lo6.h) the node namespace's lo gets it on ingress, nothing on
     egress and no XDP; the drift audit expects just that filter there, and cleanup removes it."""
@@ -171,13 +203,13 @@ def test_the_loopback_device_gets_tc_lo_on_its_ingress_alone(datapath):
         lo = next(d for d in devs.attached.values() if d.role == devices.LOOPBACK)
         assert lo.name == "lo"
         assert _filters(node, "lo") == ["ingress:epx_ingress"] and not _xdp(node, "lo")
-        shown = subprocess.run([*nsenter(node), "tc", "filter", "show", "dev", "lo", "ingress"],
-                               capture_output=True, text=True).stdout
-        assert "tc_lo" in shown and "tc_ingress" not in shown, shown
-        assert run_in_netns(node, devs.lost) == {}, "lo has no egress filter to miss"
-        netlab.sh(*nsenter(node), "tc", "filter", "del", "dev", "lo", "ingress")
+        on_lo = run_in_netns(node, libbpf.prog_query, lo.index, libbpf.ATTACH_TCX_INGRESS)
+        assert on_lo == [libbpf.object_id(fds["tc_lo"], "prog")], "tc_lo, through tcx"
+        assert run_in_netns(node, libbpf.prog_query, lo.index, libbpf.ATTACH_TCX_EGRESS) == []
+        assert run_in_netns(node, devs.lost) == {}, "lo has no egress program to miss"
+        run_in_netns(node, libbpf.prog_detach, fds["tc_lo"], lo.index, libbpf.ATTACH_TCX_INGRESS)  # somebody's tampering
         assert run_in_netns(node, devs.lost) == {lo.index: ["epx_ingress"]}
         assert run_in_netns(node, devs.reattach, [lo.index]) == 1
         assert _filters(node, "lo") == ["ingress:epx_ingress"]
-        assert run_in_netns(node, devices.detach_all)["tc_filters"] == 7
+        assert run_in_netns(node, devices.detach_all)["tc"] == 7
         assert _filters(node, "lo") == []

@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from ebpf_proxy.datapath.ebpf import libbpf, pins
+from ebpf_proxy.datapath.ebpf import libbpf, loader, pins
 from ebpf_proxy.datapath.ebpf import structs as s
 from ebpf_proxy.lab import naming
 from ebpf_proxy.lab._setns import run_in_netns
@@ -130,13 +130,12 @@ def ours_on(lab, node: str) -> dict[str, str]:
     ns = naming.node_netns(lab.name, node)
     links = json.loads(subprocess.run([*nsenter(ns), "ip", "-j", "link", "show"], capture_output=True, text=True,
                                       check=True).stdout)
+    tc = run_in_netns(ns, loader.tc_attached_by_device)  # tcx programs (tc filter show lists cls_bpf only) or filters
     out = {}
     for link in links:
         dev = link["ifname"]
-        tc = "".join(subprocess.run([*nsenter(ns), "tc", "filter", "show", "dev", dev, hook], capture_output=True,
-                                    text=True).stdout for hook in ("ingress", "egress"))
         xdp = (link.get("xdp") or {}).get("prog", {}).get("name") == "xdp_lb"
-        out[dev] = ",".join(what for what, present in (("tc", "epx_" in tc), ("xdp", xdp)) if present)
+        out[dev] = ",".join(what for what, present in (("tc", bool(tc.get(dev))), ("xdp", xdp)) if present)
     return out
 
 

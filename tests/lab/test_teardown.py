@@ -27,6 +27,7 @@ import pytest
 
 from ebpf_proxy.datapath.ebpf import libbpf
 from ebpf_proxy.lab import naming, nsexec, state
+from ebpf_proxy.lab._setns import run_in_netns
 from ebpf_proxy.lab.cluster import Lab, destroy
 from tests.netns_util import nsenter
 
@@ -163,7 +164,20 @@ def _tc_xdp(netns: str) -> list[str]:
         for hook in ("ingress", "egress"):
             shown = _in_netns(netns, ["tc", "filter", "show", "dev", dev, hook])
             found += [f"{netns} {dev} {hook}: {f.strip()}" for f in shown.splitlines() if " bpf " in f or "epx_" in f]
+    found += [f"{netns} {dev} {hook}: tcx program id {i}" for dev, hook, i in run_in_netns(netns, _tcx_programs)]
     return found
+
+
+def _tcx_programs() -> list[tuple[str, str, int]]:
+    """(device, hook, program id) of every tcx program in the calling thread's netns (neither tc
+    nor this machine's bpftool lists them)."""
+    from pyroute2 import IPRoute
+
+    with IPRoute() as ipr:
+        links = [(link["index"], link.get_attr("IFLA_IFNAME")) for link in ipr.get_links()]
+    return [(dev, hook, i) for index, dev in links
+            for hook, attach_type in (("ingress", libbpf.ATTACH_TCX_INGRESS), ("egress", libbpf.ATTACH_TCX_EGRESS))
+            for i in libbpf.prog_query(index, attach_type)]
 
 
 def _processes(lab: Lab, netns_ids: set[tuple[int, int]]) -> list[str]:

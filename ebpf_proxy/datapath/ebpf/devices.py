@@ -370,17 +370,19 @@ class Devices:
 
 
 def detach_all(xdp_mode: str = "generic") -> dict[str, int]:
-    """Remove our TC filters and XDP program from every device of the calling thread's netns.
+    """Remove our TC programs (tcx, or cls_bpf filters) and XDP program from every device of the
+    calling thread's netns.
 
-    Needs no memory of what was attached (a fresh `ebpf-proxy cleanup` process): our filters are
-    known by their names, our XDP program by its program name. Returns counts."""
+    Needs no memory of what was attached (a fresh `ebpf-proxy cleanup` process): our TC programs
+    are known by their names (tcx) or their filters' (cls_bpf), our XDP program by its program
+    name. Returns counts: "tc", the TC hooks' programs removed, and "xdp"."""
     from pyroute2.iproute import IPRoute  # noqa: PLC0415
 
-    counts = {"tc_filters": 0, "xdp": 0}
+    counts = {"tc": 0, "xdp": 0}
     with IPRoute() as ipr:
         for msg in ipr.get_links():
             index = msg["index"]
-            counts["tc_filters"] += loader.detach_tc(ipr, index)
+            counts["tc"] += loader.detach_tc(ipr, index)
             counts["xdp"] += int(loader.detach_xdp(ipr, index, xdp_mode))
     return counts
 

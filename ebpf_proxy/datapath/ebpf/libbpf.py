@@ -30,6 +30,8 @@ ATTACH_CGROUP_UDP4_RECVMSG = 19
 ATTACH_CGROUP_INET6_CONNECT = 11
 ATTACH_CGROUP_UDP6_SENDMSG = 15
 ATTACH_CGROUP_UDP6_RECVMSG = 20
+ATTACH_TCX_INGRESS = 46  # tcx (Linux 6.6): SCHED_CLS programs on a device's hook without cls_bpf
+ATTACH_TCX_EGRESS = 47
 BPF_F_ALLOW_MULTI = 2  # other programs (another agent's, systemd's) may share the cgroup
 LINK_TYPE_CGROUP = 3  # enum bpf_link_type
 BPF_OBJ_NAME_LEN = 16
@@ -416,8 +418,9 @@ BPF_F_QUERY_EFFECTIVE = 1  # include/uapi/linux/bpf.h: what runs there, ancestor
 
 
 def prog_query(target_fd: int, attach_type: int, query_flags: int = 0) -> list[int]:
-    """Ids of the programs attached to `target_fd` (a cgroup) for `attach_type` (with
-    BPF_F_QUERY_EFFECTIVE: every program that runs for it). Raises OSError."""
+    """Ids of the programs attached to `target_fd` (a cgroup; for tcx, a device's ifindex in the
+    caller's netns) for `attach_type` (with BPF_F_QUERY_EFFECTIVE: every program that runs for it),
+    in the order they run. Raises OSError."""
     ids = (ctypes.c_uint32 * 64)()
     count = ctypes.c_uint32(len(ids))
     flags = ctypes.c_uint32(0)
