@@ -582,18 +582,19 @@ def _ours_on_tcx(ifindex: int, attach_type: int) -> list[int]:
         ids = libbpf.prog_query(ifindex, attach_type)
     except OSError:
         return []
-    ours = []
-    for prog_id in ids:
-        try:
-            fd = libbpf.prog_fd_by_id(prog_id)
-        except OSError:
-            continue  # gone meanwhile
-        try:
-            if libbpf.prog_info(fd)[0].name.decode() in TC_PROGRAM_NAMES:
-                ours.append(prog_id)
-        finally:
-            os.close(fd)
-    return ours
+    return [prog_id for prog_id in ids if _program_name(prog_id) in TC_PROGRAM_NAMES]
+
+
+def _program_name(prog_id: int) -> str | None:
+    """The name of program `prog_id` (how a fresh process knows ours), None when it is gone."""
+    try:
+        fd = libbpf.prog_fd_by_id(prog_id)
+    except OSError:
+        return None  # replaced or gone meanwhile
+    try:
+        return libbpf.prog_info(fd)[0].name.decode()
+    finally:
+        os.close(fd)
 
 
 def _tcx_detach_id(ifindex: int, attach_type: int, prog_id: int) -> bool:
@@ -725,16 +726,7 @@ def xdp_program_is_ours(ipr, ifindex: int) -> bool:
     """Whether `ifindex` carries our XDP program (by program name, any build): what the agent
     attaches in --bpf-xdp-mode generic or native, and what a trace runs before tc_ingress."""
     prog_id = xdp_program_id(ipr, ifindex)
-    if not prog_id:
-        return False
-    try:
-        fd = libbpf.prog_fd_by_id(prog_id)
-    except OSError:
-        return False  # replaced or gone meanwhile
-    try:
-        return libbpf.prog_info(fd)[0].name.decode() == XDP_PROGRAM_NAME
-    finally:
-        os.close(fd)
+    return bool(prog_id) and _program_name(prog_id) == XDP_PROGRAM_NAME
 
 
 def detach_xdp(ipr, ifindex: int, mode: str = "generic", only_ours: bool = True) -> bool:
