@@ -5,6 +5,7 @@ fresh instance that was told nothing removes every program and pin."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import subprocess
 import tempfile
@@ -100,12 +101,15 @@ def _traffic_ok(lab, cgroup: Path) -> None:
     assert lab.client("node", "udp", VIP, 80, cgroup=cgroup)[0] == "ok", "node process -> clusterIP (socket LB)"
 
 
-def test_life_cycle(node):
+def test_life_cycle(node, caplog):
     lab, state = node, _state()
     cgroup = lab.cgroup()
     clock = _Clock()
     dp = _datapath(lab, cgroup, clock, xdp_mode="generic")  # an operator's opt-in: XDP kept across restarts too
-    counts = _sync(lab, dp, state)
+    with caplog.at_level(logging.INFO, logger="ebpf_proxy.datapath.ebpf.shared"):
+        counts = _sync(lab, dp, state)
+    loaded = [r for r in caplog.records if r.getMessage() == "ebpf programs loaded"]
+    assert [r.tc_attach for r in loaded] == ["tcx"], "this kernel (6.6+) has tcx, and the load log says so"
     assert counts["full_sync"] == 1 and counts["map_writes"] > 0
     assert counts["programs_compiled"] + counts["programs_from_cache"] == 1, "loaded here: compiled, or from the cache"
     assert counts["bpf_services"] == 4 and counts["bpf_backends"] == 2 and counts["bpf_devices"] == 4

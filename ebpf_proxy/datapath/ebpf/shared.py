@@ -182,7 +182,9 @@ class SharedNode:
             log.info("ebpf programs loaded", extra={
                 "pin_dir": str(pin_dir), "snat_addr": settings.snat_addr or "",
                 "families": ",".join(f"IPv{f}" for f in sorted(self.members)),
-                "cluster_cidrs": ",".join(cluster_cidrs), "detect_local": str(node.detector)})
+                "cluster_cidrs": ",".join(cluster_cidrs), "detect_local": str(node.detector),
+                # how the TC programs go on the devices: tcx (Linux 6.6+), or cls_bpf filters
+                "tc_attach": "tcx" if loader.tcx_supported() else "cls_bpf"})
         except BaseException:
             loaded.close()
             self.devices = None
