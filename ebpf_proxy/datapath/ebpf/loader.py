@@ -732,7 +732,8 @@ def xdp_program_is_ours(ipr, ifindex: int) -> bool:
 def detach_xdp(ipr, ifindex: int, mode: str = "generic", only_ours: bool = True) -> bool:
     """Remove the XDP program of `ifindex` (by default only if it is ours, by program name).
     Returns whether one was removed. Idempotent."""
-    if not xdp_program_id(ipr, ifindex) or (only_ours and not xdp_program_is_ours(ipr, ifindex)):
+    prog_id = xdp_program_id(ipr, ifindex)
+    if not prog_id or (only_ours and _program_name(prog_id) != XDP_PROGRAM_NAME):
         return False
     detached = False
     for flags in (_XDP_FLAGS[mode], *(f for m, f in _XDP_FLAGS.items() if m != mode)):
