@@ -162,8 +162,8 @@ def test_native_xdp_attaches_in_the_driver_and_cleanup_removes_it(datapath):
 def test_an_older_agents_filters_give_way_to_tcx(datapath):
     """An agent of a version that attached cls_bpf filters, restarted as this one: its filters
     are replaced by the same programs through tcx (attached first, so no packet meets neither),
-    and traffic flows through them; tcx is refused for an IPRoute of another namespace, whose
-    ifindex it would take in the caller's."""
+    attached once however often the agent attaches again; tcx is refused for an IPRoute of
+    another namespace, whose ifindex it would take in the caller's."""
     with netlab.NetLab() as lab:
         node = lab.ns["node"]
         fds = datapath.prog_fds
